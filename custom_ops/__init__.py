@@ -1,0 +1,23 @@
+"""The csa2onnx onnxruntime custom-op library (domain `csa2onnx`, version 1).
+
+`Fp4QuantDequant` and `TorchTopK` run as C++ kernels from `libcsa2onnx_ops.so`;
+`library_path()` finds the build and `make_session()` creates sessions with it registered.
+"""
+
+from csa2onnx.custom_ops.library import (
+    DOMAIN,
+    DOMAIN_VERSION,
+    CustomOpLibraryError,
+    library_path,
+    make_session,
+    session_options,
+)
+
+__all__ = [
+    "DOMAIN",
+    "DOMAIN_VERSION",
+    "CustomOpLibraryError",
+    "library_path",
+    "make_session",
+    "session_options",
+]

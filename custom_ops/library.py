@@ -1,0 +1,78 @@
+"""Locate the built custom-op library and create onnxruntime sessions with it registered."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from csa2onnx.custom_ops.build import LIBRARY_NAME, STAMP_NAME, sources_digest
+
+DOMAIN = "csa2onnx"
+DOMAIN_VERSION = 1
+BUILD_COMMAND = "python custom_ops/build.py"
+_DEFAULT_BUILD = Path(__file__).resolve().parent / "build"
+
+
+class CustomOpLibraryError(RuntimeError):
+    """The custom-op library is missing or older than its sources."""
+
+
+def library_path(check_stale: bool = True) -> Path:
+    """Path of libcsa2onnx_ops.so: `CSA2ONNX_OPS_LIBRARY`, else custom_ops/build/.
+
+    A build records the digest of its sources; a mismatch means the sources changed since,
+    and running the old binary would silently test old code, so it is an error.
+    """
+    override = os.environ.get("CSA2ONNX_OPS_LIBRARY")
+    path = Path(override) if override else _DEFAULT_BUILD / LIBRARY_NAME
+    if not path.is_file():
+        raise CustomOpLibraryError(
+            f"custom-op library not found at {path}; build it with `{BUILD_COMMAND}` "
+            "(or run the README's setup command)"
+        )
+    if check_stale and not override:
+        stamp = path.parent / STAMP_NAME
+        built_from = stamp.read_text().strip() if stamp.is_file() else ""
+        if built_from != sources_digest():
+            raise CustomOpLibraryError(
+                f"custom-op library {path} is stale (its sources changed since it was built); "
+                f"rebuild it with `{BUILD_COMMAND}`"
+            )
+    return path
+
+
+def session_options(intra_op_num_threads: int = 0) -> ort.SessionOptions:
+    """SessionOptions with the custom-op library registered."""
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(str(library_path()))
+    if intra_op_num_threads:
+        options.intra_op_num_threads = intra_op_num_threads
+    return options
+
+
+def make_session(
+    model: bytes | str | os.PathLike[str],
+    providers: Sequence[str] = ("CPUExecutionProvider",),
+    options: ort.SessionOptions | None = None,
+) -> ort.InferenceSession:
+    """An InferenceSession over `model` (serialized bytes or a path) with the ops registered."""
+    if options is None:
+        options = session_options()
+    source = model if isinstance(model, bytes) else os.fspath(model)
+    return ort.InferenceSession(source, sess_options=options, providers=list(providers))
+
+
+def libm_cos_sin(angles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """cosf/sinf of float32 `angles`, evaluated by the C library as torch.polar does."""
+    angles = np.ascontiguousarray(angles, dtype=np.float32)
+    cos, sin = np.empty_like(angles), np.empty_like(angles)
+    fn = ctypes.CDLL(str(library_path())).csa2onnx_cos_sin
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+    fn(angles.ctypes.data, angles.size, cos.ctypes.data, sin.ctypes.data)
+    return cos, sin

@@ -1,0 +1,68 @@
+"""Fp4QuantDequant as an ONNX function of standard ops (domain csa2onnx, version 1).
+
+Attached to a model as a local function, it lets the model run on any onnxruntime without
+the custom-op library; where the library is registered its kernel is used instead. It is
+bit-exact with the C++ kernel for float32 input (NaN blocks aside: standard ReduceMax does
+not promise to propagate NaN).
+"""
+
+from __future__ import annotations
+
+import onnx
+from onnxscript import FLOAT, script
+from onnxscript import opset21 as op
+from onnxscript.values import Opset
+
+csa2onnx = Opset("csa2onnx", 1)
+
+_E8M0_AMAX_FLOOR = 6.0 * 2.0**-126
+_E4M3_AMAX_FLOOR = 6.0 * 2.0**-9
+
+
+@script(csa2onnx)
+def Fp4QuantDequant(X: FLOAT, block_size: int, scale_format: str) -> tuple[FLOAT, FLOAT]:  # noqa: N802
+    shape = op.Shape(X)
+    block = op.Reshape(op.Constant(value_int=block_size), [1])
+    lead = op.Slice(shape, [0], [-1])
+    blocks_shape = op.Concat(lead, op.Div(op.Slice(shape, [-1], [9223372036854775807]), block),
+                             block, axis=0)
+    x = op.Reshape(X, blocks_shape)
+    amax = op.ReduceMax(op.Abs(x), [-1], keepdims=1)
+
+    # e8m0: exactly 2^ceil(log2(t)); the float log2 estimate is off by at most one, so
+    # one correction each way makes it exact.
+    t = op.Max(amax, op.Constant(value_float=_E8M0_AMAX_FLOOR)) * op.Constant(
+        value_float=1.0 / 6.0)
+    p = op.Pow(op.Constant(value_float=2.0),
+               op.Ceil(op.Div(op.Log(t), op.Constant(value_float=0.6931471805599453))))
+    p = op.Where(op.Less(p, t), p * 2.0, p)
+    half = p * 0.5
+    s_e8m0 = op.Where(op.GreaterOrEqual(half, t), half, p)
+    # e4m3: amax / 6 rounded through float8 e4m3fn (nearest even, saturating at 448).
+    a4 = op.Max(amax, op.Constant(value_float=_E4M3_AMAX_FLOOR))
+    s_e4m3 = op.Cast(op.Cast(op.Div(a4, op.Constant(value_float=6.0)),
+                             to=onnx.TensorProto.FLOAT8E4M3FN, saturate=1),
+                     to=onnx.TensorProto.FLOAT)
+    is_e8m0 = op.Equal(op.Constant(value_string=scale_format), op.Constant(value_string="e8m0"))
+    s = op.Where(is_e8m0, s_e8m0, s_e4m3)
+
+    v = op.Clip(op.Div(x, s), op.Constant(value_float=-6.0), op.Constant(value_float=6.0))
+    a = op.Abs(v)
+    # e2m1 with ties to the even code: Round is half-to-even, and on each binade of the
+    # grid (step .5 below 2, 1 below 4, 2 above) the even codes sit on the even multiples.
+    q = op.Where(op.Less(a, op.Constant(value_float=2.0)), op.Round(a * 2.0) * 0.5,
+                 op.Where(op.Less(a, op.Constant(value_float=4.0)), op.Round(a),
+                          op.Round(a * 0.5) * 2.0))
+    negative = op.Or(op.Less(v, op.Constant(value_float=0.0)),
+                     op.Less(op.Reciprocal(v), op.Constant(value_float=0.0)))  # keeps -0
+    # A multiply keeps the sign of zero; onnxruntime's Where(negative, Neg(q), q) did not.
+    q = q * op.Where(negative, op.Constant(value_float=-1.0), op.Constant(value_float=1.0))
+    y = op.Cast(op.Cast(q * s, to=onnx.TensorProto.BFLOAT16), to=onnx.TensorProto.FLOAT)
+    Y = op.Reshape(y, shape)
+    Scale = op.Squeeze(s, [-1])
+    return Y, Scale
+
+
+def fp4_function_proto() -> onnx.FunctionProto:
+    """The function to add to a model's `functions` for a library-free artifact."""
+    return Fp4QuantDequant.to_function_proto()

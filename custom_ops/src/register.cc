@@ -1,0 +1,43 @@
+// Entry point onnxruntime calls when the library is registered
+// (SessionOptions.register_custom_ops_library): one domain, csa2onnx, version 1.
+#define ORT_API_MANUAL_INIT
+#include "onnxruntime_cxx_api.h"
+#undef ORT_API_MANUAL_INIT
+#include "onnxruntime_lite_custom_op.h"
+
+#include <memory>
+#include <vector>
+
+#include "fp4_op.h"
+#include "torch_topk_op.h"
+
+namespace {
+
+// The ops and the domain must outlive every session that uses them (onnxruntime keeps
+// only pointers), so they are built once per process and never destroyed.
+struct Library {
+  Ort::CustomOpDomain domain{"csa2onnx"};
+  std::vector<std::unique_ptr<Ort::Custom::OrtLiteCustomOp>> ops;
+
+  Library() {
+    csa::AppendFp4Ops(ops);
+    csa::AppendTorchTopKOps(ops);
+    for (auto& op : ops) domain.Add(op.get());
+  }
+};
+
+}  // namespace
+
+extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL
+RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
+  Ort::InitApi(api_base->GetApi(ORT_API_VERSION));
+  try {
+    static Library* const library = new Library();  // thread-safe static init
+    Ort::UnownedSessionOptions(options).Add(library->domain);
+  } catch (const Ort::Exception& e) {
+    return Ort::GetApi().CreateStatus(e.GetOrtErrorCode(), e.what());
+  } catch (const std::exception& e) {
+    return Ort::GetApi().CreateStatus(ORT_FAIL, e.what());
+  }
+  return nullptr;
+}

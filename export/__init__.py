@@ -1,0 +1,1 @@
+"""csa2onnx's compiler side: configuration, layer plan, model export, runtime and CLI."""

@@ -1,0 +1,100 @@
+"""Rotary embeddings: the reference's precompute_freqs_cis (plain and YaRN) and
+apply_rotary_emb on the LAST `rope_head_dim` features, adjacent pairs as complex numbers."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_ir as ir
+from onnxscript import OpBuilder
+
+from csa2onnx.custom_ops.library import libm_cos_sin
+from csa2onnx.graphs.numerics import round_bf16
+
+
+@dataclass(frozen=True)
+class RopeParams:
+    """precompute_freqs_cis's arguments; `original_seq_len == 0` turns YaRN off."""
+
+    rope_head_dim: int
+    max_seq_len: int
+    base: float
+    original_seq_len: int = 0
+    factor: float = 1.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.rope_head_dim <= 0 or self.rope_head_dim % 2:
+            raise ValueError(f"rope_head_dim must be even and > 0, got {self.rope_head_dim}")
+        if self.max_seq_len <= 0:
+            raise ValueError(f"max_seq_len must be > 0, got {self.max_seq_len}")
+
+
+def inverse_frequencies(p: RopeParams) -> np.ndarray:
+    """f_i = 1 / base^(2i/rd) in float32, with YaRN's ramp when original_seq_len > 0."""
+    dim = p.rope_head_dim
+    exponents = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
+    # torch's float32 pow here is correctly rounded: evaluate in float64, round once.
+    powers = np.power(np.float64(p.base), exponents.astype(np.float64)).astype(np.float32)
+    freqs = np.float32(1.0) / powers
+    if p.original_seq_len > 0:
+        def correction_dim(rotations: float) -> float:
+            return (dim * math.log(p.original_seq_len / (rotations * 2 * math.pi))
+                    / (2 * math.log(p.base)))
+
+        low = max(math.floor(correction_dim(p.beta_fast)), 0)
+        high = min(math.ceil(correction_dim(p.beta_slow)), dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low))
+                       / np.float32(high - low), 0, 1).astype(np.float32)
+        smooth = np.float32(1) - ramp
+        freqs = (freqs / np.float32(p.factor) * (np.float32(1) - smooth) + freqs * smooth)
+    return freqs.astype(np.float32)
+
+
+def freqs_cis(p: RopeParams) -> tuple[np.ndarray, np.ndarray]:
+    """(cos, sin) tables [max_seq_len, rd/2] of the float32 angles pos * f_i.
+
+    The angle is the float32 product torch.outer computes; cos and sin come from the C
+    library's cosf/sinf, as torch.polar evaluates them, so the tables are bit-exact.
+    """
+    angles = (np.arange(p.max_seq_len, dtype=np.float32)[:, None]
+              * inverse_frequencies(p)[None, :]).astype(np.float32)
+    return libm_cos_sin(angles)
+
+
+def apply_rotary_emb(op: OpBuilder, x: ir.Value, cos: ir.Value, sin: ir.Value,
+                     rope_head_dim: int, inverse: bool = False) -> ir.Value:
+    """Rotate the last `rope_head_dim` features of x ([b, s, d] or [b, s, h, d]).
+
+    `cos`/`sin` are [s, rd/2] rows already gathered at the tokens' positions (or
+    [b, s, rd/2] for per-batch positions); x's other features pass through unchanged.
+    The product is float32 and the result is rounded to bf16, as the reference's copy_
+    back into a bf16 tensor does.
+    """
+    rd = rope_head_dim
+    shape = op.Shape(x)
+    nope = op.Slice(x, [0], [-rd], [-1])
+    pairs = op.Reshape(op.Slice(x, [-rd], [2**62], [-1]),
+                       op.Concat(op.Slice(shape, [0], [-1]), [rd // 2, 2], axis=0))
+    re = op.Squeeze(op.Slice(pairs, [0], [1], [-1]), [-1])
+    im = op.Squeeze(op.Slice(pairs, [1], [2], [-1]), [-1])
+    if _rank(x) == 4:
+        cos, sin = op.Unsqueeze(cos, [-2]), op.Unsqueeze(sin, [-2])  # broadcast over heads
+    if inverse:
+        sin = op.Neg(sin)
+    out_re = op.Sub(op.Mul(re, cos), op.Mul(im, sin))
+    out_im = op.Add(op.Mul(re, sin), op.Mul(im, cos))
+    rotated = op.Reshape(op.Concat(op.Unsqueeze(out_re, [-1]), op.Unsqueeze(out_im, [-1]),
+                                   axis=-1), op.Shape(op.Slice(x, [-rd], [2**62], [-1])))
+    return op.Concat(nope, round_bf16(op, rotated), axis=-1)
+
+
+def _rank(x: ir.Value) -> int:
+    if x.shape is None:
+        raise ValueError("apply_rotary_emb needs the rank of x to be known at export time")
+    return len(x.shape)

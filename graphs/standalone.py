@@ -1,0 +1,40 @@
+"""Build a standalone ONNX model around one component, to test and inspect it on its own."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import onnx
+import onnx_ir as ir
+from onnxscript import GraphBuilder, OpBuilder
+
+from csa2onnx.custom_ops.library import DOMAIN, DOMAIN_VERSION
+
+OPSET = 21
+IR_VERSION = 10
+
+# (name, dtype, shape): a graph input; shape entries are ints or symbolic names.
+InputSpec = tuple[str, ir.DataType, Sequence[int | str]]
+
+
+def build_model(name: str, inputs: Sequence[InputSpec], outputs: Sequence[str],
+                body: Callable[..., ir.Value | Sequence[ir.Value]]) -> onnx.ModelProto:
+    """Trace `body(op, *inputs)` into a model whose outputs get the names `outputs`."""
+    graph = ir.Graph([], [], nodes=[], name=name,
+                     opset_imports={"": OPSET, DOMAIN: DOMAIN_VERSION})
+    builder = GraphBuilder(graph)
+    values = [builder.input(n, dtype, list(shape)) for n, dtype, shape in inputs]
+    result = body(builder.op, *values)
+    results = [result] if isinstance(result, ir.Value) else list(result)
+    if len(results) != len(outputs):
+        raise ValueError(f"{name}: body returned {len(results)} values for outputs {outputs}")
+    for value, out_name in zip(results, outputs, strict=True):
+        builder.add_output(_as_output(builder.op, value, graph), out_name)
+    return ir.serde.serialize_model(ir.Model(graph, ir_version=IR_VERSION))
+
+
+def _as_output(op: OpBuilder, value: ir.Value, graph: ir.Graph) -> ir.Value:
+    # A graph input or an output used twice cannot simply be renamed: give it its own node.
+    if value in graph.inputs or value.is_graph_output():
+        return op.Identity(value)
+    return value

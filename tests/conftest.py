@@ -1,0 +1,64 @@
+"""Shared fixtures: golden cases, onnxruntime sessions with the custom ops, and a report of
+golden comparisons (written to build/golden_report.json for closing notes)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from csa2onnx.custom_ops import make_session
+from csa2onnx.export.goldens import Comparison, GoldenCase, compare, load_case
+
+GOLDENS = Path(__file__).resolve().parents[1] / "goldens"
+REPORT = Path(__file__).resolve().parents[1] / "build" / "golden_report.json"
+CASES = ("case1_r2_r1", "case2_candidates", "case3_r4_r128")
+
+_cases: dict[str, GoldenCase] = {}
+
+
+def golden(name: str) -> GoldenCase:
+    """A golden case by name, loaded once per test session."""
+    if name not in _cases:
+        _cases[name] = load_case(GOLDENS / f"{name}.json")
+    return _cases[name]
+
+
+def run_model(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Run a model on the CPU with the custom ops registered; outputs by name."""
+    session = make_session(model.SerializeToString())
+    names = [o.name for o in session.get_outputs()]
+    return dict(zip(names, session.run(names, feeds), strict=True))
+
+
+class GoldenReport:
+    """Collects (case, component, array) -> comparison rows across the test session."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, object]] = []
+
+    def check(self, case: str, component: str, name: str, actual: np.ndarray,
+              expected: np.ndarray, *, exact: bool = False) -> Comparison:
+        result = compare(actual, expected, exact=exact)
+        self.rows.append({"case": case, "component": component, "array": name,
+                          "ok": result.ok, "exact": result.exact,
+                          "bit_identical": result.bit_identical,
+                          "max_abs_err": result.max_abs_err, "size": int(np.size(expected))})
+        assert result.ok, f"{case} {component} {name}: {result.detail}"
+        return result
+
+
+@pytest.fixture(scope="session")
+def golden_report() -> Iterator[GoldenReport]:
+    report = GoldenReport()
+    yield report
+    if report.rows:
+        REPORT.parent.mkdir(exist_ok=True)
+        previous = json.loads(REPORT.read_text()) if REPORT.is_file() else []
+        keys = {(r["case"], r["component"], r["array"]) for r in report.rows}
+        kept = [r for r in previous if (r["case"], r["component"], r["array"]) not in keys]
+        REPORT.write_text(json.dumps(kept + report.rows, indent=1))
