@@ -6,6 +6,7 @@ almost no bf16 kernels); `round_bf16` is placed exactly where the reference roun
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 from onnxscript import OpBuilder, nn
@@ -23,8 +24,6 @@ def round_bf16(op: OpBuilder, x: ir.Value) -> ir.Value:
 def weight(values: np.ndarray, dtype: ir.DataType) -> nn.Parameter:
     """A parameter stored as `dtype` (bf16 weights stay bf16 in the artifact)."""
     if dtype == BFLOAT16:
-        import ml_dtypes
-
         data = np.asarray(values, np.float32).astype(ml_dtypes.bfloat16)
     else:
         data = np.asarray(values, np.float32)
@@ -38,8 +37,9 @@ def as_float(op: OpBuilder, w: ir.Value) -> ir.Value:
 class Linear(nn.Module):
     """y = bf16(x @ W^T), float32 accumulation, one rounding (W: [out, in], bf16)."""
 
-    def __init__(self, w: np.ndarray, dtype: ir.DataType = BFLOAT16) -> None:
-        super().__init__()
+    def __init__(self, w: np.ndarray, dtype: ir.DataType = BFLOAT16,
+                 name: str | None = None) -> None:
+        super().__init__(name)
         if np.ndim(w) != 2:
             raise ValueError(f"Linear weight must be [out, in], got shape {np.shape(w)}")
         self.out_features, self.in_features = np.shape(w)
@@ -53,8 +53,8 @@ class Linear(nn.Module):
 class LinearF32(Linear):
     """F.linear on float32 input and float32 weights, no rounding (the ratio > 1 compressor)."""
 
-    def __init__(self, w: np.ndarray) -> None:
-        super().__init__(w, FLOAT)
+    def __init__(self, w: np.ndarray, name: str | None = None) -> None:
+        super().__init__(w, FLOAT, name)
 
     def forward(self, op: OpBuilder, x: ir.Value) -> ir.Value:
         return op.MatMul(x, op.Transpose(self.weight, perm=[1, 0]))
@@ -63,8 +63,8 @@ class LinearF32(Linear):
 class RMSNorm(nn.Module):
     """x * rsqrt(mean(x^2) + eps) * w in float32, then rounded to bf16 (the input's dtype)."""
 
-    def __init__(self, w: np.ndarray, eps: float) -> None:
-        super().__init__()
+    def __init__(self, w: np.ndarray, eps: float, name: str | None = None) -> None:
+        super().__init__(name)
         if np.ndim(w) != 1:
             raise ValueError(f"RMSNorm weight must be 1-D, got shape {np.shape(w)}")
         self.dim = int(np.shape(w)[0])
@@ -75,3 +75,8 @@ class RMSNorm(nn.Module):
         var = op.ReduceMean(op.Mul(x, x), [-1], keepdims=1)
         rsqrt = op.Reciprocal(op.Sqrt(op.Add(var, self.eps)))
         return round_bf16(op, op.Mul(as_float(op, self.weight), op.Mul(x, rsqrt)))
+
+
+def round_bf16_np(x: np.ndarray) -> np.ndarray:
+    """bf16(x) on the host (NumPy), for export-time constants and tests."""
+    return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)

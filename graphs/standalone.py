@@ -30,7 +30,20 @@ def build_model(name: str, inputs: Sequence[InputSpec], outputs: Sequence[str],
         raise ValueError(f"{name}: body returned {len(results)} values for outputs {outputs}")
     for value, out_name in zip(results, outputs, strict=True):
         builder.add_output(_as_output(builder.op, value, graph), out_name)
+    check_parameter_names(graph)
     return ir.serde.serialize_model(ir.Model(graph, ir_version=IR_VERSION))
+
+
+def check_parameter_names(graph: ir.Graph) -> None:
+    """Fail when two parameters got the same qualified name: the builder keeps only the
+    last one as the initializer, and every node would silently read that one."""
+    for node in graph:
+        for value in node.inputs:
+            if (value is not None and value.const_value is not None and value.producer() is None
+                    and value not in graph.inputs
+                    and graph.initializers.get(value.name) is not value):
+                raise ValueError(f"{graph.name}: two parameters are named {value.name!r}; "
+                                 "give the modules distinct names")
 
 
 def _as_output(op: OpBuilder, value: ir.Value, graph: ir.Graph) -> ir.Value:

@@ -29,8 +29,7 @@
 namespace csa {
 
 // One entry of torch's `queue`. torch stores (float value, index); we store an integer
-// key with the same order instead (see ieee_order_key), which compares identically but
-// cannot be disturbed by flush-to-zero / denormals-are-zero modes or fast-math.
+// key that orders exactly as torch's float comparisons do (see IeeeOrder).
 struct TopKPair {
   uint32_t key;
   int64_t index;

@@ -1,0 +1,147 @@
+// TorchTopK (domain csa2onnx): torch.topk(X, K, dim=-1, largest, sorted) exactly as
+// PyTorch's CPU kernel computes it, including which tied elements win and their order
+// (torch_topk.h); ONNX TopK breaks ties by lowest index instead, which changes the model.
+// Inputs X (float, bfloat16, float16; rank >= 1) and K (int64, scalar or [1]); attributes
+// largest and sorted (0 or 1, default 1); outputs Values (X's type, X.shape[:-1] + [K]) and
+// Indices (int64, same shape). As in torch, the output is sorted whenever K*64 <= n.
+#define ORT_API_MANUAL_INIT
+#include "onnxruntime_cxx_api.h"
+#undef ORT_API_MANUAL_INIT
+#include "onnxruntime_lite_custom_op.h"
+
+#include <atomic>
+#include <new>
+#include <string>
+#include <vector>
+
+#include "torch_topk.h"
+#include "torch_topk_op.h"
+
+namespace csa {
+namespace {
+
+[[noreturn]] void fail(const std::string& message) {
+  ORT_CXX_API_THROW("TorchTopK: " + message, ORT_INVALID_ARGUMENT);
+}
+
+std::string shape_string(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+// An optional 0/1 attribute. onnxruntime reports "absent" and "not an int" with the same
+// error code, so the message tells them apart: only absence may fall back to the default.
+bool flag_attribute(const OrtApi* api, const OrtKernelInfo* info, const char* name,
+                    bool default_value) {
+  int64_t value = default_value ? 1 : 0;
+  if (OrtStatus* status = api->KernelInfoGetAttribute_int64(info, name, &value)) {
+    const std::string message = api->GetErrorMessage(status);
+    api->ReleaseStatus(status);
+    if (message.find("No attribute") != std::string::npos) return default_value;
+    fail("attribute " + std::string(name) + " must be an int, 0 or 1 (" + message + ")");
+  }
+  if (value != 0 && value != 1)
+    fail("attribute " + std::string(name) + " must be 0 or 1, got " + std::to_string(value));
+  return value == 1;
+}
+
+// Rows per ParallelFor task: about 64K elements each, so that a task outweighs the
+// hand-off and allocates its own scratch only once.
+constexpr int64_t kElementsPerTask = int64_t{1} << 16;
+
+// OrtT: the onnxruntime element type; Fmt: the matching torch_topk.h format.
+template <typename OrtT, typename Fmt>
+struct TorchTopKKernel {
+  using Storage = typename Fmt::Storage;
+  static_assert(sizeof(OrtT) == sizeof(Storage), "element types must share their bits");
+
+  bool largest;
+  bool sorted;
+
+  TorchTopKKernel(const OrtApi* api, const OrtKernelInfo* info)
+      : largest(flag_attribute(api, info, "largest", true)),
+        sorted(flag_attribute(api, info, "sorted", true)) {}
+
+  // Returning a Status (not letting the exception escape) keeps the error code: onnxruntime
+  // turns an exception thrown from a custom kernel into RUNTIME_EXCEPTION.
+  Ort::Status Compute(OrtKernelContext* ctx, const Ort::Custom::Tensor<OrtT>& x,
+                      const Ort::Custom::Tensor<int64_t>& k_tensor,
+                      Ort::Custom::Tensor<OrtT>& values, Ort::Custom::Tensor<int64_t>& indices) {
+    try {
+      Run(ctx, x, k_tensor, values, indices);
+    } catch (const Ort::Exception& e) {
+      return Ort::Status(e);
+    }
+    return Ort::Status(nullptr);
+  }
+
+  void Run(OrtKernelContext* ctx, const Ort::Custom::Tensor<OrtT>& x,
+           const Ort::Custom::Tensor<int64_t>& k_tensor, Ort::Custom::Tensor<OrtT>& values,
+           Ort::Custom::Tensor<int64_t>& indices) {
+    const std::vector<int64_t> shape = x.Shape();
+    if (shape.empty()) fail("X must have rank >= 1, got a scalar");
+    const std::vector<int64_t>& k_shape = k_tensor.Shape();
+    if (!(k_shape.empty() || (k_shape.size() == 1 && k_shape[0] == 1)))
+      fail("K must be a scalar or have shape [1], got shape " + shape_string(k_shape));
+    const int64_t k = *k_tensor.Data();
+    const int64_t n = shape.back();
+    if (k < 0) fail("K must be >= 0, got " + std::to_string(k));
+    if (k > n) {
+      fail("K = " + std::to_string(k) + " exceeds the last dimension of X, " + std::to_string(n) +
+           " (X shape " + shape_string(shape) + ")");
+    }
+
+    std::vector<int64_t> out_shape = shape;
+    out_shape.back() = k;
+    Storage* out_values = reinterpret_cast<Storage*>(values.Allocate(out_shape));
+    int64_t* out_indices = indices.Allocate(out_shape);
+    int64_t rows = 1;
+    for (size_t d = 0; d + 1 < shape.size(); ++d) rows *= shape[d];
+    if (k == 0 || rows == 0) return;
+
+    struct Job {
+      const Storage* x;
+      Storage* values;
+      int64_t* indices;
+      int64_t rows, n, k, rows_per_task;
+      bool largest, sorted;
+      std::atomic<bool> out_of_memory{false};
+    } job{reinterpret_cast<const Storage*>(x.Data()), out_values, out_indices, rows, n, k,
+          kElementsPerTask / n > 1 ? kElementsPerTask / n : 1, largest, sorted};
+    auto run_task = [](void* data, size_t task) {
+      Job& j = *static_cast<Job*>(data);
+      const int64_t begin = static_cast<int64_t>(task) * j.rows_per_task;
+      const int64_t end = begin + j.rows_per_task < j.rows ? begin + j.rows_per_task : j.rows;
+      try {  // no exception may escape into onnxruntime's thread pool
+        std::vector<TopKPair> scratch(static_cast<size_t>(j.n));
+        torch_topk_rows<Fmt>(j.x, begin, end, j.n, j.k, j.largest, j.sorted, scratch.data(),
+                             j.values, j.indices);
+      } catch (const std::bad_alloc&) {
+        j.out_of_memory = true;
+      }
+    };
+    const int64_t tasks = (rows + job.rows_per_task - 1) / job.rows_per_task;
+    if (tasks == 1)
+      run_task(&job, 0);
+    else
+      Ort::KernelContext(ctx).ParallelFor(run_task, static_cast<size_t>(tasks), 0, &job);
+    if (job.out_of_memory)
+      ORT_CXX_API_THROW("TorchTopK: out of memory for a scratch row of " + std::to_string(n),
+                        ORT_FAIL);
+  }
+};
+
+}  // namespace
+
+void AppendTorchTopKOps(std::vector<std::unique_ptr<Ort::Custom::OrtLiteCustomOp>>& ops) {
+  // Same name, one kernel per X type: onnxruntime picks by the input's type.
+  ops.emplace_back(Ort::Custom::CreateLiteCustomOp<TorchTopKKernel<float, TopKF32>>(
+      "TorchTopK", "CPUExecutionProvider"));
+  ops.emplace_back(Ort::Custom::CreateLiteCustomOp<TorchTopKKernel<Ort::BFloat16_t, TopKBF16>>(
+      "TorchTopK", "CPUExecutionProvider"));
+  ops.emplace_back(Ort::Custom::CreateLiteCustomOp<TorchTopKKernel<Ort::Float16_t, TopKF16>>(
+      "TorchTopK", "CPUExecutionProvider"));
+}
+
+}  // namespace csa
