@@ -1,0 +1,116 @@
+"""Configuration loading/validation and the layer plan, on the goldens' layouts and on the
+released V4.1-Flash layout."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from conftest import CASES, GOLDENS, golden
+
+from csa2onnx.export.config import AttentionConfig, ConfigError
+from csa2onnx.export.plan import plan_stack
+
+RELEASED = Path(__file__).resolve().parents[1] / "export" / "configs" / "v41_flash_attention.json"
+
+
+def released() -> AttentionConfig:
+    return AttentionConfig.load(RELEASED)
+
+
+def test_released_layout_plan() -> None:
+    config = released()
+    assert config.n_layers == 40 and config.dim == 5120 and config.rope_factor == 16
+    assert config.original_seq_len == 65536 and config.window_size == 128
+    plan = plan_stack(config)
+    assert plan.owners == (2, 8, 14, 20)
+    roles = {p.layer: p for p in plan.layers}
+    assert [p.layer for p in plan.layers if not p.compressed] == [0, 1]
+    assert roles[20].candidate_source and roles[20].owns_index_k and roles[20].ratio == 1
+    assert [p.layer for p in plan.layers if p.uses_candidates] == [24, 28, 32, 36]
+    assert all(roles[i].kv_from == 20 for i in range(20, 40))
+    assert roles[13].kv_from == 8 and roles[13].topk_from == 8
+    assert roles[25].topk_from == 24 and roles[39].topk_from == 36
+    assert plan.external_slots() == ()
+    state = {t.name: t for t in plan.state()}
+    assert state["L2.compressor.kv_state"].shape == ("batch", 2, 512)
+    assert "L20.compressor.kv_state" not in state  # ratio 1: no partial group
+    assert state["L8.index_k"].shape == ("batch", 1048576 // 2, 128)
+    assert state["index_k_publisher"].dtype == "int64"
+    assert "L24.index_k" not in state and "L3.compress_kv" not in state
+
+
+def test_hf_nested_text_config_and_overrides() -> None:
+    data = json.loads(RELEASED.read_text())
+    config = AttentionConfig.from_hf({"text_config": data}, max_seq_len=8192, max_batch_size=2)
+    assert config.max_seq_len == 8192 and config.max_batch_size == 2
+    assert config.compress_ratios == released().compress_ratios
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_golden_roles_match_the_plan(case: str) -> None:
+    g = golden(case)
+    plan = plan_stack(AttentionConfig.from_model_args(g.model_args))
+    for role in g.meta["layer_roles"]:
+        p = plan.layer(role["layer"])
+        assert p.ratio == role["compress_ratio"]
+        assert p.kv_source == role["is_kv_source"]
+        assert p.index_source == role["is_index_source"]
+        assert p.owns_index_k == role.get("indexer_owns_k", False)
+        assert p.candidate_source == role.get("is_candidate_source", False)
+        assert p.uses_candidates == role.get("uses_candidates", False)
+
+
+def test_single_layer_ranges_expose_external_slots() -> None:
+    config = AttentionConfig.from_model_args(golden("case2_candidates").model_args)
+    assert plan_stack(config, 1, 1).external_slots() == ()
+    assert plan_stack(config, 3, 3).external_slots() == ("compress_kv", "candidates", "index_k")
+    assert plan_stack(config, 2, 4).external_slots() == ("compress_kv", "topk_idxs",
+                                                         "candidates", "index_k")
+
+
+def base() -> AttentionConfig:
+    return AttentionConfig.from_model_args(golden("case1_r2_r1").model_args)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"kv_source_layers": (0,)}, "kv_source_layers: layer 0 has compress ratio 0"),
+    ({"kv_source_layers": (1, 9)}, "kv_source_layers: layer 9 is out of range"),
+    ({"kv_source_layers": (3,)}, "compressed layer 1 has no kv source"),
+    ({"index_source_layers": (3,)}, "compressed layer 1 has no index source"),
+    ({"candidate_source_layer": 2}, "candidate_source_layer: layer 2 is not an index source"),
+    ({"candidate_source_layer": 1}, "candidate_topk_blocks: must be > 0"),
+    ({"compress_ratios": (0, 2, 2, 1, -1, 0)}, "ratio -1 < 0"),
+    ({"compress_ratios": (0, 2, 2, 1)}, "compress_ratios: has 4 entries for n_layers=6"),
+    ({"o_groups": 3}, "o_groups: 3 does not divide"),
+    ({"head_dim": 120}, "head_dim: must be a multiple of 32"),
+    ({"rope_head_dim": 31}, "rope_head_dim: must be even"),
+    ({"index_topk": 0}, "index_topk: must be > 0"),
+    ({"index_head_dim": 48}, "index_head_dim: must be a multiple of 32"),
+    ({"window_size": 0}, "window_size: must be > 0"),
+])
+def test_invalid_configs_name_the_field(change: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        replace(base(), **change)
+
+
+def test_unknown_fields_are_errors() -> None:
+    args = dict(golden("case1_r2_r1").model_args)
+    with pytest.raises(ConfigError, match="unknown config field.*compress_ratio_typo"):
+        AttentionConfig.from_model_args({**args, "compress_ratio_typo": 1})
+    with pytest.raises(ConfigError, match="unknown Hugging Face config field.*hiden_size"):
+        AttentionConfig.from_hf({**json.loads(RELEASED.read_text()), "hiden_size": 1})
+    with pytest.raises(ConfigError, match="missing config field.*dim"):
+        AttentionConfig.from_model_args({k: v for k, v in args.items() if k != "dim"})
+
+
+def test_layer_range_is_checked() -> None:
+    with pytest.raises(ConfigError, match="outside 0..5"):
+        plan_stack(base(), 2, 6)
+
+
+def test_golden_json_loads_as_config() -> None:
+    config = AttentionConfig.load(GOLDENS / "case3_r4_r128.json")
+    assert config.compress_ratios == (0, 128, 128, 4, 4, 0) and config.original_seq_len == 65536
