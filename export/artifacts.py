@@ -1,0 +1,85 @@
+"""What an artifact folder holds besides the models: the manifest (config, layers, roles,
+state layout, custom-op domain), written as manifest.json and as each model's
+metadata_props."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+from csa2onnx.custom_ops.library import DOMAIN, DOMAIN_VERSION
+from csa2onnx.export.plan import StackPlan
+
+MANIFEST = "manifest.json"
+
+
+def package_version() -> str:
+    try:
+        return version("csa2onnx")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+@dataclass
+class Manifest:
+    config: dict[str, Any]
+    layers: list[int]
+    index_keys: str
+    portable: bool
+    roles: list[dict[str, Any]]
+    state: list[dict[str, Any]]
+    prefill_state_inputs: list[str]
+    external_slots: list[str]
+    csa2onnx_version: str = field(default_factory=package_version)
+    custom_op_domain: str = DOMAIN
+    custom_op_version: int = DOMAIN_VERSION
+
+    @property
+    def state_names(self) -> list[str]:
+        return [t["name"] for t in self.state]
+
+    @property
+    def dim(self) -> int:
+        return int(self.config["dim"])
+
+    @property
+    def max_seq_len(self) -> int:
+        return int(self.config["max_seq_len"])
+
+    @property
+    def max_batch_size(self) -> int:
+        return int(self.config["max_batch_size"])
+
+    def metadata(self) -> dict[str, str]:
+        """The manifest as ONNX metadata_props (string values)."""
+        return {k: v if isinstance(v, str) else json.dumps(v) for k, v in asdict(self).items()}
+
+
+def manifest_for(plan: StackPlan, portable: bool) -> Manifest:
+    return Manifest(
+        config=plan.config.to_dict(),
+        layers=[p.layer for p in plan.layers],
+        index_keys=plan.index_keys,
+        portable=portable,
+        roles=[{"layer": p.layer, "ratio": p.ratio, "role": p.role} for p in plan.layers],
+        state=[{"name": t.name, "shape": list(t.shape), "dtype": t.dtype,
+                "description": t.description} for t in plan.state()],
+        prefill_state_inputs=["index_k_publisher"] if any(
+            t.name == "index_k_publisher" for t in plan.state()) else [],
+        external_slots=list(plan.external_slots()),
+    )
+
+
+def write_manifest(folder: Path, manifest: Manifest) -> None:
+    (folder / MANIFEST).write_text(json.dumps(asdict(manifest), indent=1) + "\n")
+
+
+def read_manifest(folder: str | Path) -> Manifest:
+    path = Path(folder) / MANIFEST
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: not a csa2onnx artifact folder "
+                                "(create one with `csa2onnx export`)")
+    return Manifest(**json.loads(path.read_text()))

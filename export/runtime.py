@@ -1,0 +1,173 @@
+"""The runtime: loads exported prefill/decode artifacts and owns the state between calls.
+
+State stays in onnxruntime-owned buffers (OrtValues bound through IOBinding): each call's
+state outputs become the next call's state inputs without a round trip through NumPy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from csa2onnx.custom_ops import session_options
+from csa2onnx.export.artifacts import Manifest, read_manifest
+
+
+class RuntimeStateError(RuntimeError):
+    """A call that does not fit the state (decode before prefill, batch, positions)."""
+
+
+@dataclass
+class StepOutputs:
+    """One call's per-layer outputs (`out`), and any extra outputs by name."""
+
+    out: dict[int, np.ndarray]
+    extra: dict[str, np.ndarray]
+
+
+class AttentionRuntime:
+    """Runs a stack's prefill and decode artifacts, holding its state."""
+
+    def __init__(self, folder: str | Path, provider: str = "cpu",
+                 intra_op_num_threads: int = 0) -> None:
+        self.folder = Path(folder)
+        self.manifest: Manifest = read_manifest(self.folder)
+        providers = ["CPUExecutionProvider"]
+        if provider == "cuda":
+            if "CUDAExecutionProvider" not in ort.get_available_providers():
+                raise RuntimeStateError("CUDAExecutionProvider is not available in this "
+                                        "onnxruntime build (install onnxruntime-gpu)")
+            providers.insert(0, "CUDAExecutionProvider")
+        elif provider != "cpu":
+            raise ValueError(f"provider must be 'cpu' or 'cuda', got {provider!r}")
+        self.device = "cuda" if provider == "cuda" else "cpu"
+        options = session_options(intra_op_num_threads)
+        self.sessions = {mode: ort.InferenceSession(str(self.folder / f"{mode}.onnx"),
+                                                    sess_options=options, providers=providers)
+                         for mode in ("prefill", "decode")}
+        self.state: dict[str, ort.OrtValue] = {}
+        self.position = 0  # tokens seen so far (next start_pos)
+        self.batch = 0
+
+    @property
+    def layers(self) -> list[int]:
+        return list(self.manifest.layers)
+
+    # ---------------------------------------------------------------- calls
+    def prefill(self, xs: dict[int, np.ndarray]) -> StepOutputs:
+        """Start a sequence: xs[layer] is [batch, seqlen, dim]."""
+        batch, seqlen = self._check_inputs(xs)
+        if seqlen > self.manifest.max_seq_len:
+            raise RuntimeStateError(f"prefill of {seqlen} tokens is past max_seq_len "
+                                    f"{self.manifest.max_seq_len}")
+        if batch > self.manifest.max_batch_size:
+            raise RuntimeStateError(f"batch {batch} is larger than max_batch_size "
+                                    f"{self.manifest.max_batch_size}")
+        feeds = {f"x.L{layer}": self._ortvalue(x) for layer, x in xs.items()}
+        for name in self.manifest.prefill_state_inputs:
+            feeds[f"state.{name}"] = self._carried(name, batch)
+        result = self._run("prefill", feeds)
+        self.batch, self.position = batch, seqlen
+        return result
+
+    def decode(self, xs: dict[int, np.ndarray]) -> StepOutputs:
+        """One more token: xs[layer] is [batch, 1, dim]."""
+        if not self.state:
+            raise RuntimeStateError("decode called before any prefill")
+        batch, seqlen = self._check_inputs(xs)
+        if seqlen != 1:
+            raise RuntimeStateError(f"decode takes one token per call, got seqlen {seqlen}")
+        if batch != self.batch:
+            raise RuntimeStateError(f"decode batch {batch} differs from the prefill's "
+                                    f"batch {self.batch}")
+        if self.position >= self.manifest.max_seq_len:
+            raise RuntimeStateError(f"position {self.position} is past max_seq_len "
+                                    f"{self.manifest.max_seq_len}")
+        feeds = {f"x.L{layer}": self._ortvalue(x) for layer, x in xs.items()}
+        feeds["start_pos"] = self._ortvalue(np.array([self.position], np.int64))
+        for name in self.manifest.state_names:
+            feeds[f"state.{name}"] = self.state[name]
+        result = self._run("decode", feeds)
+        self.position += 1
+        return result
+
+    def state_array(self, name: str) -> np.ndarray:
+        return self.state[name].numpy()
+
+    # -------------------------------------------------------------- helpers
+    def _check_inputs(self, xs: dict[int, np.ndarray]) -> tuple[int, int]:
+        if sorted(xs) != self.layers:
+            raise ValueError(f"inputs for layers {sorted(xs)}; this stack has {self.layers}")
+        shapes = {np.shape(x) for x in xs.values()}
+        if len(shapes) != 1:
+            raise ValueError(f"all layer inputs must share one shape, got {sorted(shapes)}")
+        (shape,) = shapes
+        if len(shape) != 3 or shape[2] != self.manifest.dim:
+            raise ValueError(f"layer inputs must be [batch, seqlen, {self.manifest.dim}], "
+                             f"got {list(shape)}")
+        return int(shape[0]), int(shape[1])
+
+    def _ortvalue(self, array: np.ndarray) -> ort.OrtValue:
+        dtype = np.int64 if np.asarray(array).dtype.kind in "iu" else np.float32
+        return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array, dtype=dtype),
+                                                self.device, 0)
+
+    def _carried(self, name: str, batch: int) -> ort.OrtValue:
+        # Slots never reset (the reference's SharedAttentionRuntime persists across calls).
+        if name in self.state:
+            return self.state[name]
+        return self._ortvalue(np.full([1], -1, np.int64))
+
+    def _run(self, mode: str, feeds: dict[str, ort.OrtValue]) -> StepOutputs:
+        session = self.sessions[mode]
+        binding = session.io_binding()
+        for name, value in feeds.items():
+            binding.bind_ortvalue_input(name, value)
+        names = [o.name for o in session.get_outputs()]
+        for name in names:
+            binding.bind_output(name, self.device)
+        session.run_with_iobinding(binding)
+        values = dict(zip(names, binding.get_outputs(), strict=True))
+        self.state = {name[len("state."):]: v for name, v in values.items()
+                      if name.startswith("state.")}
+        out = {int(name[len("out.L"):]): v.numpy() for name, v in values.items()
+               if name.startswith("out.L")}
+        extra = {name: v.numpy() for name, v in values.items()
+                 if not name.startswith(("state.", "out.L"))}
+        return StepOutputs(out, extra)
+
+
+def model_metadata(path: str | Path) -> dict[str, str]:
+    """metadata_props of an artifact, without loading its weights."""
+    model = onnx.load(str(path), load_external_data=False)
+    return {p.key: p.value for p in model.metadata_props}
+
+
+def describe(folder: str | Path) -> str:
+    """A short human summary of an artifact folder (used by `csa2onnx inspect`)."""
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    lines = [f"csa2onnx artifacts in {folder}", f"  layers: {list(manifest.layers)}",
+             f"  index_keys: {manifest.index_keys}, portable: {manifest.portable}"]
+    for role in manifest.roles:
+        lines.append(f"  L{role['layer']}: ratio {role['ratio']}, {role['role']}")
+    lines.append("  state:")
+    for tensor in manifest.state:
+        lines.append(f"    {tensor['name']}: {tensor['dtype']}{tensor['shape']} "
+                     f"({tensor['description']})")
+    for mode in ("prefill", "decode"):
+        path = folder / f"{mode}.onnx"
+        model = onnx.load(str(path), load_external_data=False)
+        ops: dict[str, int] = {}
+        for node in model.graph.node:
+            key = f"{node.domain + '.' if node.domain else ''}{node.op_type}"
+            ops[key] = ops.get(key, 0) + 1
+        size = sum(p.stat().st_size for p in folder.glob(f"{mode}.onnx*"))
+        top = ", ".join(f"{k} x{v}" for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:8])
+        lines.append(f"  {mode}.onnx: {size / 2**20:.1f} MiB, {len(model.graph.node)} nodes "
+                     f"({top})")
+    return "\n".join(lines)
