@@ -20,7 +20,7 @@ _E4M3_AMAX_FLOOR = 6.0 * 2.0**-9
 
 
 @script(csa2onnx)
-def Fp4QuantDequant(X: FLOAT, block_size: int, scale_format: str) -> tuple[FLOAT, FLOAT]:  # noqa: N802
+def Fp4QuantDequant(X: FLOAT, block_size: int, scale_format: str) -> tuple[FLOAT, FLOAT]:
     shape = op.Shape(X)
     block = op.Reshape(op.Constant(value_int=block_size), [1])
     lead = op.Slice(shape, [0], [-1])

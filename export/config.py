@@ -43,8 +43,8 @@ _HF_NAMES = {
     "candidate_topk_blocks": "candidate_topk_blocks",
     "candidate_block_size": "candidate_block_size", "max_batch_size": "max_batch_size",
 }
-_HF_ROPE_SCALING = {"factor": "rope_factor", "beta_fast": "beta_fast",
-                    "beta_slow": "beta_slow", "original_max_position_embeddings": "original_seq_len"}
+_HF_ROPE_SCALING = {"factor": "rope_factor", "beta_fast": "beta_fast", "beta_slow": "beta_slow",
+                    "original_max_position_embeddings": "original_seq_len"}
 # Hugging Face fields with no bearing on attention: accepted, ignored.
 _HF_IGNORED = frozenset({
     "num_key_value_heads", "dtype", "torch_dtype", "quantization_config", "architectures",

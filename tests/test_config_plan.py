@@ -8,8 +8,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from conftest import CASES, GOLDENS, golden
 
+from conftest import CASES, GOLDENS, golden
 from csa2onnx.export.config import AttentionConfig, ConfigError
 from csa2onnx.export.plan import plan_stack
 
@@ -98,16 +98,16 @@ def test_invalid_configs_name_the_field(change: dict, message: str) -> None:
 
 def test_unknown_fields_are_errors() -> None:
     args = dict(golden("case1_r2_r1").model_args)
-    with pytest.raises(ConfigError, match="unknown config field.*compress_ratio_typo"):
+    with pytest.raises(ConfigError, match=r"unknown config field.*compress_ratio_typo"):
         AttentionConfig.from_model_args({**args, "compress_ratio_typo": 1})
-    with pytest.raises(ConfigError, match="unknown Hugging Face config field.*hiden_size"):
+    with pytest.raises(ConfigError, match=r"unknown Hugging Face config field.*hiden_size"):
         AttentionConfig.from_hf({**json.loads(RELEASED.read_text()), "hiden_size": 1})
-    with pytest.raises(ConfigError, match="missing config field.*dim"):
+    with pytest.raises(ConfigError, match=r"missing config field.*dim"):
         AttentionConfig.from_model_args({k: v for k, v in args.items() if k != "dim"})
 
 
 def test_layer_range_is_checked() -> None:
-    with pytest.raises(ConfigError, match="outside 0..5"):
+    with pytest.raises(ConfigError, match=r"outside 0\.\.5"):
         plan_stack(base(), 2, 6)
 
 

@@ -7,6 +7,7 @@
 #undef ORT_API_MANUAL_INIT
 #include "onnxruntime_lite_custom_op.h"
 
+#include <exception>
 #include <optional>
 #include <string>
 #include <vector>
@@ -77,8 +78,22 @@ struct Fp4CpuKernel {
   Fp4Attributes attrs;
   Fp4CpuKernel(const OrtApi*, const OrtKernelInfo* info) : attrs(info) {}
 
-  void Compute(OrtKernelContext* ctx, const Ort::Custom::Tensor<T>& x, Ort::Custom::Tensor<T>& y,
-               std::optional<Ort::Custom::Tensor<float>*> scale) {
+  // Returning a Status (not letting the exception escape) keeps the error code: onnxruntime
+  // turns an exception thrown from a custom kernel into RUNTIME_EXCEPTION.
+  Ort::Status Compute(OrtKernelContext* ctx, const Ort::Custom::Tensor<T>& x,
+                      Ort::Custom::Tensor<T>& y, std::optional<Ort::Custom::Tensor<float>*> scale) {
+    try {
+      Run(ctx, x, y, scale);
+    } catch (const Ort::Exception& e) {
+      return Ort::Status(e);
+    } catch (const std::exception& e) {
+      return Ort::Status(e);
+    }
+    return Ort::Status(nullptr);
+  }
+
+  void Run(OrtKernelContext* ctx, const Ort::Custom::Tensor<T>& x, Ort::Custom::Tensor<T>& y,
+           std::optional<Ort::Custom::Tensor<float>*> scale) {
     const std::vector<int64_t> shape = x.Shape();
     const int64_t nblocks = attrs.blocks(shape);
     const T* in = x.Data();
@@ -122,8 +137,22 @@ struct Fp4CudaKernel {
   Fp4Attributes attrs;
   Fp4CudaKernel(const OrtApi*, const OrtKernelInfo* info) : attrs(info) {}
 
-  void Compute(OrtKernelContext* ctx, const Ort::Custom::Tensor<T>& x, Ort::Custom::Tensor<T>& y,
-               std::optional<Ort::Custom::Tensor<float>*> scale) {
+  // Returning a Status (not letting the exception escape) keeps the error code: onnxruntime
+  // turns an exception thrown from a custom kernel into RUNTIME_EXCEPTION.
+  Ort::Status Compute(OrtKernelContext* ctx, const Ort::Custom::Tensor<T>& x,
+                      Ort::Custom::Tensor<T>& y, std::optional<Ort::Custom::Tensor<float>*> scale) {
+    try {
+      Run(ctx, x, y, scale);
+    } catch (const Ort::Exception& e) {
+      return Ort::Status(e);
+    } catch (const std::exception& e) {
+      return Ort::Status(e);
+    }
+    return Ort::Status(nullptr);
+  }
+
+  void Run(OrtKernelContext* ctx, const Ort::Custom::Tensor<T>& x, Ort::Custom::Tensor<T>& y,
+           std::optional<Ort::Custom::Tensor<float>*> scale) {
     const std::vector<int64_t> shape = x.Shape();
     const int64_t nblocks = attrs.blocks(shape);
     T* out = y.Allocate(shape);

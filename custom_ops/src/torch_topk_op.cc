@@ -10,6 +10,7 @@
 #include "onnxruntime_lite_custom_op.h"
 
 #include <atomic>
+#include <exception>
 #include <new>
 #include <string>
 #include <vector>
@@ -71,6 +72,8 @@ struct TorchTopKKernel {
     try {
       Run(ctx, x, k_tensor, values, indices);
     } catch (const Ort::Exception& e) {
+      return Ort::Status(e);
+    } catch (const std::exception& e) {  // e.g. bad_alloc for the outputs
       return Ort::Status(e);
     }
     return Ort::Status(nullptr);

@@ -67,7 +67,9 @@ float pick_special() {
   return pool[uniform(0, 11)];
 }
 
-enum Kind { kNormals, kRepeats, kMostlyNegInf, kAllEqual, kNanInf, kZeros, kRuns, kGeneral, kNumKinds };
+enum Kind {
+  kNormals, kRepeats, kMostlyNegInf, kAllEqual, kNanInf, kZeros, kRuns, kGeneral, kNumKinds
+};
 
 std::vector<float> make_row(Kind kind, int64_t n) {
   std::vector<float> v(n);
@@ -92,9 +94,11 @@ std::vector<float> make_row(Kind kind, int64_t n) {
     case kNanInf:
       for (auto& x : v) x = coin(0.7) ? pick_special() : pick_small();
       break;
-    case kZeros:
-      for (auto& x : v) x = std::vector<float>{0.0f, -0.0f, bits_f32(0x00010000u), bits_f32(0x80010000u)}[uniform(0, 3)];
+    case kZeros: {
+      const float pool[] = {0.0f, -0.0f, bits_f32(0x00010000u), bits_f32(0x80010000u)};
+      for (auto& x : v) x = pool[uniform(0, 3)];
       break;
+    }
     case kRuns: {  // ascending / descending / organ-pipe with repeats: classic quicksort traps
       const int64_t shape = uniform(0, 2), step = uniform(1, 8);
       for (int64_t j = 0; j < n; ++j) {
@@ -243,7 +247,8 @@ void check_torch_rows(int64_t count) {
         h[j] = coin(0.8) ? pool[uniform(0, 12)] : static_cast<uint16_t>(uniform(0, 0xFFFF));
         w[j] = half_to_float(h[j]);
       }
-      check_row<csa::TopKF16>(h, w, k, largest, sorted, [&h](const RefPair& p) { return h[p.second]; });
+      check_row<csa::TopKF16>(h, w, k, largest, sorted,
+                              [&h](const RefPair& p) { return h[p.second]; });
       continue;
     }
     const Kind kind = static_cast<Kind>(uniform(0, kNumKinds - 1));
@@ -265,7 +270,8 @@ void check_torch_rows(int64_t count) {
 void check_adversarial_rows(int64_t count) {
   for (int64_t r = 0; r < count; ++r) {
     const int64_t n = uniform(0, 3) == 0 ? uniform(17, 200) : uniform(200, 3000);
-    const int64_t k = uniform(0, 1) ? uniform(n / 64 + 1, n) : uniform(1, std::max<int64_t>(n / 64, 1));
+    const int64_t k =
+        uniform(0, 1) ? uniform(n / 64 + 1, n) : uniform(1, std::max<int64_t>(n / 64, 1));
     const bool largest = coin(0.5), sorted = coin(0.7);
     std::vector<float> v = adversarial_row(n, k, largest, sorted);
     check_row<csa::TopKF32>(v, v, k, largest, sorted, [](const RefPair& p) { return p.first; });
@@ -275,7 +281,10 @@ void check_adversarial_rows(int64_t count) {
 // Replica algorithm vs std:: on the same TopKPair array: the whole array must match.
 bool same(const std::vector<TopKPair>& a, const std::vector<TopKPair>& b, int64_t* at) {
   for (size_t j = 0; j < a.size(); ++j)
-    if (a[j].key != b[j].key || a[j].index != b[j].index) return *at = static_cast<int64_t>(j), false;
+    if (a[j].key != b[j].key || a[j].index != b[j].index) {
+      *at = static_cast<int64_t>(j);
+      return false;
+    }
   return true;
 }
 
@@ -314,7 +323,8 @@ void check_algorithms_once(const std::vector<TopKPair>& input, Comp comp) {
     ++counts.algo_checks;
     if (!same(mine, ref, &at)) {
       ++counts.algo_mismatches;
-      static const char* names[] = {"nth_element", "partial_sort", "sort", "make_heap", "sort_heap"};
+      static const char* names[] = {"nth_element", "partial_sort", "sort", "make_heap",
+                                    "sort_heap"};
       report(names[algo], n, algo == 0 ? nth : m, true, true, at);
     }
   }
@@ -369,7 +379,8 @@ int main(int argc, char** argv) {
       "rows=%lld row_mismatches=%lld partial_sort_rows=%lld nth_element_rows=%lld "
       "algo_checks=%lld algo_mismatches=%lld\n",
       static_cast<long long>(counts.rows), static_cast<long long>(counts.row_mismatches),
-      static_cast<long long>(counts.partial_sort_rows), static_cast<long long>(counts.nth_element_rows),
+      static_cast<long long>(counts.partial_sort_rows),
+      static_cast<long long>(counts.nth_element_rows),
       static_cast<long long>(counts.algo_checks), static_cast<long long>(counts.algo_mismatches));
   return counts.row_mismatches + counts.algo_mismatches == 0 ? 0 : 1;
 }
