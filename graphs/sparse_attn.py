@@ -40,7 +40,9 @@ def sparse_attn(op: OpBuilder, q: ir.Value, kv: ir.Value, attn_sink: ir.Value,
     valid = op.GreaterOrEqual(idx, 0)
     rows = _gather_rows(op, kv, idx, valid)  # [b, s, K, d]
 
-    logits = op.Mul(op.MatMul(q, op.Transpose(rows, perm=[0, 1, 3, 2])), softmax_scale)
+    # rows @ q^T then transpose the small [b, s, K, h] result, not the big rows tensor.
+    logits = op.MatMul(rows, op.Transpose(q, perm=[0, 1, 3, 2]))
+    logits = op.Mul(op.Transpose(logits, perm=[0, 1, 3, 2]), softmax_scale)
     logits = op.Where(op.Unsqueeze(valid, [2]), logits, -np.inf)  # [b, s, h, K]
     # Explicit sizes, not -1: Reshape cannot infer a dimension of an empty tensor.
     nb = op.Div(op.Slice(op.Shape(idx), [-1], [2**62]), BLOCK)

@@ -1,0 +1,60 @@
+"""Attention.forward steps 4 (the inverse RoPE on sparse_attn's output) and 5 (the grouped
+output LoRA: wo_a per group of heads, then wo_b back to `dim`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+from onnxscript import OpBuilder, nn
+
+from csa2onnx.graphs.attention_q import RopeTables, token_positions
+from csa2onnx.graphs.numerics import BFLOAT16, Linear, as_float, round_bf16, weight
+from csa2onnx.graphs.rope import RopeParams, apply_rotary_emb
+
+
+class OutputProjection(nn.Module):
+    """out = wo_b(flatten(einsum("bsgd,grd->bsgr", o_groups, wo_a))) after undoing the
+    RoPE of o's last rope_head_dim features at the query positions.
+
+    o [b, s, n_heads, head_dim] (sparse_attn's output) is viewed as o_groups groups of
+    n_heads*head_dim/o_groups features; group g meets its own [o_lora_rank, .] slice of wo_a
+    ([o_groups*o_lora_rank, n_heads*head_dim/o_groups], bf16), rounded once to bf16.
+    """
+
+    def __init__(self, wo_a: np.ndarray, wo_b: np.ndarray, n_heads: int, head_dim: int,
+                 o_groups: int, o_lora_rank: int, rope_head_dim: int, rope: RopeParams,
+                 name: str | None = None) -> None:
+        super().__init__(name)
+        if min(n_heads, head_dim, o_groups, o_lora_rank) <= 0:
+            raise ValueError("n_heads, head_dim, o_groups and o_lora_rank must be > 0, got "
+                             f"{n_heads}, {head_dim}, {o_groups}, {o_lora_rank}")
+        if (n_heads * head_dim) % o_groups:
+            raise ValueError(f"n_heads*head_dim ({n_heads * head_dim}) is not divisible by "
+                             f"o_groups ({o_groups})")
+        if rope.rope_head_dim != rope_head_dim or not 0 < rope_head_dim <= head_dim:
+            raise ValueError(f"rope_head_dim {rope_head_dim} must match RopeParams "
+                             f"({rope.rope_head_dim}) and lie in 1..head_dim ({head_dim})")
+        group_dim = n_heads * head_dim // o_groups
+        if tuple(np.shape(wo_a)) != (o_groups * o_lora_rank, group_dim):
+            raise ValueError(f"wo_a must have shape [o_groups*o_lora_rank, n_heads*head_dim/"
+                             f"o_groups] = {[o_groups * o_lora_rank, group_dim]}, got "
+                             f"{list(np.shape(wo_a))}")
+        if np.ndim(wo_b) != 2 or np.shape(wo_b)[1] != o_groups * o_lora_rank:
+            raise ValueError(f"wo_b must be [dim, o_groups*o_lora_rank="
+                             f"{o_groups * o_lora_rank}], got shape {list(np.shape(wo_b))}")
+        self.n_heads, self.head_dim, self.rope_head_dim = n_heads, head_dim, rope_head_dim
+        self.o_groups, self.o_lora_rank, self.group_dim = o_groups, o_lora_rank, group_dim
+        self.wo_a = weight(wo_a, BFLOAT16)  # a raw parameter: used per group, not as a Linear
+        self.wo_b = Linear(wo_b)
+        self.freqs_cis = RopeTables(rope)
+
+    def forward(self, op: OpBuilder, o: ir.Value, start_pos: ir.Value) -> ir.Value:
+        cos, sin = self.freqs_cis(op, token_positions(op, o, start_pos))
+        o = apply_rotary_emb(op, o, cos, sin, self.rope_head_dim, inverse=True)
+        # [b, s, g, 1, d] @ [g, d, r] -> [b, s, g, 1, r]: one matmul per group, f32 sums.
+        groups = op.Reshape(o, [0, 0, self.o_groups, 1, self.group_dim])
+        wo_a = op.Transpose(op.Reshape(as_float(op, self.wo_a),
+                                       [self.o_groups, self.o_lora_rank, self.group_dim]),
+                            perm=[0, 2, 1])
+        lora = round_bf16(op, op.MatMul(groups, wo_a))
+        return self.wo_b(op, op.Reshape(lora, [0, 0, self.o_groups * self.o_lora_rank]))

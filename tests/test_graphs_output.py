@@ -1,0 +1,143 @@
+"""OutputProjection (inverse RoPE + grouped wo_a + wo_b) against `out` of every
+case/step/layer given the golden attn_o, and one layer of case1 run end to end through
+QueryProjection, WindowKVProjection, the window, sparse_attn and OutputProjection."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import numpy as np
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+from test_graphs_attention_q import query_projection, window_kv_projection
+
+from conftest import CASES, GOLDENS, golden
+from csa2onnx.custom_ops import make_session
+from csa2onnx.graphs.attention_q import layer_rope_params
+from csa2onnx.graphs.numerics import INT64 as INT64_T
+from csa2onnx.graphs.output import OutputProjection
+from csa2onnx.graphs.rope import RopeParams
+from csa2onnx.graphs.sparse_attn import sparse_attn
+from csa2onnx.graphs.standalone import build_model
+from csa2onnx.graphs.window import window_decode, window_prefill
+
+FLOAT, INT32, INT64 = ir.DataType.FLOAT, ir.DataType.INT32, ir.DataType.INT64
+
+
+def output_projection(case: str, layer: int) -> OutputProjection:
+    g, a = golden(case), golden(case).model_args
+    w = g.weights(layer)
+    return OutputProjection(w["wo_a.weight"], w["wo_b.weight"], a["n_heads"], a["head_dim"],
+                            a["o_groups"], a["o_lora_rank"], a["rope_head_dim"],
+                            layer_rope_params(a, layer), name="output")
+
+
+@functools.cache
+def _session(case: str, layer: int) -> ort.InferenceSession:
+    a = golden(case).model_args
+    model = build_model(
+        "output", [("o", FLOAT, ["b", "s", a["n_heads"], a["head_dim"]]),
+                   ("start_pos", INT64, [1])],
+        ["out"], lambda op, o, start_pos: output_projection(case, layer)(op, o, start_pos))
+    return make_session(model.SerializeToString())
+
+
+def _schedule(case: str) -> list[dict]:
+    return json.loads((GOLDENS / f"{case}.json").read_text())["schedule"]
+
+
+PARAMS = [(case, st["step"], st["start_pos"], layer) for case in CASES
+          for st in _schedule(case) for layer in range(6)]
+
+
+@pytest.mark.parametrize(("case", "step", "start_pos", "layer"), PARAMS,
+                         ids=[f"{c}-{s}-L{la}" for c, s, _, la in PARAMS])
+def test_golden_out(golden_report, case: str, step: str, start_pos: int, layer: int) -> None:
+    g = golden(case)
+    feeds = {"o": g.step(step, layer, "attn_o"), "start_pos": np.array([start_pos], np.int64)}
+    (out,) = _session(case, layer).run(None, feeds)
+    golden_report.check(case, "output", f"{step}.L{layer}.out", out, g.step(step, layer, "out"))
+
+
+ROPE = RopeParams(rope_head_dim=16, max_seq_len=32, base=10000.0)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"wo_a": np.zeros((2 * 8, 32))}, "wo_a"),
+    ({"wo_b": np.zeros((16, 15))}, "wo_b"),
+    ({"o_groups": 3}, "divisible"),
+    ({"o_lora_rank": 0}, "> 0"),
+    ({"rope_head_dim": 8}, "rope_head_dim"),
+])
+def test_bad_input_raises(kwargs: dict, message: str) -> None:
+    args = {"wo_a": np.zeros((2 * 8, 64)), "wo_b": np.zeros((16, 16)), "n_heads": 2,
+            "head_dim": 64, "o_groups": 2, "o_lora_rank": 8, "rope_head_dim": 16,
+            "rope": ROPE} | kwargs
+    with pytest.raises(ValueError, match=message):
+        OutputProjection(**args)
+
+
+# --- the components composed: one layer of case1, prefill then every decode step ---------
+
+COMPOSE_CASE, COMPOSE_LAYER = "case1_r2_r1", 1
+
+
+def _attention(op, x, start_pos, window_kv_rows, window_idx, compressed_kv, compressed_idx):
+    """Steps 1, 3-5 of Attention.forward around a window (rows, idx), with the compressed
+    rows and (already offset) indices taken from the golden."""
+    g, a = golden(COMPOSE_CASE), golden(COMPOSE_CASE).model_args
+    _, q = query_projection(COMPOSE_CASE, COMPOSE_LAYER)(op, x, start_pos)
+    kv = op.Concat(window_kv_rows, compressed_kv, axis=1)
+    idx = op.Concat(window_idx, op.Cast(compressed_idx, to=INT64_T), axis=-1)
+    sink = op.builder.initializer(ir.tensor(g.weights(COMPOSE_LAYER)["attn_sink"]),
+                                  name="attn_sink")
+    o = sparse_attn(op, q, kv, sink, idx, a["head_dim"] ** -0.5)
+    return output_projection(COMPOSE_CASE, COMPOSE_LAYER)(op, o, start_pos)
+
+
+@functools.cache
+def _composed(decode: bool) -> ort.InferenceSession:
+    a = golden(COMPOSE_CASE).model_args
+    win, hd = a["window_size"], a["head_dim"]
+    inputs = [("x", FLOAT, ["b", "s", a["dim"]]), ("start_pos", INT64, [1]),
+              ("compressed_kv", FLOAT, ["b", "n", hd]), ("compressed_idx", INT32, ["b", "s", "k"])]
+
+    def prefill(op, x, start_pos, ckv, cidx):
+        _, kv = window_kv_projection(COMPOSE_CASE, COMPOSE_LAYER)(op, x, start_pos)
+        idx, ring = window_prefill(op, kv, win)
+        return _attention(op, x, start_pos, kv, idx, ckv, cidx), ring
+
+    def step(op, x, start_pos, ckv, cidx, ring):
+        _, kv = window_kv_projection(COMPOSE_CASE, COMPOSE_LAYER)(op, x, start_pos)
+        idx, ring = window_decode(op, kv, ring, start_pos, win)
+        return _attention(op, x, start_pos, ring, idx, ckv, cidx), ring
+
+    if decode:
+        model = build_model("attention_decode", [*inputs, ("ring", FLOAT, ["b", win, hd])],
+                            ["out", "ring_out"], step)
+    else:
+        model = build_model("attention_prefill", inputs, ["out", "ring_out"], prefill)
+    return make_session(model.SerializeToString())
+
+
+def test_components_compose(golden_report) -> None:
+    g = golden(COMPOSE_CASE)
+    win = g.model_args["window_size"]
+    ring = None
+    for st in _schedule(COMPOSE_CASE):
+        step, start_pos = st["step"], st["start_pos"]
+        s = st["seqlen"]
+        window_rows = s if ring is None else win  # prefill: all s rows; decode: the ring
+        feeds = {"x": g.step(step, COMPOSE_LAYER, "x"),
+                 "start_pos": np.array([start_pos], np.int64),
+                 "compressed_kv": g.step(step, COMPOSE_LAYER, "attn_kv")[:, window_rows:],
+                 "compressed_idx": g.step(step, COMPOSE_LAYER, "attn_topk_idxs")[
+                     ..., min(window_rows, win):]}
+        if ring is not None:
+            feeds["ring"] = ring
+        out, ring = _composed(ring is not None).run(None, feeds)
+        golden_report.check(COMPOSE_CASE, "attention_composed",
+                            f"{step}.L{COMPOSE_LAYER}.out", out,
+                            g.step(step, COMPOSE_LAYER, "out"))
