@@ -1,0 +1,76 @@
+"""select_candidate_blocks (reference.md): level one of the two-level top-k.
+
+The candidate source picks the best `topk_blocks` blocks of `block_size` compressed
+positions per query (by block max); a later indexer only selects inside them. The block
+holding the query's newest reachable position is forced in with +inf.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import onnx_ir as ir
+from onnxscript import OpBuilder
+
+from csa2onnx.custom_ops.ops import torch_topk
+from csa2onnx.graphs.numerics import FLOAT
+
+NEG_INF = float("-inf")
+POS_INF = float("inf")
+
+
+class CandidateBlocks(NamedTuple):
+    """candidates: bool [b, s, T] (shaped like the logits); the rest are the block-level
+    intermediates: block_scores [b, s, nb] (with the forced +inf), and the sorted top-k
+    values and int64 block indices [b, s, min(topk_blocks, nb)]."""
+
+    candidates: ir.Value
+    block_scores: ir.Value
+    topk_values: ir.Value
+    topk_indices: ir.Value
+
+
+def select_candidate_blocks(op: OpBuilder, logits: ir.Value, compress_lens: ir.Value,
+                            topk_blocks: int, block_size: int, *,
+                            portable: bool = False) -> CandidateBlocks:
+    """logits [b, s, T] f32 (-inf where unreachable); compress_lens int64 broadcastable to
+    [b, s] (reachable positions per query). T and the sizes are dynamic; T = 0 gives an
+    empty mask. `portable` swaps torch's tie order for ONNX TopK's (a control, not exact)."""
+    if topk_blocks <= 0:
+        raise ValueError(f"candidate_topk_blocks must be > 0, got {topk_blocks}")
+    if block_size <= 0:
+        raise ValueError(f"candidate_block_size must be > 0, got {block_size}")
+    zero, one = op.Constant(value_int=0), op.Constant(value_int=1)
+    shape = op.Shape(logits)
+    width = op.Slice(shape, [2], [3])
+    n_blocks = op.Div(op.Add(width, block_size - 1), block_size)
+
+    # Pad with -inf to whole blocks; a block's score is its max.
+    pads = op.Concat([0, 0, 0, 0, 0], op.Sub(op.Mul(n_blocks, block_size), width), axis=0)
+    padded = op.Pad(logits, pads, op.Constant(value_float=NEG_INF))
+    blocks = op.Reshape(padded, op.Concat(op.Slice(shape, [0], [2]), n_blocks, [block_size],
+                                          axis=0))
+    block_scores = op.ReduceMax(blocks, [-1], keepdims=0)
+
+    # Force the block of the newest reachable position: (compress_lens - 1) // block_size,
+    # floor division, so compress_lens == 0 gives -1 and forces nothing (ONNX Div truncates).
+    lens = op.Unsqueeze(compress_lens, [-1])
+    newest = op.Where(op.Greater(lens, zero), op.Div(op.Sub(lens, one), block_size),
+                      op.Constant(value_int=-1))
+    block_ids = op.Range(zero, op.Squeeze(n_blocks, [0]), one)
+    block_scores = op.Where(op.Equal(block_ids, newest), op.Constant(value_float=POS_INF),
+                            block_scores)
+
+    k = op.Min(n_blocks, op.Constant(value_ints=[topk_blocks]))
+    values, indices = torch_topk(op, block_scores, k, largest=True, sorted=True,
+                                 portable=portable)
+
+    # A block is kept iff picked with a value > -inf. ReduceSum over the k picks (0 when
+    # k = 0) marks the kept blocks; a position inherits its block's mark.
+    keep = op.Cast(op.Greater(values, op.Constant(value_float=NEG_INF)), to=FLOAT)
+    hits = op.Mul(op.Cast(op.Equal(op.Unsqueeze(indices, [-1]), block_ids), to=FLOAT),
+                  op.Unsqueeze(keep, [-1]))  # [b, s, k, nb]
+    kept = op.Greater(op.ReduceSum(hits, [2], keepdims=0), op.Constant(value_float=0.0))
+    position_block = op.Div(op.Range(zero, op.Squeeze(width, [0]), one), block_size)
+    candidates = op.Gather(kept, position_block, axis=2)
+    return CandidateBlocks(candidates, block_scores, values, indices)

@@ -1,0 +1,210 @@
+"""The Indexer (reference.md "Indexer"): picks which compressed positions each query reads.
+
+Two entry points, both through the module's __call__ (so parameter names get its scope):
+- `keys(op, latent, positions)`: an index-key owner's new keys from its compressor's
+  pre-RoPE latents (the caller writes them to its key cache and publishes the slot).
+- `select(op, x, qr, index_k, ...)`: scores the queries against the first end_pos // r rows
+  of `index_k` (whatever key cache the shared slot holds, possibly another layer's) and
+  returns the top-k selection, offset past the window rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+import numpy as np
+import onnx_ir as ir
+from onnxscript import OpBuilder, nn
+
+from csa2onnx.custom_ops.ops import torch_topk
+from csa2onnx.graphs.candidates import select_candidate_blocks
+from csa2onnx.graphs.compressor import scalar_i64
+from csa2onnx.graphs.kv_cache import rope_rows
+from csa2onnx.graphs.numerics import FLOAT, Linear, RMSNorm, round_bf16, weight
+from csa2onnx.graphs.quant import fp4_e8m0
+from csa2onnx.graphs.rope import RopeParams, apply_rotary_emb, freqs_cis
+
+Mode = Literal["prefill", "decode"]
+NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class CandidateConfig:
+    """The candidate source's select_candidate_blocks sizes (candidate_topk_blocks,
+    candidate_block_size in ModelArgs)."""
+
+    topk_blocks: int
+    block_size: int
+
+    def __post_init__(self) -> None:
+        if self.topk_blocks <= 0 or self.block_size <= 0:
+            raise ValueError(f"candidate topk_blocks and block_size must be > 0, got {self}")
+
+
+class IndexKeys(NamedTuple):
+    """An owner's new index keys [b, n, D]: after RoPE, and after the fp4 round trip (the
+    rows written to its key cache)."""
+
+    rope_prequant: ir.Value
+    rows: ir.Value
+
+
+class IndexerOutput(NamedTuple):
+    """topk_idxs int64 [b, s, min(index_topk, end_pos // r)]: ascending compressed
+    positions + offset, -1 where unreachable; score f32 [b, s, end_pos // r] as handed to
+    top-k; candidates bool [b, s, end_pos // r] (candidate source only, else None); the
+    rest are intermediates for inspection: the queries before / after fp4 [b, s, H, D] and
+    top-k's raw indices in its returned order."""
+
+    topk_idxs: ir.Value
+    score: ir.Value
+    candidates: ir.Value | None
+    q_rope_prequant: ir.Value
+    q_rope: ir.Value
+    raw_indices: ir.Value
+
+
+class Indexer(nn.Module):
+    """Indexer(wq_b, weights_proj, wk, k_norm, ...), names as upstream.
+
+    wk/k_norm are given only for an index-key owner (an index source that is also a kv
+    source). `candidates` makes this the candidate source; `uses_candidates` makes it a
+    later index source that selects inside the published candidates. `portable` uses ONNX
+    TopK (lowest-index ties) instead of TorchTopK: a control, NOT the reference.
+    Build a fresh module per exported model: parameters bind to one graph.
+    """
+
+    def __init__(self, wq_b: np.ndarray, weights_proj: np.ndarray,
+                 wk: np.ndarray | None = None, k_norm: np.ndarray | None = None, *,
+                 index_n_heads: int, index_head_dim: int, index_topk: int, ratio: int,
+                 rope: RopeParams, norm_eps: float, window_size: int,
+                 candidates: CandidateConfig | None = None, uses_candidates: bool = False,
+                 portable: bool = False) -> None:
+        super().__init__()
+        heads, dim = index_n_heads, index_head_dim
+        if heads <= 0 or dim <= 0:
+            raise ValueError(f"index_n_heads and index_head_dim must be > 0, got {heads}, {dim}")
+        if index_topk <= 0:
+            raise ValueError(f"index_topk must be > 0, got {index_topk}")
+        if ratio < 1:
+            raise ValueError(f"an Indexer needs compress ratio >= 1, got {ratio}")
+        if window_size <= 0:
+            raise ValueError(f"window_size must be > 0, got {window_size}")
+        if rope.rope_head_dim > dim:
+            raise ValueError(f"rope_head_dim {rope.rope_head_dim} > index_head_dim {dim}")
+        if np.ndim(wq_b) != 2 or np.shape(wq_b)[0] != heads * dim:
+            raise ValueError(f"indexer wq_b must be [index_n_heads*index_head_dim={heads * dim},"
+                             f" q_lora_rank], got {np.shape(wq_b)}")
+        if np.ndim(weights_proj) != 2 or np.shape(weights_proj)[0] != heads:
+            raise ValueError(f"indexer weights_proj must be [index_n_heads={heads}, dim], got "
+                             f"{np.shape(weights_proj)}")
+        if (wk is None) != (k_norm is None):
+            raise ValueError("an index-key owner needs both wk and k_norm (or neither)")
+        if wk is not None and (np.ndim(wk) != 2 or np.shape(wk)[0] != dim):
+            raise ValueError(f"indexer wk must be [index_head_dim={dim}, head_dim], got "
+                             f"{np.shape(wk)}")
+        if candidates is not None and uses_candidates:
+            raise ValueError("the candidate source cannot also select inside candidates")
+        self.n_heads, self.head_dim, self.index_topk = heads, dim, index_topk
+        self.ratio, self.window_size, self.rope_head_dim = ratio, window_size, rope.rope_head_dim
+        self.candidate_config, self.uses_candidates = candidates, uses_candidates
+        self.portable = portable
+        # D^-0.5 (softmax_scale) * H^-0.5, applied to the bf16 head weights.
+        self.weights_scale = float(np.float32(dim ** -0.5 * heads ** -0.5))
+
+        self.wq_b = Linear(wq_b)
+        self.weights_proj = Linear(weights_proj)
+        if wk is not None:
+            self.wk = Linear(wk)
+            self.k_norm = RMSNorm(k_norm, norm_eps)
+        self.owns_keys = wk is not None
+        cos, sin = freqs_cis(rope)  # compress_rope_theta (+ YaRN) table of this layer
+        self.freqs_cos = weight(cos, FLOAT)
+        self.freqs_sin = weight(sin, FLOAT)
+
+    # Public entry points: route through __call__ so parameters are realised in scope.
+    def keys(self, op: OpBuilder, latent: ir.Value, positions: ir.Value) -> IndexKeys:
+        """latent [b, n, head_dim] (pre-RoPE, n may be 0), positions int64 [n]."""
+        if not self.owns_keys:
+            raise ValueError("keys() needs an index-key owner (built with wk and k_norm)")
+        return self(op, latent, positions, entry="keys")
+
+    def select(self, op: OpBuilder, x: ir.Value, qr: ir.Value, index_k: ir.Value, *,
+               start_pos: ir.Value | None = None, candidates: ir.Value | None = None,
+               mode: Mode = "prefill") -> IndexerOutput:
+        """x [b, s, dim], qr [b, s, q_lora_rank]; index_k [b, R, D] the key cache in the
+        shared slot (R >= end_pos // r); start_pos int64 scalar or [1] (decode only;
+        prefill is start_pos 0); candidates bool [b, s, end_pos // r] when uses_candidates."""
+        if mode not in ("prefill", "decode"):
+            raise ValueError(f"mode must be 'prefill' or 'decode', got {mode!r}")
+        if (mode == "decode") != (start_pos is not None):
+            raise ValueError("start_pos is required in decode and not accepted in prefill")
+        if self.uses_candidates != (candidates is not None):
+            raise ValueError("candidates must be given exactly when uses_candidates is set")
+        return self(op, x, qr, index_k, start_pos, candidates, entry="select", mode=mode)
+
+    def forward(self, op: OpBuilder, *args: ir.Value | None, entry: str,
+                **kwargs: str) -> IndexKeys | IndexerOutput:
+        if entry == "keys":
+            return self._keys(op, *args)
+        return self._select(op, *args, **kwargs)
+
+    def _rope(self, op: OpBuilder, x: ir.Value, positions: ir.Value) -> ir.Value:
+        cos, sin = rope_rows(op, self.freqs_cos, self.freqs_sin, positions)
+        return apply_rotary_emb(op, x, cos, sin, self.rope_head_dim)
+
+    def _keys(self, op: OpBuilder, latent: ir.Value, positions: ir.Value) -> IndexKeys:
+        k = self._rope(op, self.k_norm(op, self.wk(op, latent)), positions)
+        return IndexKeys(k, fp4_e8m0(op, k))
+
+    def _select(self, op: OpBuilder, x: ir.Value, qr: ir.Value, index_k: ir.Value,
+                start_pos: ir.Value | None, candidates: ir.Value | None, *,
+                mode: Mode) -> IndexerOutput:
+        one = op.Constant(value_int=1)
+        s = op.Slice(op.Shape(qr), [1], [2])
+        start = op.Constant(value_ints=[0]) if mode == "prefill" else scalar_i64(op, start_pos)
+        end = op.Add(start, s)
+        positions = op.Range(op.Squeeze(start, [0]), op.Squeeze(end, [0]), one)
+
+        # Queries [b, s, H, D], RoPE at start_pos.., fp4 with e8m0 scales.
+        q = op.Reshape(self.wq_b(op, qr), [0, 0, self.n_heads, self.head_dim])
+        q_prequant = self._rope(op, q, positions)
+        q = fp4_e8m0(op, q_prequant)
+        w = round_bf16(op, op.Mul(self.weights_proj(op, x), self.weights_scale))  # [b, s, H]
+
+        # score[b,t,p] = bf16(sum_h bf16(relu(bf16(q[b,t,h] . k[p])) * w[b,t,h])).
+        width = op.Div(end, self.ratio)
+        k = op.Slice(index_k, [0], width, [1])  # [b, T, D]
+        dots = round_bf16(op, op.MatMul(q, op.Unsqueeze(op.Transpose(k, perm=[0, 2, 1]), [1])))
+        weighted = round_bf16(op, op.Mul(op.Relu(dots), op.Unsqueeze(w, [-1])))  # [b,s,H,T]
+        score = round_bf16(op, op.ReduceSum(weighted, [2], keepdims=0))  # [b, s, T]
+
+        # Reachable compressed positions per query: prefill (t+1)//r, decode all end_pos//r.
+        if mode == "prefill":
+            lens = op.Div(op.Add(positions, 1), self.ratio)  # [s]
+            columns = op.Range(op.Constant(value_int=0), op.Squeeze(width, [0]), one)
+            unreachable = op.GreaterOrEqual(columns, op.Unsqueeze(lens, [-1]))  # [s, T]
+            score = op.Where(unreachable, op.Constant(value_float=NEG_INF), score)
+            offset: ir.Value | int = s
+        else:
+            lens = width  # [1]
+            offset = self.window_size
+
+        published = None
+        if self.candidate_config is not None:
+            # From the reachability-masked score (the goldens' block scores say so).
+            published = select_candidate_blocks(
+                op, score, lens, self.candidate_config.topk_blocks,
+                self.candidate_config.block_size, portable=self.portable).candidates
+        if candidates is not None:
+            # Level two: non-candidates drop to -inf but stay selectable (reference quirk 2).
+            score = op.Where(candidates, score, op.Constant(value_float=NEG_INF))
+
+        k_sel = op.Min(width, op.Constant(value_ints=[self.index_topk]))
+        _, raw = torch_topk(op, score, k_sel, largest=True, sorted=False,
+                            portable=self.portable)
+        ascending, _ = op.TopK(raw, k_sel, axis=-1, largest=0, sorted=1, _outputs=2)
+        reachable = op.Less(ascending, op.Unsqueeze(lens, [-1]))
+        topk_idxs = op.Where(reachable, op.Add(ascending, offset), op.Constant(value_int=-1))
+        return IndexerOutput(topk_idxs, score, published, q_prequant, q, raw)

@@ -1,0 +1,77 @@
+"""Cache writes of the compressed layers (reference.md "Compressor", "Indexer", "Shared slots").
+
+A kv source writes its new latents to its compressed-KV cache and an index-key owner its new
+keys to its index-key cache, both at rows start_pos // r onwards; `n` new rows may be 0 (no
+group completed). The shared `index_k` slot is modelled as a tensor holding a copy of the
+last publisher's key cache: an owner only writes its cache when it publishes, so a copy
+reads the same as the reference's reference to the cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import onnx_ir as ir
+from onnxscript import OpBuilder
+
+from csa2onnx.graphs.quant import fp4_e4m3
+from csa2onnx.graphs.rope import RopeParams, apply_rotary_emb
+
+
+def compress_rope_params(model_args: Mapping[str, Any]) -> RopeParams:
+    """The RoPE of ratio > 0 layers: compress_rope_theta, WITH YaRN (ModelArgs names)."""
+    return RopeParams(rope_head_dim=model_args["rope_head_dim"],
+                      max_seq_len=model_args["max_seq_len"],
+                      base=model_args["compress_rope_theta"],
+                      original_seq_len=model_args["original_seq_len"],
+                      factor=model_args["rope_factor"], beta_fast=model_args["beta_fast"],
+                      beta_slow=model_args["beta_slow"])
+
+
+def rope_rows(op: OpBuilder, cos_table: ir.Value, sin_table: ir.Value,
+              positions: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """The (cos, sin) rows [n, rd/2] of the freqs_cis tables at int64 `positions` [n]."""
+    return op.Gather(cos_table, positions, axis=0), op.Gather(sin_table, positions, axis=0)
+
+
+def latent_to_cache_rows(op: OpBuilder, latent: ir.Value, cos_rows: ir.Value,
+                         sin_rows: ir.Value, rope_head_dim: int) -> tuple[ir.Value, ir.Value]:
+    """latent [b, n, hd] -> (after RoPE, after the e4m3-scaled fp4 round trip): the rows the
+    compressed-KV cache stores. cos/sin rows are at the latents' group positions."""
+    rotated = apply_rotary_emb(op, latent, cos_rows, sin_rows, rope_head_dim)
+    return rotated, fp4_e4m3(op, rotated)
+
+
+def cache_row_start(op: OpBuilder, start_pos: ir.Value, ratio: int) -> ir.Value:
+    """start_pos // ratio as int64 [1]: where a call's new rows go."""
+    if ratio < 1:
+        raise ValueError(f"cache ratio must be >= 1, got {ratio}")
+    return op.Div(op.Reshape(start_pos, [1]), ratio)  # start_pos >= 0: truncation is floor
+
+
+def write_rows(op: OpBuilder, cache: ir.Value, new_rows: ir.Value,
+               row_start: ir.Value) -> ir.Value:
+    """cache [b, R, d] with rows row_start .. row_start+n-1 replaced by new_rows [b, n, d].
+
+    Built from slices and one Concat, so n = 0 is a no-op and needs no special case.
+    `row_start` is an int64 scalar or [1]; row_start + n must not exceed R.
+    """
+    start = op.Reshape(row_start, [1])
+    end = op.Add(start, op.Slice(op.Shape(new_rows), [1], [2]))
+    head = op.Slice(cache, [0], start, [1])
+    tail = op.Slice(cache, end, [2**62], [1])
+    return op.Concat(head, new_rows, tail, axis=1)
+
+
+def publish_if(op: OpBuilder, slot: ir.Value, cache: ir.Value, n_new: ir.Value) -> ir.Value:
+    """The `index_k` slot after an owner's call: its key cache if it wrote n_new > 0 rows
+    this call, else the slot unchanged. The cache is zero-padded or cut to the slot's rows
+    (the slot is sized for the owner with the most rows), so the result keeps slot's shape.
+    `n_new` is an int64 scalar or [1] (e.g. the number of latents)."""
+    rows = op.Slice(op.Shape(slot), [1], [2])
+    cut = op.Slice(cache, [0], rows, [1])
+    missing = op.Sub(rows, op.Slice(op.Shape(cut), [1], [2]))
+    fitted = op.Pad(cut, op.Concat([0, 0, 0, 0], missing, [0], axis=0))
+    published = op.Greater(op.Reshape(n_new, [1]), op.Constant(value_int=0))
+    return op.Where(published, fitted, slot)
