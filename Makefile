@@ -21,6 +21,7 @@ $(LIB): $(OP_SOURCES) custom_ops/build.py | $(VENV)/.installed
 
 demo: setup
 	$(PY) -m csa2onnx.export.demo
+	$(VENV)/bin/csa2onnx verify goldens/case3_r4_r128.json
 
 test: setup
 	$(PY) -m pytest -q

@@ -33,7 +33,11 @@ def fp4_quant_dequant(op: OpBuilder, x: ir.Value, block_size: int,
     if scale_format not in ("e8m0", "e4m3"):
         raise ValueError(f"unknown fp4 scale_format {scale_format!r}")
     csa = op.builder.opset(DOMAIN, DOMAIN_VERSION)
-    y = csa.Fp4QuantDequant(x, block_size=block_size, scale_format=scale_format)
+    # Both outputs, though only Y is used: the standard-op function body of a portable
+    # artifact declares two, and ONNX shape inference rejects a call naming fewer.
+    y, scale = csa.Fp4QuantDequant(x, block_size=block_size, scale_format=scale_format,
+                                   _outputs=2)
+    _typed(scale, ir.DataType.FLOAT)
     return _typed(y, ir.DataType.FLOAT, x.shape)
 
 

@@ -45,7 +45,11 @@ class AttentionRuntime:
         elif provider != "cpu":
             raise ValueError(f"provider must be 'cpu' or 'cuda', got {provider!r}")
         self.device = "cuda" if provider == "cuda" else "cpu"
-        options = session_options(intra_op_num_threads)
+        if self.manifest.portable:  # standard ONNX only: no custom-op library needed
+            options = ort.SessionOptions()
+            options.intra_op_num_threads = intra_op_num_threads
+        else:
+            options = session_options(intra_op_num_threads)
         self.sessions = {mode: ort.InferenceSession(str(self.folder / f"{mode}.onnx"),
                                                     sess_options=options, providers=providers)
                          for mode in ("prefill", "decode")}
@@ -58,8 +62,10 @@ class AttentionRuntime:
         return list(self.manifest.layers)
 
     # ---------------------------------------------------------------- calls
-    def prefill(self, xs: dict[int, np.ndarray]) -> StepOutputs:
-        """Start a sequence: xs[layer] is [batch, seqlen, dim]."""
+    def prefill(self, xs: dict[int, np.ndarray],
+                slots: dict[str, np.ndarray] | None = None) -> StepOutputs:
+        """Start a sequence: xs[layer] is [batch, seqlen, dim]; `slots` fills the slots a
+        sub-stack reads from layers outside it (manifest.external_slots)."""
         batch, seqlen = self._check_inputs(xs)
         if seqlen > self.manifest.max_seq_len:
             raise RuntimeStateError(f"prefill of {seqlen} tokens is past max_seq_len "
@@ -67,14 +73,15 @@ class AttentionRuntime:
         if batch > self.manifest.max_batch_size:
             raise RuntimeStateError(f"batch {batch} is larger than max_batch_size "
                                     f"{self.manifest.max_batch_size}")
-        feeds = {f"x.L{layer}": self._ortvalue(x) for layer, x in xs.items()}
+        feeds = self._feeds(xs, slots)
         for name in self.manifest.prefill_state_inputs:
-            feeds[f"state.{name}"] = self._carried(name, batch)
+            feeds[f"past.{name}"] = self._carried(name)
         result = self._run("prefill", feeds)
         self.batch, self.position = batch, seqlen
         return result
 
-    def decode(self, xs: dict[int, np.ndarray]) -> StepOutputs:
+    def decode(self, xs: dict[int, np.ndarray],
+               slots: dict[str, np.ndarray] | None = None) -> StepOutputs:
         """One more token: xs[layer] is [batch, 1, dim]."""
         if not self.state:
             raise RuntimeStateError("decode called before any prefill")
@@ -87,10 +94,10 @@ class AttentionRuntime:
         if self.position >= self.manifest.max_seq_len:
             raise RuntimeStateError(f"position {self.position} is past max_seq_len "
                                     f"{self.manifest.max_seq_len}")
-        feeds = {f"x.L{layer}": self._ortvalue(x) for layer, x in xs.items()}
+        feeds = self._feeds(xs, slots)
         feeds["start_pos"] = self._ortvalue(np.array([self.position], np.int64))
         for name in self.manifest.state_names:
-            feeds[f"state.{name}"] = self.state[name]
+            feeds[f"past.{name}"] = self.state[name]
         result = self._run("decode", feeds)
         self.position += 1
         return result
@@ -99,6 +106,17 @@ class AttentionRuntime:
         return self.state[name].numpy()
 
     # -------------------------------------------------------------- helpers
+    def _feeds(self, xs: dict[int, np.ndarray],
+               slots: dict[str, np.ndarray] | None) -> dict[str, ort.OrtValue]:
+        slots = slots or {}
+        missing = sorted(set(self.manifest.external_slots) - set(slots))
+        if missing:
+            raise RuntimeStateError(f"this sub-stack reads slots written outside it: pass "
+                                    f"{', '.join(missing)} (see manifest external_slots)")
+        feeds = {f"x.L{layer}": self._ortvalue(x) for layer, x in xs.items()}
+        feeds.update({f"slot_in.{name}": self._ortvalue(v) for name, v in slots.items()})
+        return feeds
+
     def _check_inputs(self, xs: dict[int, np.ndarray]) -> tuple[int, int]:
         if sorted(xs) != self.layers:
             raise ValueError(f"inputs for layers {sorted(xs)}; this stack has {self.layers}")
@@ -116,7 +134,7 @@ class AttentionRuntime:
         return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array, dtype=dtype),
                                                 self.device, 0)
 
-    def _carried(self, name: str, batch: int) -> ort.OrtValue:
+    def _carried(self, name: str) -> ort.OrtValue:
         # Slots never reset (the reference's SharedAttentionRuntime persists across calls).
         if name in self.state:
             return self.state[name]
@@ -132,12 +150,12 @@ class AttentionRuntime:
             binding.bind_output(name, self.device)
         session.run_with_iobinding(binding)
         values = dict(zip(names, binding.get_outputs(), strict=True))
-        self.state = {name[len("state."):]: v for name, v in values.items()
-                      if name.startswith("state.")}
+        self.state = {name[len("present."):]: v for name, v in values.items()
+                      if name.startswith("present.")}
         out = {int(name[len("out.L"):]): v.numpy() for name, v in values.items()
                if name.startswith("out.L")}
         extra = {name: v.numpy() for name, v in values.items()
-                 if not name.startswith(("state.", "out.L"))}
+                 if not name.startswith(("present.", "out.L"))}
         return StepOutputs(out, extra)
 
 

@@ -83,8 +83,7 @@ def apply_rotary_emb(op: OpBuilder, x: ir.Value, cos: ir.Value, sin: ir.Value,
                        op.Concat(op.Slice(shape, [0], [-1]), [rd // 2, 2], axis=0))
     re = op.Squeeze(op.Slice(pairs, [0], [1], [-1]), [-1])
     im = op.Squeeze(op.Slice(pairs, [1], [2], [-1]), [-1])
-    if _rank(x) == 4:
-        cos, sin = op.Unsqueeze(cos, [-2]), op.Unsqueeze(sin, [-2])  # broadcast over heads
+    cos, sin = _broadcast_over_heads(op, cos, shape), _broadcast_over_heads(op, sin, shape)
     if inverse:
         sin = op.Neg(sin)
     out_re = op.Sub(op.Mul(re, cos), op.Mul(im, sin))
@@ -94,7 +93,12 @@ def apply_rotary_emb(op: OpBuilder, x: ir.Value, cos: ir.Value, sin: ir.Value,
     return op.Concat(nope, round_bf16(op, rotated), axis=-1)
 
 
-def _rank(x: ir.Value) -> int:
-    if x.shape is None:
-        raise ValueError("apply_rotary_emb needs the rank of x to be known at export time")
-    return len(x.shape)
+def _broadcast_over_heads(op: OpBuilder, rows: ir.Value, x_shape: ir.Value) -> ir.Value:
+    """[..., s, rd/2] -> [..., s, 1, rd/2] when x has a heads axis ([b, s, h, d]): one size-1
+    axis per dimension of x beyond three, computed in the graph, so x's rank need not be
+    known when the graph is built."""
+    extra = op.Sub(op.Shape(x_shape), 3)  # x's rank - 3: 1 with heads, else 0
+    ones = op.ConstantOfShape(extra, value=ir.tensor(np.ones(1, np.int64)))
+    rows_shape = op.Shape(rows)
+    return op.Reshape(rows, op.Concat(op.Slice(rows_shape, [0], [-1]), ones,
+                                      op.Slice(rows_shape, [-1], [2**62]), axis=0))

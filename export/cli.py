@@ -1,0 +1,132 @@
+"""`csa2onnx`: export attention stacks to ONNX, run them, verify goldens, inspect artifacts."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from csa2onnx.export.config import AttentionConfig, ConfigError
+from csa2onnx.export.goldens import load_case
+from csa2onnx.export.plan import plan_stack
+from csa2onnx.export.runtime import AttentionRuntime, describe
+from csa2onnx.export.stack import export_stack
+from csa2onnx.export.weights import WeightsError, from_golden, from_safetensors
+
+
+def _progress(message: str) -> None:
+    print(f"  {message}", file=sys.stderr, flush=True)
+
+
+def _layer_range(text: str | None, n_layers: int) -> tuple[int, int]:
+    if not text:
+        return 0, n_layers - 1
+    first, _, last = text.partition("-")
+    return int(first), int(last or first)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    overrides = {k: v for k, v in (("max_seq_len", args.max_seq_len),
+                                   ("max_batch_size", args.max_batch_size)) if v}
+    config = AttentionConfig.load(args.config, **overrides)
+    first, last = _layer_range(args.layers, config.n_layers)
+    plan = plan_stack(config, first, last, index_keys=args.index_keys)
+    layers = range(first, last + 1)
+    if args.weights and args.weights[0].suffix == ".json":  # a golden case
+        weights = from_golden(load_case(args.weights[0]).arrays, layers)
+    elif args.weights:
+        weights = from_safetensors(args.weights, layers)
+    else:
+        raise WeightsError("--weights is required (safetensors files or a golden case JSON)")
+    start = time.perf_counter()
+    export_stack(plan, weights, args.out, portable=args.portable, progress=_progress)
+    print(f"exported layers {first}..{last} to {args.out} in {time.perf_counter() - start:.1f}s")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    runtime = AttentionRuntime(args.artifacts, provider=args.provider)
+    with np.load(args.inputs) as z:
+        steps = sorted({k.split(".")[0] for k in z.files},
+                       key=lambda s: (s != "prefill", int(s[6:] or 0) if s != "prefill" else 0))
+        outputs = {}
+        for step in steps:
+            xs = {layer: z[f"{step}.L{layer}.x"] for layer in runtime.layers}
+            result = runtime.prefill(xs) if step == "prefill" else runtime.decode(xs)
+            outputs.update({f"{step}.L{layer}.out": v for layer, v in result.out.items()})
+    np.savez(args.output, **outputs)
+    print(f"ran {len(steps)} steps; wrote {len(outputs)} arrays to {args.output}")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from csa2onnx.export.verify import verify_case
+
+    report = verify_case(args.golden, portable=args.portable, index_keys=args.index_keys,
+                         provider=args.provider, threads=args.threads,
+                         progress=_progress if args.verbose else None)
+    print(report.table())
+    return 0 if report.ok else 1
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    print(describe(args.artifacts))
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="csa2onnx", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    e = sub.add_parser("export", help="config + weights -> folder of .onnx artifacts")
+    e.add_argument("config", type=Path, help="config.json (ModelArgs or Hugging Face names)")
+    e.add_argument("--weights", type=Path, nargs="+",
+                   help="safetensors files, or a golden case JSON")
+    e.add_argument("--out", type=Path, required=True)
+    e.add_argument("--layers", help="a range FIRST-LAST (default: all layers)")
+    e.add_argument("--index-keys", choices=["shared", "own"], default="shared",
+                   help="shared: the reference's one index_k slot (default); own: owners read "
+                        "their own keys")
+    e.add_argument("--portable", action="store_true",
+                   help="standard ONNX only (no custom-op library; ties broken lowest-index)")
+    e.add_argument("--max-seq-len", type=int)
+    e.add_argument("--max-batch-size", type=int)
+    e.set_defaults(fn=cmd_export)
+
+    r = sub.add_parser("run", help="artifacts + inputs (.npz with STEP.L{l}.x) -> outputs")
+    r.add_argument("artifacts", type=Path)
+    r.add_argument("inputs", type=Path)
+    r.add_argument("--output", type=Path, default=Path("outputs.npz"))
+    r.add_argument("--provider", choices=["cpu", "cuda"], default="cpu")
+    r.set_defaults(fn=cmd_run)
+
+    v = sub.add_parser("verify", help="export, run and compare a golden case")
+    v.add_argument("golden", type=Path, help="a golden case's NAME.json")
+    v.add_argument("--portable", action="store_true")
+    v.add_argument("--index-keys", choices=["shared", "own"],
+                   help="default: from the case's behaviour_patch")
+    v.add_argument("--provider", choices=["cpu", "cuda"], default="cpu")
+    v.add_argument("--threads", type=int, default=0, help="intra-op threads (0: default)")
+    v.add_argument("-v", "--verbose", action="store_true")
+    v.set_defaults(fn=cmd_verify)
+
+    i = sub.add_parser("inspect", help="summarise an artifact folder")
+    i.add_argument("artifacts", type=Path)
+    i.set_defaults(fn=cmd_inspect)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except (ConfigError, WeightsError, FileNotFoundError, ValueError) as error:
+        print(f"csa2onnx {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""Export a stack of attention layers (one layer is a stack of one) as a prefill model and a
+decode model. Inputs: x.L{l} per layer (the blocks between attention layers are not part of
+the export), start_pos (decode), past.* state, slot_in.* for slots written outside the
+range. Outputs: out.L{l}, present.* state, slot_out.* for the slots the range writes."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+from onnxscript import GraphBuilder
+
+from csa2onnx.custom_ops.library import DOMAIN, DOMAIN_VERSION
+from csa2onnx.custom_ops.portable import fp4_function_proto
+from csa2onnx.export.artifacts import manifest_for, write_manifest
+from csa2onnx.export.layer import AttentionLayer, Mode, Slots
+from csa2onnx.export.plan import StackPlan
+from csa2onnx.export.weights import LayerWeights, check_layer
+from csa2onnx.graphs.standalone import IR_VERSION, OPSET, check_parameter_names
+
+# Per-layer intermediates a debug export also returns (as L{l}.{name}), named as the goldens.
+DEBUG_OUTPUTS = ("qr", "q_rope", "window_kv", "latent", "index_score", "index_topk_idxs",
+                 "candidates", "attn_topk_idxs", "attn_o")
+_RANK_4 = ("q_rope", "attn_o")  # [b, s, heads, d]; every other output is rank 3 (or state)
+EXTERNAL_DATA_BYTES = 256 << 20  # larger models keep their weights beside them
+
+_DTYPES = {"float32": ir.DataType.FLOAT, "int64": ir.DataType.INT64}
+
+
+def build_stack_model(plan: StackPlan, weights: dict[int, LayerWeights], mode: Mode, *,
+                      portable: bool = False, debug_outputs: bool = False,
+                      progress: Callable[[str], None] | None = None) -> ir.Model:
+    """Trace the stack's `mode` call into an ONNX IR model."""
+    c = plan.config
+    graph = ir.Graph([], [], nodes=[], name=f"csa2onnx_{mode}",
+                     opset_imports={"": OPSET, DOMAIN: DOMAIN_VERSION})
+    builder = GraphBuilder(graph)
+    op = builder.op
+    seq = "seq" if mode == "prefill" else 1
+    xs = {p.layer: builder.input(f"x.L{p.layer}", ir.DataType.FLOAT, ["batch", seq, c.dim])
+          for p in plan.layers}
+    start_pos = builder.input("start_pos", ir.DataType.INT64, [1]) if mode == "decode" else None
+
+    state: dict[str, ir.Value] = {}
+    carried = [t for t in plan.state()
+               if mode == "decode" or t.name == "index_k_publisher"]
+    for t in carried:
+        state[t.name] = builder.input(f"past.{t.name}", _DTYPES[t.dtype], list(t.shape))
+    if mode == "prefill":  # a new sequence: caches start empty
+        batch = op.Slice(op.Shape(next(iter(xs.values()))), [0], [1])
+        for t in plan.state():
+            if t.name.endswith(("compress_kv", "index_k")):
+                shape = op.Concat(batch, list(t.shape[1:]), axis=0)
+                state[t.name] = op.ConstantOfShape(shape, value=ir.tensor(np.zeros(1, np.float32)))
+    # An owner's key cache is visible through the index_k slot before the owner runs in
+    # this call (the reference's slot holds a reference to the cache tensor).
+    slots = Slots(publisher=state.get("index_k_publisher"),
+                  index_k={o: state[f"L{o}.index_k"] for o in plan.owners})
+    for name in plan.external_slots():
+        slots.external[name] = builder.input(f"slot_in.{name}", *_slot_type(plan, name, seq))
+
+    outputs: list[tuple[str, ir.Value]] = []
+    for i, p in enumerate(plan.layers):
+        if progress:
+            progress(f"[{i + 1}/{len(plan.layers)}] {mode} layer {p.layer} ({p.role})")
+        layer = AttentionLayer(plan, p, check_layer(c, p.layer, weights[p.layer]),
+                               portable=portable)
+
+        def debug(name: str, value: ir.Value, layer_id: int = p.layer) -> None:
+            if debug_outputs:
+                outputs.append((f"L{layer_id}.{name}", value))
+
+        out = layer(op, xs[p.layer], start_pos, state, slots, mode, debug)
+        outputs.append((f"out.L{p.layer}", out))
+    if slots.publisher is not None:
+        state["index_k_publisher"] = slots.publisher
+    for t in plan.state():
+        outputs.append((f"present.{t.name}", state[t.name]))
+    last_topk = [slots.topk_idxs[p.layer] for p in plan.layers if p.layer in slots.topk_idxs]
+    if last_topk:
+        outputs.append(("slot_out.topk_idxs", last_topk[-1]))
+    if slots.candidates is not None:
+        outputs.append(("slot_out.candidates", slots.candidates))
+
+    state_shapes = {f"present.{t.name}": t.shape for t in plan.state()}
+    seen: set[int] = set()
+    for name, value in outputs:
+        # A value can leave the graph once; a second name (or an input) needs its own node.
+        if id(value) in seen or value in graph.inputs or value.is_graph_output():
+            value = op.Identity(value)
+        seen.add(id(value))
+        if value.shape is None:  # a graph output needs at least its rank
+            rank = len(state_shapes[name]) if name in state_shapes else (
+                4 if name.endswith(_RANK_4) else 3)
+            value.shape = ir.Shape([None] * rank)
+        builder.add_output(value, name)
+    check_parameter_names(graph)
+    _share_identical_initializers(graph)
+    return ir.Model(graph, ir_version=IR_VERSION)
+
+
+def _slot_type(plan: StackPlan, name: str, seq: int | str) -> tuple[ir.DataType, list]:
+    c = plan.config
+    return {
+        "compress_kv": (ir.DataType.FLOAT, ["batch", "compress_rows", c.head_dim]),
+        "index_k": (ir.DataType.FLOAT, ["batch", "index_rows", c.index_head_dim]),
+        "topk_idxs": (ir.DataType.INT64, ["batch", seq, "topk"]),
+        "candidates": (ir.DataType.BOOL, ["batch", seq, "candidate_width"]),
+    }[name]
+
+
+def _share_identical_initializers(graph: ir.Graph) -> None:
+    """One initializer per distinct content: every module builds its own RoPE tables, and
+    ratio-0 and compressed layers each share theirs across the stack."""
+    first: dict[tuple, ir.Value] = {}
+    for name, value in list(graph.initializers.items()):
+        tensor = value.const_value
+        key = (tensor.dtype, tuple(tensor.shape), hashlib.sha1(tensor.tobytes()).hexdigest())
+        keep = first.setdefault(key, value)
+        if keep is not value:
+            ir.convenience.replace_all_uses_with(value, keep)
+            del graph.initializers[name]
+
+
+def to_proto(model: ir.Model, plan: StackPlan, portable: bool) -> onnx.ModelProto:
+    proto = ir.serde.serialize_model(model)
+    if portable:  # the standard-op body of Fp4QuantDequant travels with the model
+        proto.functions.append(fp4_function_proto())
+    for key, value in manifest_for(plan, portable).metadata().items():
+        proto.metadata_props.add(key=key, value=value)
+    return proto
+
+
+def export_stack(plan: StackPlan, weights: dict[int, LayerWeights], folder: str | Path, *,
+                 portable: bool = False, debug_outputs: bool = False,
+                 progress: Callable[[str], None] | None = None) -> Path:
+    """Write prefill.onnx, decode.onnx and manifest.json for `plan` into `folder`."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for mode in ("prefill", "decode"):
+        model = build_stack_model(plan, weights, mode, portable=portable,
+                                  debug_outputs=debug_outputs, progress=progress)
+        proto = to_proto(model, plan, portable)
+        path = folder / f"{mode}.onnx"
+        large = proto.ByteSize() > EXTERNAL_DATA_BYTES
+        onnx.save_model(proto, str(path), save_as_external_data=large,
+                        all_tensors_to_one_file=True, location=f"{mode}.onnx.data",
+                        size_threshold=1024)
+        onnx.checker.check_model(str(path), full_check=True)
+    write_manifest(folder, manifest_for(plan, portable))
+    return folder

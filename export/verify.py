@@ -1,0 +1,114 @@
+"""Verify a golden case end to end: export its layers, run its schedule through onnxruntime
+with the state chained between steps, and compare every step and layer with the golden."""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from csa2onnx.export.config import AttentionConfig
+from csa2onnx.export.goldens import Comparison, GoldenCase, compare, load_case
+from csa2onnx.export.plan import IndexKeys, plan_stack
+from csa2onnx.export.runtime import AttentionRuntime
+from csa2onnx.export.stack import DEBUG_OUTPUTS, export_stack
+from csa2onnx.export.weights import from_golden
+
+# Arrays compared exactly (selections and masks); everything else at bf16 tolerance.
+EXACT = ("index_topk_idxs", "attn_topk_idxs", "candidates")
+# State compared with the golden caches after the last step.
+FINAL_STATE = {"window_kv_cache_after": "window_kv", "compress_kv_cache_after": "compress_kv"}
+
+
+@dataclass
+class Row:
+    step: str
+    layer: int
+    array: str
+    result: Comparison
+
+
+@dataclass
+class VerifyReport:
+    case: str
+    index_keys: str
+    portable: bool
+    rows: list[Row] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.rows) and all(r.result.ok for r in self.rows)
+
+    def table(self) -> str:
+        """One line per array name: checks passed, worst error, min/mean bit-identical."""
+        lines = [f"{self.case}  (index_keys={self.index_keys}, "
+                 f"{'portable' if self.portable else 'custom ops'})",
+                 f"  {'array':<24}{'checks':>8}{'passed':>8}{'exact':>8}"
+                 f"{'max|err|':>11}{'bf16-identical min/mean':>26}"]
+        by_array: dict[str, list[Row]] = {}
+        for row in self.rows:
+            by_array.setdefault(row.array, []).append(row)
+        for name, rows in by_array.items():
+            bits = [r.result.bit_identical for r in rows]
+            err = max(r.result.max_abs_err for r in rows)
+            lines.append(f"  {name:<24}{len(rows):>8}{sum(r.result.ok for r in rows):>8}"
+                         f"{sum(r.result.exact for r in rows):>8}{err:>11.3g}"
+                         f"{min(bits):>17.4f} / {np.mean(bits):.4f}")
+        failures = [r for r in self.rows if not r.result.ok]
+        for row in failures[:20]:
+            lines.append(f"  FAIL {row.step} L{row.layer} {row.array}: {row.result.detail}")
+        if len(failures) > 20:
+            lines.append(f"  ... {len(failures) - 20} more failures")
+        lines.append(f"  {'PASS' if self.ok else 'FAIL'}: {sum(r.result.ok for r in self.rows)}"
+                     f" of {len(self.rows)} comparisons")
+        return "\n".join(lines)
+
+
+def index_keys_of(case: GoldenCase) -> IndexKeys:
+    patch = case.meta.get("behaviour_patch") or {}
+    text = patch if isinstance(patch, str) else " ".join(f"{k} {v}" for k, v in patch.items())
+    return "own" if "owner_reads_own_index_k" in text else "shared"
+
+
+def verify_case(path: str | Path, *, portable: bool = False, index_keys: IndexKeys | None = None,
+                provider: str = "cpu", threads: int = 0, out_dir: Path | None = None,
+                progress: Callable[[str], None] | None = None) -> VerifyReport:
+    case = load_case(path)
+    keys = index_keys or index_keys_of(case)
+    config = AttentionConfig.from_model_args(case.model_args)
+    plan = plan_stack(config, index_keys=keys)
+    weights = from_golden(case.arrays, range(config.n_layers))
+    report = VerifyReport(case.name, keys, portable)
+    with tempfile.TemporaryDirectory(prefix="csa2onnx-verify-") as tmp:
+        folder = out_dir or Path(tmp)
+        export_stack(plan, weights, folder, portable=portable, debug_outputs=True,
+                     progress=progress)
+        runtime = AttentionRuntime(folder, provider=provider, intra_op_num_threads=threads)
+        layers = runtime.layers
+        for entry in case.meta["schedule"]:
+            step = entry["step"]
+            xs = {layer: case.step(step, layer, "x") for layer in layers}
+            result = runtime.prefill(xs) if entry["start_pos"] == 0 else runtime.decode(xs)
+            if progress:
+                progress(f"{case.name}: {step}")
+            for layer in layers:
+                report.rows.append(Row(step, layer, "out",
+                                       compare(result.out[layer], case.step(step, layer, "out"))))
+                for name in DEBUG_OUTPUTS:
+                    key = f"L{layer}.{name}"
+                    if key in result.extra and case.has(step, layer, name):
+                        report.rows.append(Row(step, layer, name, compare(
+                            result.extra[key], case.step(step, layer, name),
+                            exact=name in EXACT)))
+        last = case.meta["schedule"][-1]["step"]
+        for layer in layers:
+            for golden_name, state_name in FINAL_STATE.items():
+                if case.has(last, layer, golden_name):
+                    want = case.step(last, layer, golden_name)
+                    # The golden holds the rows written so far; the cache has max_seq_len//r.
+                    got = runtime.state_array(f"L{layer}.{state_name}")[:, :want.shape[1]]
+                    report.rows.append(Row(last, layer, golden_name, compare(got, want)))
+    return report

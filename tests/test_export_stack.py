@@ -1,0 +1,170 @@
+"""The compiler end to end: whole stacks and single layers exported, run in onnxruntime with
+state chained between steps, and compared with every golden step and layer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from conftest import GOLDENS, golden
+
+from csa2onnx.custom_ops import make_session
+from csa2onnx.export.cli import main as cli
+from csa2onnx.export.config import AttentionConfig
+from csa2onnx.export.goldens import compare
+from csa2onnx.export.plan import plan_stack
+from csa2onnx.export.runtime import AttentionRuntime, RuntimeStateError
+from csa2onnx.export.stack import export_stack
+from csa2onnx.export.verify import verify_case
+from csa2onnx.export.weights import from_golden
+
+VERIFIED = ["case1_r2_r1", "case1_r2_r1_ownk", "case2_candidates", "case3_r4_r128",
+            "case3_r4_r128_ownk"]
+
+
+@pytest.mark.parametrize("case", VERIFIED)
+def test_verify_passes_on_every_shared_case(case: str, golden_report) -> None:
+    report = verify_case(GOLDENS / f"{case}.json")
+    for row in report.rows:
+        golden_report.rows.append({
+            "case": case, "component": "stack", "array": f"{row.step}.L{row.layer}.{row.array}",
+            "ok": row.result.ok, "exact": row.result.exact,
+            "bit_identical": row.result.bit_identical, "max_abs_err": row.result.max_abs_err,
+            "size": 0})
+    assert report.ok, report.table()
+    compared = {row.array for row in report.rows}
+    assert {"out", "attn_topk_idxs", "attn_o", "index_topk_idxs"} <= compared
+
+
+def test_tie_rule_decides_the_lowest_index_overlay() -> None:
+    """The overlay breaks ties lowest-index-first (ONNX TopK's rule): the portable export
+    reproduces its selections, the default (torch's rule) must not."""
+    path = GOLDENS / "case2_candidates_lowidx.json"
+    portable = verify_case(path, portable=True)
+    default = verify_case(path)
+    selections = [r for r in portable.rows if r.array == "index_topk_idxs"]
+    assert selections and all(r.result.ok for r in selections), portable.table()
+    assert not default.ok
+    assert any(not r.result.ok for r in default.rows if r.array == "index_topk_idxs")
+
+
+@pytest.fixture(scope="module")
+def case1_artifacts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    g = golden("case1_r2_r1")
+    plan = plan_stack(AttentionConfig.from_model_args(g.model_args))
+    folder = tmp_path_factory.mktemp("case1")
+    export_stack(plan, from_golden(g.arrays, range(6)), folder)
+    return folder
+
+
+def run_schedule(folder: Path, threads: int, steps: int = 4) -> list[dict[int, np.ndarray]]:
+    g = golden("case1_r2_r1")
+    runtime = AttentionRuntime(folder, intra_op_num_threads=threads)
+    outs = []
+    for entry in g.meta["schedule"][:steps]:
+        xs = {layer: g.step(entry["step"], layer, "x") for layer in range(6)}
+        outs.append((runtime.prefill if entry["start_pos"] == 0 else runtime.decode)(xs).out)
+    return outs
+
+
+def test_one_and_two_threads_give_identical_outputs(case1_artifacts: Path) -> None:
+    for a, b in zip(run_schedule(case1_artifacts, 1), run_schedule(case1_artifacts, 2),
+                    strict=True):
+        for layer in a:
+            np.testing.assert_array_equal(a[layer], b[layer])
+
+
+def test_batch_rows_are_independent(case1_artifacts: Path) -> None:
+    """Two different sequences in one batch give each sequence's batch-1 result."""
+    g = golden("case1_r2_r1")
+    xs = {layer: g.step("prefill", layer, "x") for layer in range(6)}
+    other = {layer: x[:, ::-1].copy() for layer, x in xs.items()}
+    single = AttentionRuntime(case1_artifacts).prefill(xs).out
+    pair = AttentionRuntime(case1_artifacts).prefill(
+        {layer: np.concatenate([other[layer], xs[layer]]) for layer in xs}).out
+    for layer in single:
+        np.testing.assert_array_equal(pair[layer][1:], single[layer])
+
+
+def test_runtime_rejects_calls_that_do_not_fit(case1_artifacts: Path) -> None:
+    g = golden("case1_r2_r1")
+    runtime = AttentionRuntime(case1_artifacts)
+    step = {layer: g.step("decode0", layer, "x") for layer in range(6)}
+    with pytest.raises(RuntimeStateError, match="decode called before any prefill"):
+        runtime.decode(step)
+    too_big = {layer: np.zeros((5, 3, 256), np.float32) for layer in range(6)}
+    with pytest.raises(RuntimeStateError, match="larger than max_batch_size 4"):
+        runtime.prefill(too_big)
+    too_long = {layer: np.zeros((1, 513, 256), np.float32) for layer in range(6)}
+    with pytest.raises(RuntimeStateError, match="past max_seq_len 512"):
+        runtime.prefill(too_long)
+    with pytest.raises(ValueError, match=r"\[batch, seqlen, 256\]"):
+        runtime.prefill({layer: np.zeros((1, 3, 128), np.float32) for layer in range(6)})
+    with pytest.raises(ValueError, match="this stack has"):
+        runtime.prefill({0: np.zeros((1, 3, 256), np.float32)})
+    runtime.prefill({layer: np.zeros((1, 511, 256), np.float32) for layer in range(6)})
+    runtime.decode({layer: np.zeros((1, 1, 256), np.float32) for layer in range(6)})
+    with pytest.raises(RuntimeStateError, match="position 512 is past max_seq_len 512"):
+        runtime.decode({layer: np.zeros((1, 1, 256), np.float32) for layer in range(6)})
+    with pytest.raises(RuntimeStateError, match="differs from the prefill's batch"):
+        runtime.decode({layer: np.zeros((2, 1, 256), np.float32) for layer in range(6)})
+
+
+def test_artifacts_are_checked_named_and_described(case1_artifacts: Path) -> None:
+    model = onnx.load(str(case1_artifacts / "decode.onnx"))
+    onnx.checker.check_model(model, full_check=True)
+    meta = {p.key: p.value for p in model.metadata_props}
+    assert {"config", "state", "layers", "custom_op_domain", "csa2onnx_version"} <= set(meta)
+    names = [n.name for n in model.graph.node]
+    assert any(n.startswith("layer1/indexer/") for n in names)
+    assert any(n.startswith("layer3/compressor/") for n in names)
+    inputs = {i.name for i in model.graph.input}
+    assert {"start_pos", "past.L1.index_k", "past.index_k_publisher", "x.L5"} <= inputs
+    outputs = {o.name for o in model.graph.output}
+    assert {"out.L0", "present.L1.compressor.kv_state", "present.L3.compress_kv"} <= outputs
+
+
+def test_single_layer_export_takes_slots_as_inputs(tmp_path: Path) -> None:
+    """case2 layer 3 alone (an index source using candidates): the compressed KV, the
+    candidates and the index keys come in as slot inputs, filled here from the golden."""
+    g = golden("case2_candidates")
+    plan = plan_stack(AttentionConfig.from_model_args(g.model_args), 3, 3)
+    export_stack(plan, from_golden(g.arrays, [3]), tmp_path)
+    session = make_session(str(tmp_path / "prefill.onnx"))
+    kv = g.step("prefill", 3, "attn_kv")[:, 77:]  # the compressed rows sparse_attn read
+    feeds = {
+        "x.L3": g.step("prefill", 3, "x"),
+        "slot_in.compress_kv": kv,
+        "slot_in.candidates": g.step("prefill", 1, "candidates"),
+        "slot_in.index_k": g.step("prefill", 1, "index_k_rows"),
+    }
+    out = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds),
+                   strict=True))
+    assert compare(out["out.L3"], g.step("prefill", 3, "out")).ok
+    want = g.step("prefill", 3, "index_topk_idxs")
+    np.testing.assert_array_equal(out["slot_out.topk_idxs"], want)
+
+
+def test_cli_export_inspect_run_and_verify(tmp_path: Path, capsys) -> None:
+    case = GOLDENS / "case3_r4_r128.json"
+    out = tmp_path / "artifacts"
+    assert cli(["export", str(case), "--weights", str(case), "--out", str(out),
+                "--layers", "0-4"]) == 0
+    assert cli(["inspect", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "L1: ratio 128, kv source, index source, index-key owner" in text
+    g = golden("case3_r4_r128")
+    inputs = tmp_path / "inputs.npz"
+    np.savez(inputs, **{f"{s}.L{layer}.x": g.step(s, layer, "x") for s in ("prefill", "decode0")
+                        for layer in range(5)})
+    assert cli(["run", str(out), str(inputs), "--output", str(tmp_path / "o.npz")]) == 0
+    with np.load(tmp_path / "o.npz") as z:
+        assert compare(z["decode0.L2.out"], g.step("decode0", 2, "out")).ok
+    assert cli(["export", str(case), "--weights", str(case), "--out", str(tmp_path / "sub"),
+                "--layers", "2-2"]) == 0
+    with pytest.raises(RuntimeStateError, match="pass compress_kv, topk_idxs"):
+        AttentionRuntime(tmp_path / "sub").prefill({2: g.step("prefill", 2, "x")})
+    assert cli(["export", str(case), "--out", str(out)]) == 2  # no weights: a clear error
+    assert "--weights is required" in capsys.readouterr().err
