@@ -10,7 +10,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-import numpy as np
 import onnx_ir as ir
 from onnxscript import OpBuilder, nn
 from onnxscript._internal.builder import make_value
@@ -97,7 +96,7 @@ class AttentionLayer(nn.Module):
         name = f"L{p.layer}"
         pos = op.Constant(value_ints=[0]) if start_pos is None else start_pos
         qr, q = self.attn_q(op, x, pos)
-        kv_prequant, kv = self.window_kv(op, x, pos)
+        _, kv = self.window_kv(op, x, pos)  # (before fp8, after): the window reads the latter
         debug("qr", qr)
         debug("q_rope", q)
         debug("window_kv", kv)
