@@ -14,29 +14,19 @@ import onnx_ir as ir
 from onnxscript import OpBuilder, nn
 from onnxscript._internal.builder import make_value
 
-from csa2onnx.export.config import AttentionConfig
 from csa2onnx.export.plan import LayerPlan, StackPlan
 from csa2onnx.export.weights import LayerWeights
-from csa2onnx.graphs.attention_q import QueryProjection, RopeTables, WindowKVProjection
+from csa2onnx.graphs.attention_q import QueryProjection, WindowKVProjection
 from csa2onnx.graphs.compressor import Compressor
 from csa2onnx.graphs.indexer import CandidateConfig, Indexer
 from csa2onnx.graphs.kv_cache import cache_row_start, latent_to_cache_rows, write_rows
 from csa2onnx.graphs.numerics import FLOAT, INT64, weight
 from csa2onnx.graphs.output import OutputProjection
-from csa2onnx.graphs.rope import RopeParams
+from csa2onnx.graphs.rope import RopeTables, layer_rope_params
 from csa2onnx.graphs.sparse_attn import sparse_attn
 from csa2onnx.graphs.window import window_decode, window_prefill
 
 Mode = Literal["prefill", "decode"]
-
-
-def rope_params(config: AttentionConfig, ratio: int) -> RopeParams:
-    """Ratio-0 layers: rope_theta, no YaRN; compressed layers: compress_rope_theta + YaRN."""
-    c = config
-    if ratio == 0:
-        return RopeParams(c.rope_head_dim, c.max_seq_len, c.rope_theta)
-    return RopeParams(c.rope_head_dim, c.max_seq_len, c.compress_rope_theta, c.original_seq_len,
-                      c.rope_factor, c.beta_fast, c.beta_slow)
 
 
 @dataclass
@@ -62,7 +52,7 @@ class AttentionLayer(nn.Module):
         super().__init__(f"layer{plan.layer}")
         c = stack.config
         self.config, self.plan, self.stack = c, plan, stack
-        rope = rope_params(c, plan.ratio)
+        rope = layer_rope_params(c.to_dict(), plan.ratio)
         self.attn_q = QueryProjection(w["wq_a.weight"], w["q_norm.weight"], w["wq_b.weight"],
                                       c.n_heads, c.head_dim, c.rope_head_dim, c.norm_eps, rope)
         self.window_kv = WindowKVProjection(w["wkv.weight"], w["kv_norm.weight"], c.head_dim,

@@ -1,9 +1,5 @@
 """Attention.forward steps 1-2 up to the window: the query path (wq_a, q_norm, wq_b, RoPE)
 and the window KV projection (wkv, kv_norm, RoPE, fp8 round trip).
-
-Also the RoPE-at-positions helpers both use: the tokens of a call sit at positions
-start_pos .. start_pos + s - 1 (prefill: start_pos = 0), and their (cos, sin) rows are
-gathered from the layer's freqs_cis tables.
 """
 
 from __future__ import annotations
@@ -13,37 +9,8 @@ import onnx_ir as ir
 from onnxscript import OpBuilder, nn
 
 from csa2onnx.graphs import quant
-from csa2onnx.graphs.numerics import FLOAT, INT64, Linear, RMSNorm, weight
-from csa2onnx.graphs.rope import RopeParams, apply_rotary_emb, freqs_cis
-
-
-def token_positions(op: OpBuilder, x: ir.Value, start_pos: ir.Value) -> ir.Value:
-    """int64 [s]: start_pos + 0..s-1 for x [b, s, ...]; start_pos is an int scalar or [1]."""
-    start = op.Reshape(op.Cast(start_pos, to=INT64),
-                       op.Constant(value=ir.tensor(np.zeros(0, np.int64))))
-    s = op.Squeeze(op.Slice(op.Shape(x), [1], [2]), [0])
-    return op.Range(start, op.Add(start, s), 1)
-
-
-def rope_at(op: OpBuilder, tables: tuple[ir.Value, ir.Value],
-            positions: ir.Value) -> tuple[ir.Value, ir.Value]:
-    """(cos, sin) rows [s, rd/2] of the freqs_cis tables ([max_seq_len, rd/2]) at positions."""
-    cos, sin = tables
-    return op.Gather(cos, positions, axis=0), op.Gather(sin, positions, axis=0)
-
-
-class RopeTables(nn.Module):
-    """A layer's freqs_cis as two float32 initializers `cos`, `sin` [max_seq_len, rd/2]."""
-
-    def __init__(self, params: RopeParams, name: str | None = None) -> None:
-        super().__init__(name)
-        self.params = params
-        cos, sin = freqs_cis(params)
-        self.cos = weight(cos, FLOAT)
-        self.sin = weight(sin, FLOAT)
-
-    def forward(self, op: OpBuilder, positions: ir.Value) -> tuple[ir.Value, ir.Value]:
-        return rope_at(op, (self.cos, self.sin), positions)
+from csa2onnx.graphs.numerics import Linear, RMSNorm
+from csa2onnx.graphs.rope import RopeParams, RopeTables, apply_rotary_emb, token_positions
 
 
 def _check_rope(rope: RopeParams, rope_head_dim: int, head_dim: int) -> None:
@@ -116,17 +83,3 @@ class WindowKVProjection(nn.Module):
         cos, sin = self.freqs_cis(op, token_positions(op, x, start_pos))
         kv = apply_rotary_emb(op, kv, cos, sin, self.rope_head_dim)
         return kv, quant.act_quant(op, kv)
-
-
-def layer_rope_params(model_args: dict, layer: int) -> RopeParams:
-    """The RopeParams a layer uses: rope_theta without YaRN for ratio 0, else
-    compress_rope_theta with YaRN (model_args as in the reference's ModelArgs)."""
-    ratio = model_args["compress_ratios"][layer]
-    common = dict(rope_head_dim=model_args["rope_head_dim"],
-                  max_seq_len=model_args["max_seq_len"])
-    if ratio == 0:
-        return RopeParams(base=model_args["rope_theta"], **common)
-    return RopeParams(base=model_args["compress_rope_theta"],
-                      original_seq_len=model_args["original_seq_len"],
-                      factor=model_args["rope_factor"], beta_fast=model_args["beta_fast"],
-                      beta_slow=model_args["beta_slow"], **common)

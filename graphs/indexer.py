@@ -20,10 +20,9 @@ from onnxscript import OpBuilder, nn
 from csa2onnx.custom_ops.ops import torch_topk
 from csa2onnx.graphs.candidates import select_candidate_blocks
 from csa2onnx.graphs.compressor import scalar_i64
-from csa2onnx.graphs.kv_cache import rope_rows
 from csa2onnx.graphs.numerics import FLOAT, Linear, RMSNorm, round_bf16, weight
 from csa2onnx.graphs.quant import fp4_e8m0
-from csa2onnx.graphs.rope import RopeParams, apply_rotary_emb, freqs_cis
+from csa2onnx.graphs.rope import RopeParams, apply_rotary_emb, freqs_cis, rope_at
 
 Mode = Literal["prefill", "decode"]
 NEG_INF = float("-inf")
@@ -151,7 +150,7 @@ class Indexer(nn.Module):
         return self._select(op, *args, **kwargs)
 
     def _rope(self, op: OpBuilder, x: ir.Value, positions: ir.Value) -> ir.Value:
-        cos, sin = rope_rows(op, self.freqs_cos, self.freqs_sin, positions)
+        cos, sin = rope_at(op, self.freqs_cos, self.freqs_sin, positions)
         return apply_rotary_emb(op, x, cos, sin, self.rope_head_dim)
 
     def _keys(self, op: OpBuilder, latent: ir.Value, positions: ir.Value) -> IndexKeys:

@@ -9,30 +9,11 @@ reads the same as the reference's reference to the cache.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 import onnx_ir as ir
 from onnxscript import OpBuilder
 
 from csa2onnx.graphs.quant import fp4_e4m3
-from csa2onnx.graphs.rope import RopeParams, apply_rotary_emb
-
-
-def compress_rope_params(model_args: Mapping[str, Any]) -> RopeParams:
-    """The RoPE of ratio > 0 layers: compress_rope_theta, WITH YaRN (ModelArgs names)."""
-    return RopeParams(rope_head_dim=model_args["rope_head_dim"],
-                      max_seq_len=model_args["max_seq_len"],
-                      base=model_args["compress_rope_theta"],
-                      original_seq_len=model_args["original_seq_len"],
-                      factor=model_args["rope_factor"], beta_fast=model_args["beta_fast"],
-                      beta_slow=model_args["beta_slow"])
-
-
-def rope_rows(op: OpBuilder, cos_table: ir.Value, sin_table: ir.Value,
-              positions: ir.Value) -> tuple[ir.Value, ir.Value]:
-    """The (cos, sin) rows [n, rd/2] of the freqs_cis tables at int64 `positions` [n]."""
-    return op.Gather(cos_table, positions, axis=0), op.Gather(sin_table, positions, axis=0)
+from csa2onnx.graphs.rope import apply_rotary_emb
 
 
 def latent_to_cache_rows(op: OpBuilder, latent: ir.Value, cos_rows: ir.Value,

@@ -7,9 +7,8 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript import OpBuilder, nn
 
-from csa2onnx.graphs.attention_q import RopeTables, token_positions
 from csa2onnx.graphs.numerics import BFLOAT16, Linear, as_float, round_bf16, weight
-from csa2onnx.graphs.rope import RopeParams, apply_rotary_emb
+from csa2onnx.graphs.rope import RopeParams, RopeTables, apply_rotary_emb, token_positions
 
 
 class OutputProjection(nn.Module):

@@ -4,14 +4,16 @@ apply_rotary_emb on the LAST `rope_head_dim` features, adjacent pairs as complex
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import onnx_ir as ir
-from onnxscript import OpBuilder
+from onnxscript import OpBuilder, nn
 
 from csa2onnx.custom_ops.library import libm_cos_sin
-from csa2onnx.graphs.numerics import round_bf16
+from csa2onnx.graphs.numerics import FLOAT, INT64, round_bf16, weight
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,17 @@ class RopeParams:
             raise ValueError(f"rope_head_dim must be even and > 0, got {self.rope_head_dim}")
         if self.max_seq_len <= 0:
             raise ValueError(f"max_seq_len must be > 0, got {self.max_seq_len}")
+
+
+def layer_rope_params(args: Mapping[str, Any], ratio: int) -> RopeParams:
+    """The RoPE a layer of compress ratio `ratio` uses (`args` in ModelArgs names): ratio-0
+    layers rope_theta without YaRN, compressed layers compress_rope_theta with YaRN."""
+    common = {"rope_head_dim": args["rope_head_dim"], "max_seq_len": args["max_seq_len"]}
+    if ratio == 0:
+        return RopeParams(base=args["rope_theta"], **common)
+    return RopeParams(base=args["compress_rope_theta"], original_seq_len=args["original_seq_len"],
+                      factor=args["rope_factor"], beta_fast=args["beta_fast"],
+                      beta_slow=args["beta_slow"], **common)
 
 
 def inverse_frequencies(p: RopeParams) -> np.ndarray:
@@ -65,6 +78,35 @@ def freqs_cis(p: RopeParams) -> tuple[np.ndarray, np.ndarray]:
     angles = (np.arange(p.max_seq_len, dtype=np.float32)[:, None]
               * inverse_frequencies(p)[None, :]).astype(np.float32)
     return libm_cos_sin(angles)
+
+
+def token_positions(op: OpBuilder, x: ir.Value, start_pos: ir.Value) -> ir.Value:
+    """int64 [s]: start_pos + 0..s-1 for x [b, s, ...]; start_pos is an int scalar or [1]."""
+    start = op.Reshape(op.Cast(start_pos, to=INT64),
+                       op.Constant(value=ir.tensor(np.zeros(0, np.int64))))
+    s = op.Squeeze(op.Slice(op.Shape(x), [1], [2]), [0])
+    return op.Range(start, op.Add(start, s), 1)
+
+
+def rope_at(op: OpBuilder, cos_table: ir.Value, sin_table: ir.Value,
+            positions: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """(cos, sin) rows [n, rd/2] of the freqs_cis tables ([max_seq_len, rd/2]) at positions."""
+    return op.Gather(cos_table, positions, axis=0), op.Gather(sin_table, positions, axis=0)
+
+
+class RopeTables(nn.Module):
+    """A layer's freqs_cis as two float32 initializers `cos`, `sin` [max_seq_len, rd/2]
+    (identical tables are stored once per artifact by the exporter)."""
+
+    def __init__(self, params: RopeParams, name: str | None = None) -> None:
+        super().__init__(name)
+        self.params = params
+        cos, sin = freqs_cis(params)
+        self.cos = weight(cos, FLOAT)
+        self.sin = weight(sin, FLOAT)
+
+    def forward(self, op: OpBuilder, positions: ir.Value) -> tuple[ir.Value, ir.Value]:
+        return rope_at(op, self.cos, self.sin, positions)
 
 
 def apply_rotary_emb(op: OpBuilder, x: ir.Value, cos: ir.Value, sin: ir.Value,

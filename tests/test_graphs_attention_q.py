@@ -14,14 +14,8 @@ import pytest
 
 from conftest import CASES, GOLDENS, golden
 from csa2onnx.custom_ops import make_session
-from csa2onnx.graphs.attention_q import (
-    QueryProjection,
-    RopeTables,
-    WindowKVProjection,
-    layer_rope_params,
-    token_positions,
-)
-from csa2onnx.graphs.rope import RopeParams
+from csa2onnx.graphs.attention_q import QueryProjection, WindowKVProjection
+from csa2onnx.graphs.rope import RopeParams, RopeTables, layer_rope_params, token_positions
 from csa2onnx.graphs.standalone import build_model
 
 FLOAT, INT64 = ir.DataType.FLOAT, ir.DataType.INT64
@@ -33,15 +27,15 @@ def query_projection(case: str, layer: int, name: str = "attn") -> QueryProjecti
     w = g.weights(layer)
     return QueryProjection(w["wq_a.weight"], w["q_norm.weight"], w["wq_b.weight"],
                            a["n_heads"], a["head_dim"], a["rope_head_dim"], a["norm_eps"],
-                           layer_rope_params(a, layer), name=name)
+                           layer_rope_params(a, a["compress_ratios"][layer]), name=name)
 
 
 def window_kv_projection(case: str, layer: int, name: str = "window") -> WindowKVProjection:
     g, a = golden(case), golden(case).model_args
     w = g.weights(layer)
+    rope = layer_rope_params(a, a["compress_ratios"][layer])
     return WindowKVProjection(w["wkv.weight"], w["kv_norm.weight"], a["head_dim"],
-                              a["rope_head_dim"], a["norm_eps"], layer_rope_params(a, layer),
-                              name=name)
+                              a["rope_head_dim"], a["norm_eps"], rope, name=name)
 
 
 @functools.cache
@@ -78,7 +72,8 @@ def test_golden(golden_report, case: str, step: str, start_pos: int, layer: int)
 
 def test_layer_rope_params() -> None:
     a = golden("case3_r4_r128").model_args
-    plain, yarn = layer_rope_params(a, 0), layer_rope_params(a, 3)
+    plain = layer_rope_params(a, a["compress_ratios"][0])
+    yarn = layer_rope_params(a, a["compress_ratios"][3])
     assert (plain.base, plain.original_seq_len) == (a["rope_theta"], 0)
     assert (yarn.base, yarn.original_seq_len, yarn.factor) == (
         a["compress_rope_theta"], a["original_seq_len"], a["rope_factor"])

@@ -13,15 +13,9 @@ import pytest
 
 from conftest import CASES, GOLDENS, golden, run_model
 from csa2onnx.graphs.compressor import Compressor
-from csa2onnx.graphs.kv_cache import (
-    cache_row_start,
-    compress_rope_params,
-    latent_to_cache_rows,
-    rope_rows,
-    write_rows,
-)
+from csa2onnx.graphs.kv_cache import cache_row_start, latent_to_cache_rows, write_rows
 from csa2onnx.graphs.numerics import FLOAT, INT64
-from csa2onnx.graphs.rope import freqs_cis
+from csa2onnx.graphs.rope import freqs_cis, layer_rope_params, rope_at
 from csa2onnx.graphs.standalone import build_model
 
 COMPONENT = "compressor"
@@ -125,12 +119,12 @@ def test_compressor_decode_chain(case: str, layer: int, golden_report) -> None:
 @cache
 def _cache_rows_model(case: str) -> onnx.ModelProto:
     args = golden(case).model_args
-    cos, sin = freqs_cis(compress_rope_params(args))
+    cos, sin = freqs_cis(layer_rope_params(args, 1))
 
     def body(op, latent, positions):
         tables = [op.builder.initializer(ir.tensor(t), name=n)
                   for t, n in ((cos, "freqs_cos"), (sin, "freqs_sin"))]
-        c, s = rope_rows(op, *tables, positions)
+        c, s = rope_at(op, *tables, positions)
         return list(latent_to_cache_rows(op, latent, c, s, args["rope_head_dim"]))
 
     return build_model("latent_to_cache_rows",

@@ -18,13 +18,9 @@ from conftest import CASES, GOLDENS, golden, run_model
 from csa2onnx.export.goldens import GoldenCase, load_case
 from csa2onnx.graphs.compressor import Compressor
 from csa2onnx.graphs.indexer import CandidateConfig, Indexer
-from csa2onnx.graphs.kv_cache import (
-    cache_row_start,
-    compress_rope_params,
-    publish_if,
-    write_rows,
-)
+from csa2onnx.graphs.kv_cache import cache_row_start, publish_if, write_rows
 from csa2onnx.graphs.numerics import FLOAT, INT64
+from csa2onnx.graphs.rope import layer_rope_params
 from csa2onnx.graphs.standalone import build_model
 
 COMPONENT = "indexer"
@@ -65,7 +61,7 @@ def _indexer(g: GoldenCase, layer: int, portable: bool = False) -> Indexer:
         w["indexer.wk.weight"] if owner else None, w["indexer.k_norm.weight"] if owner else None,
         index_n_heads=args["index_n_heads"], index_head_dim=args["index_head_dim"],
         index_topk=args["index_topk"], ratio=args["compress_ratios"][layer],
-        rope=compress_rope_params(args), norm_eps=args["norm_eps"],
+        rope=layer_rope_params(args, 1), norm_eps=args["norm_eps"],
         window_size=args["window_size"], candidates=candidates,
         uses_candidates=role["uses_candidates"], portable=portable)
 
@@ -257,7 +253,7 @@ def test_indexer_rejects_bad_config() -> None:
     g = golden("case1_r2_r1")
     args, w = g.model_args, g.weights(1)
     ok = dict(index_n_heads=4, index_head_dim=64, index_topk=16, ratio=2,
-              rope=compress_rope_params(args), norm_eps=1e-20, window_size=32)
+              rope=layer_rope_params(args, 1), norm_eps=1e-20, window_size=32)
     wq_b, proj = w["indexer.wq_b.weight"], w["indexer.weights_proj.weight"]
     wk, k_norm = w["indexer.wk.weight"], w["indexer.k_norm.weight"]
     for bad, match in (({"index_topk": 0}, "index_topk"), ({"index_topk": -3}, "index_topk"),

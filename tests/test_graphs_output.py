@@ -15,10 +15,9 @@ from test_graphs_attention_q import query_projection, window_kv_projection
 
 from conftest import CASES, GOLDENS, golden
 from csa2onnx.custom_ops import make_session
-from csa2onnx.graphs.attention_q import layer_rope_params
 from csa2onnx.graphs.numerics import INT64 as INT64_T
 from csa2onnx.graphs.output import OutputProjection
-from csa2onnx.graphs.rope import RopeParams
+from csa2onnx.graphs.rope import RopeParams, layer_rope_params
 from csa2onnx.graphs.sparse_attn import sparse_attn
 from csa2onnx.graphs.standalone import build_model
 from csa2onnx.graphs.window import window_decode, window_prefill
@@ -31,7 +30,7 @@ def output_projection(case: str, layer: int) -> OutputProjection:
     w = g.weights(layer)
     return OutputProjection(w["wo_a.weight"], w["wo_b.weight"], a["n_heads"], a["head_dim"],
                             a["o_groups"], a["o_lora_rank"], a["rope_head_dim"],
-                            layer_rope_params(a, layer), name="output")
+                            layer_rope_params(a, a["compress_ratios"][layer]), name="output")
 
 
 @functools.cache
