@@ -144,9 +144,10 @@ def export_stack(plan: StackPlan, weights: dict[int, LayerWeights], folder: str 
     for mode in ("prefill", "decode"):
         model = build_stack_model(plan, weights, mode, portable=portable,
                                   debug_outputs=debug_outputs, progress=progress)
+        weight_bytes = sum(v.const_value.nbytes for v in model.graph.initializers.values())
         proto = to_proto(model, plan, portable)
         path = folder / f"{mode}.onnx"
-        large = proto.ByteSize() > EXTERNAL_DATA_BYTES
+        large = weight_bytes > EXTERNAL_DATA_BYTES  # (protobuf cannot hold over 2 GiB)
         onnx.save_model(proto, str(path), save_as_external_data=large,
                         all_tensors_to_one_file=True, location=f"{mode}.onnx.data",
                         size_threshold=1024)

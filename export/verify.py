@@ -37,6 +37,7 @@ class VerifyReport:
     index_keys: str
     portable: bool
     rows: list[Row] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -57,6 +58,7 @@ class VerifyReport:
             lines.append(f"  {name:<24}{len(rows):>8}{sum(r.result.ok for r in rows):>8}"
                          f"{sum(r.result.exact for r in rows):>8}{err:>11.3g}"
                          f"{min(bits):>17.4f} / {np.mean(bits):.4f}")
+        lines += [f"  note: {note}" for note in self.notes]
         failures = [r for r in self.rows if not r.result.ok]
         for row in failures[:20]:
             lines.append(f"  FAIL {row.step} L{row.layer} {row.array}: {row.result.detail}")
@@ -82,6 +84,13 @@ def verify_case(path: str | Path, *, portable: bool = False, index_keys: IndexKe
     plan = plan_stack(config, index_keys=keys)
     weights = from_golden(case.arrays, range(config.n_layers))
     report = VerifyReport(case.name, keys, portable)
+    tiebreak = case.meta.get("topk_tiebreak", "torch_cpu")
+    if tiebreak == "lowest_index" and not portable:
+        report.notes.append("this case breaks top-k ties lowest-index-first (ONNX TopK); the "
+                            "default export follows torch's CPU topk: use --portable for it")
+    elif tiebreak == "torch_cpu" and portable:
+        report.notes.append("portable mode breaks top-k ties lowest-index-first; this case "
+                            "follows torch's CPU topk, so tied rows may differ")
     with tempfile.TemporaryDirectory(prefix="csa2onnx-verify-") as tmp:
         folder = out_dir or Path(tmp)
         export_stack(plan, weights, folder, portable=portable, debug_outputs=True,

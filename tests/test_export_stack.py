@@ -168,3 +168,55 @@ def test_cli_export_inspect_run_and_verify(tmp_path: Path, capsys) -> None:
         AttentionRuntime(tmp_path / "sub").prefill({2: g.step("prefill", 2, "x")})
     assert cli(["export", str(case), "--out", str(out)]) == 2  # no weights: a clear error
     assert "--weights is required" in capsys.readouterr().err
+
+
+def _write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
+    """A minimal safetensors writer (bf16 for bf16-valued weights, f32 otherwise)."""
+    import json
+    import struct
+
+    import ml_dtypes
+
+    header, blobs, offset = {}, [], 0
+    for name, value in tensors.items():
+        f32_only = name.endswith(("attn_sink", "compressor.wkv.weight", "compressor.wgate.weight"))
+        data = (value.astype(np.float32) if f32_only else value.astype(ml_dtypes.bfloat16))
+        raw = data.tobytes()
+        header[name] = {"dtype": "F32" if f32_only else "BF16", "shape": list(value.shape),
+                        "data_offsets": [offset, offset + len(raw)]}
+        blobs.append(raw)
+        offset += len(raw)
+    encoded = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + b"".join(blobs))
+
+
+def test_safetensors_weights_export_the_same_model(tmp_path: Path) -> None:
+    g = golden("case3_r4_r128")
+    tensors = {f"layers.{layer}.attn.{name}": value for layer in range(6)
+               for name, value in g.weights(layer).items()}
+    _write_safetensors(tmp_path / "model.safetensors", tensors)
+    case = str(GOLDENS / "case3_r4_r128.json")
+    assert cli(["export", case, "--weights", str(tmp_path / "model.safetensors"),
+                "--out", str(tmp_path / "st")]) == 0
+    assert cli(["export", case, "--weights", case, "--out", str(tmp_path / "golden")]) == 0
+    a = onnx.load(str(tmp_path / "st" / "prefill.onnx"))
+    b = onnx.load(str(tmp_path / "golden" / "prefill.onnx"))
+    assert {i.name: i.raw_data for i in a.graph.initializer} == {
+        i.name: i.raw_data for i in b.graph.initializer}
+
+
+def test_large_models_keep_weights_as_external_data(tmp_path: Path, monkeypatch) -> None:
+    import csa2onnx.export.stack as stack
+
+    monkeypatch.setattr(stack, "EXTERNAL_DATA_BYTES", 1)
+    g = golden("case1_r2_r1")
+    plan = plan_stack(AttentionConfig.from_model_args(g.model_args), 0, 1)
+    export_stack(plan, from_golden(g.arrays, [0, 1]), tmp_path)
+    data, graph = tmp_path / "prefill.onnx.data", tmp_path / "prefill.onnx"
+    assert data.stat().st_size > graph.stat().st_size
+    runtime = AttentionRuntime(tmp_path)
+    # Layer 3 (outside) also owns index keys; layer 1 publishes its own before reading here.
+    no_keys = {"index_k": np.zeros((1, 0, 64), np.float32)}
+    out = runtime.prefill({layer: g.step("prefill", layer, "x") for layer in (0, 1)},
+                          slots=no_keys).out
+    assert compare(out[1], g.step("prefill", 1, "out")).ok
