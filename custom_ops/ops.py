@@ -3,7 +3,8 @@
 onnxruntime cannot infer the output types of custom-domain nodes, so these wrappers set
 them. `portable=True` emits only standard ONNX: the fp4 node keeps its name and gets the
 standard-op function body from `portable.py` attached to the model, and top-k becomes
-ONNX `TopK`, which breaks ties lowest-index-first instead of torch's way.
+ONNX `TopK`, which breaks ties lowest-index-first instead of torch's way. `TorchLinear`
+also has a standard-op body there (`MatMul`, exact up to the summation order).
 """
 
 from __future__ import annotations
@@ -55,3 +56,26 @@ def torch_topk(op: OpBuilder, x: ir.Value, k: ir.Value, *, largest: bool = True,
         values, indices = csa.TorchTopK(x, k, largest=int(largest), sorted=int(sorted),
                                         _outputs=2)
     return _typed(values, ir.DataType.FLOAT), _typed(indices, ir.DataType.INT64)
+
+
+def torch_linear(op: OpBuilder, x: ir.Value, w: ir.Value) -> ir.Value:
+    """float32 x @ W^T (W: [N, K], bfloat16 or float32) summed in torch CPU's order.
+
+    No rounding inside: round the result to bf16 where the reference does.
+    """
+    csa = op.builder.opset(DOMAIN, DOMAIN_VERSION)
+    y = csa.TorchLinear(x, w)
+    shape = None
+    if x.shape is not None:  # x.shape[:-1] + [N]
+        n = w.shape[0] if w.shape is not None and len(w.shape) == 2 else None
+        shape = ir.Shape([*list(x.shape)[:-1], n])
+    return _typed(y, ir.DataType.FLOAT, shape)
+
+
+def torch_rms_norm(op: OpBuilder, x: ir.Value, w: ir.Value, eps: float) -> ir.Value:
+    """w * (x * rsqrt(mean(x^2) + eps)) over the last axis in float32, the mean summed in
+    torch CPU's order. No rounding inside: round to bf16 where the reference does."""
+    if not eps > 0:
+        raise ValueError(f"RMSNorm eps must be > 0, got {eps}")
+    csa = op.builder.opset(DOMAIN, DOMAIN_VERSION)
+    return _typed(csa.TorchRMSNorm(x, w, epsilon=float(eps)), ir.DataType.FLOAT, x.shape)

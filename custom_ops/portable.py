@@ -1,9 +1,12 @@
-"""Fp4QuantDequant as an ONNX function of standard ops (domain csa2onnx, version 1).
+"""Fp4QuantDequant, TorchLinear and TorchRMSNorm as ONNX functions of standard ops (domain
+csa2onnx, version 1).
 
-Attached to a model as a local function, it lets the model run on any onnxruntime without
-the custom-op library; where the library is registered its kernel is used instead. It is
-bit-exact with the C++ kernel for float32 input (NaN blocks aside: standard ReduceMax does
-not promise to propagate NaN).
+Attached to a model as local functions, they let the model run on any onnxruntime without
+the custom-op library; where the library is registered its kernels are used instead.
+Fp4QuantDequant is bit-exact with the C++ kernel for float32 input (NaN blocks aside:
+standard ReduceMax does not promise to propagate NaN). TorchLinear is a MatMul: the same
+sum, in the runtime's summation order instead of torch's (last-bit differences); so is
+TorchRMSNorm's mean (ReduceMean).
 """
 
 from __future__ import annotations
@@ -63,6 +66,23 @@ def Fp4QuantDequant(X: FLOAT, block_size: int, scale_format: str) -> tuple[FLOAT
     return Y, Scale
 
 
+@script(csa2onnx)
+def TorchLinear(X: FLOAT, W) -> FLOAT:
+    return op.MatMul(X, op.Transpose(op.Cast(W, to=onnx.TensorProto.FLOAT), perm=[1, 0]))
+
+
+@script(csa2onnx)
+def TorchRMSNorm(X: FLOAT, W, epsilon: float) -> FLOAT:
+    var = op.ReduceMean(X * X, [-1], keepdims=1)
+    rsqrt = op.Reciprocal(op.Sqrt(var + op.Constant(value_float=epsilon)))
+    return op.Cast(W, to=onnx.TensorProto.FLOAT) * (X * rsqrt)
+
+
 def fp4_function_proto() -> onnx.FunctionProto:
-    """The function to add to a model's `functions` for a library-free artifact."""
+    """The Fp4QuantDequant function alone (see `portable_functions`)."""
     return Fp4QuantDequant.to_function_proto()
+
+
+def portable_functions() -> list[onnx.FunctionProto]:
+    """The functions to add to a model's `functions` for a library-free artifact."""
+    return [f.to_function_proto() for f in (Fp4QuantDequant, TorchLinear, TorchRMSNorm)]

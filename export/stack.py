@@ -15,7 +15,7 @@ import onnx_ir as ir
 from onnxscript import GraphBuilder
 
 from csa2onnx.custom_ops.library import DOMAIN, DOMAIN_VERSION
-from csa2onnx.custom_ops.portable import fp4_function_proto
+from csa2onnx.custom_ops.portable import portable_functions
 from csa2onnx.export.artifacts import manifest_for, write_manifest
 from csa2onnx.export.layer import AttentionLayer, Mode, Slots
 from csa2onnx.export.plan import StackPlan
@@ -128,8 +128,8 @@ def _share_identical_initializers(graph: ir.Graph) -> None:
 
 def to_proto(model: ir.Model, plan: StackPlan, portable: bool) -> onnx.ModelProto:
     proto = ir.serde.serialize_model(model)
-    if portable:  # the standard-op body of Fp4QuantDequant travels with the model
-        proto.functions.append(fp4_function_proto())
+    if portable:  # the custom ops' standard-op bodies travel with the model
+        proto.functions.extend(portable_functions())
     for key, value in manifest_for(plan, portable).metadata().items():
         proto.metadata_props.add(key=key, value=value)
     return proto

@@ -11,6 +11,8 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript import OpBuilder, nn
 
+from csa2onnx.custom_ops.ops import torch_linear, torch_rms_norm
+
 FLOAT = ir.DataType.FLOAT
 BFLOAT16 = ir.DataType.BFLOAT16
 INT64 = ir.DataType.INT64
@@ -46,8 +48,7 @@ class Linear(nn.Module):
         self.weight = weight(w, dtype)
 
     def forward(self, op: OpBuilder, x: ir.Value) -> ir.Value:
-        y = op.MatMul(x, op.Transpose(as_float(op, self.weight), perm=[1, 0]))
-        return round_bf16(op, y)
+        return round_bf16(op, torch_linear(op, x, self.weight))
 
 
 class LinearF32(Linear):
@@ -57,7 +58,7 @@ class LinearF32(Linear):
         super().__init__(w, FLOAT, name)
 
     def forward(self, op: OpBuilder, x: ir.Value) -> ir.Value:
-        return op.MatMul(x, op.Transpose(self.weight, perm=[1, 0]))
+        return torch_linear(op, x, self.weight)
 
 
 class RMSNorm(nn.Module):
@@ -72,9 +73,7 @@ class RMSNorm(nn.Module):
         self.weight = weight(w, BFLOAT16)
 
     def forward(self, op: OpBuilder, x: ir.Value) -> ir.Value:
-        var = op.ReduceMean(op.Mul(x, x), [-1], keepdims=1)
-        rsqrt = op.Reciprocal(op.Sqrt(op.Add(var, self.eps)))
-        return round_bf16(op, op.Mul(as_float(op, self.weight), op.Mul(x, rsqrt)))
+        return round_bf16(op, torch_rms_norm(op, x, self.weight, self.eps))
 
 
 def round_bf16_np(x: np.ndarray) -> np.ndarray:

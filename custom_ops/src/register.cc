@@ -9,6 +9,8 @@
 #include <vector>
 
 #include "fp4_op.h"
+#include "torch_linear_op.h"
+#include "torch_rms_norm_op.h"
 #include "torch_topk_op.h"
 
 namespace {
@@ -22,6 +24,8 @@ struct Library {
   Library() {
     csa::AppendFp4Ops(ops);
     csa::AppendTorchTopKOps(ops);
+    csa::AppendTorchLinearOps(ops);
+    csa::AppendTorchRMSNormOps(ops);
     for (auto& op : ops) domain.Add(op.get());
   }
 };

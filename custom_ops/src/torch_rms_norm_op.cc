@@ -1,0 +1,103 @@
+// TorchRMSNorm (domain csa2onnx): Y = W * (X * rsqrt(mean(X^2) + epsilon)) along the last
+// axis, float32, with the mean summed in torch's order (torch_rms_norm.h). Inputs X (float,
+// [..., n], rank >= 1) and W (float or bfloat16, [n]); attribute epsilon (float, > 0);
+// output Y (float, X's shape), not rounded (the graph rounds to bf16 as the reference does).
+#define ORT_API_MANUAL_INIT
+#include "onnxruntime_cxx_api.h"
+#undef ORT_API_MANUAL_INIT
+#include "onnxruntime_lite_custom_op.h"
+
+#include <exception>
+#include <string>
+#include <vector>
+
+#include "element_types.h"
+#include "torch_rms_norm.h"
+#include "torch_rms_norm_op.h"
+
+namespace csa {
+namespace {
+
+[[noreturn]] void fail(const std::string& message) {
+  ORT_CXX_API_THROW("TorchRMSNorm: " + message, ORT_INVALID_ARGUMENT);
+}
+
+template <typename WT>
+struct TorchRMSNormKernel {
+  float epsilon = 0.0f;
+
+  TorchRMSNormKernel(const OrtApi*, const OrtKernelInfo* info) {
+    try {
+      epsilon = Ort::ConstKernelInfo(info).GetAttribute<float>("epsilon");
+    } catch (const Ort::Exception&) {
+      fail("attribute epsilon (float) is required");
+    }
+    if (!(epsilon > 0.0f)) fail("epsilon must be > 0, got " + std::to_string(epsilon));
+  }
+
+  Ort::Status Compute(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& x,
+                      const Ort::Custom::Tensor<WT>& w, Ort::Custom::Tensor<float>& y) {
+    try {
+      Run(ctx, x, w, y);
+    } catch (const Ort::Exception& e) {
+      return Ort::Status(e);
+    } catch (const std::exception& e) {
+      return Ort::Status(e);
+    }
+    return Ort::Status(nullptr);
+  }
+
+  void Run(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& x,
+           const Ort::Custom::Tensor<WT>& w, Ort::Custom::Tensor<float>& y) {
+    const std::vector<int64_t> shape = x.Shape();
+    if (shape.empty()) fail("X must have rank >= 1, got a scalar");
+    const int64_t n = shape.back();
+    const std::vector<int64_t> w_shape = w.Shape();
+    if (w_shape.size() != 1 || w_shape[0] != n) {
+      fail("W must have shape [" + std::to_string(n) + "] (X's last dimension), got rank " +
+           std::to_string(w_shape.size()) + (w_shape.size() == 1 ? " size " +
+           std::to_string(w_shape[0]) : ""));
+    }
+    float* out = y.Allocate(shape);
+    int64_t rows = 1;
+    for (size_t d = 0; d + 1 < shape.size(); ++d) rows *= shape[d];
+    if (rows == 0 || n == 0) return;
+
+    struct Job {
+      const float* x;
+      const WT* w;
+      float* y;
+      int64_t n;
+      float eps;
+      bool out_of_memory = false;
+    } job{x.Data(), w.Data(), out, n, epsilon};
+    auto run_row = [](void* data, size_t row) {
+      Job& j = *static_cast<Job*>(data);
+      try {  // no exception may escape into onnxruntime's thread pool
+        std::vector<float> squares(static_cast<size_t>(j.n));
+        const int64_t offset = static_cast<int64_t>(row) * j.n;
+        rms_norm_row(j.x + offset, j.n, [&j](int64_t i) { return to_float(j.w[i]); }, j.eps,
+                     squares.data(), j.y + offset);
+      } catch (const std::bad_alloc&) {
+        j.out_of_memory = true;
+      }
+    };
+    if (rows * n < (1 << 15)) {
+      for (int64_t r = 0; r < rows; ++r) run_row(&job, static_cast<size_t>(r));
+    } else {
+      Ort::KernelContext(ctx).ParallelFor(run_row, static_cast<size_t>(rows), 0, &job);
+    }
+    if (job.out_of_memory) ORT_CXX_API_THROW("TorchRMSNorm: out of memory", ORT_FAIL);
+  }
+};
+
+}  // namespace
+
+void AppendTorchRMSNormOps(std::vector<std::unique_ptr<Ort::Custom::OrtLiteCustomOp>>& ops) {
+  ops.emplace_back(Ort::Custom::CreateLiteCustomOp<TorchRMSNormKernel<float>>(
+      "TorchRMSNorm", "CPUExecutionProvider"));
+  ops.emplace_back(Ort::Custom::CreateLiteCustomOp<TorchRMSNormKernel<Ort::BFloat16_t>>(
+      "TorchRMSNorm", "CPUExecutionProvider"));
+}
+
+}  // namespace csa

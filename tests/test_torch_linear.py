@@ -1,0 +1,401 @@
+"""TorchLinear through onnxruntime: bit for bit against torch's F.linear (bf16 weights: the
+bf16 result; f32 weights: the float32 result), against a NumPy emulation of each summation
+order on every instruction-set path the CPU offers, constant and fed weights, thread-count
+independence, empty shapes, clear errors, and the standard-op body."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from csa2onnx.custom_ops import make_session, session_options
+from csa2onnx.custom_ops.portable import portable_functions
+
+W_TYPES = {"bf16": TensorProto.BFLOAT16, "f32": TensorProto.FLOAT}
+ISAS = ("avx512", "avx2", "scalar", "reference")
+Errors = (ort.capi.onnxruntime_pybind11_state.InvalidArgument,
+          ort.capi.onnxruntime_pybind11_state.InvalidGraph,
+          ort.capi.onnxruntime_pybind11_state.NotImplemented,
+          ort.capi.onnxruntime_pybind11_state.RuntimeException,
+          ort.capi.onnxruntime_pybind11_state.Fail)
+
+
+def bf16_round(x: np.ndarray) -> np.ndarray:
+    """float32 -> nearest-even bf16 value, as float32."""
+    b = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+    return b.astype(np.uint32).view(np.float32)
+
+
+def linear_model(w_type: int, w_const: np.ndarray | None = None, *,
+                 portable: bool = False) -> bytes:
+    """Y = TorchLinear(X, W) with X of unknown rank; W a graph input, or an initializer."""
+    inputs = [helper.make_tensor_value_info("X", TensorProto.FLOAT, None)]
+    initializers = []
+    if w_const is None:
+        inputs.append(helper.make_tensor_value_info("W", w_type, None))
+    elif w_type == TensorProto.BFLOAT16:
+        bits = (np.ascontiguousarray(w_const, np.float32).view(np.uint32) >> 16).astype(np.uint16)
+        initializers.append(helper.make_tensor("W", TensorProto.BFLOAT16, w_const.shape,
+                                               bits.tobytes(), raw=True))
+    else:
+        initializers.append(numpy_helper.from_array(np.asarray(w_const, np.float32), "W"))
+    graph = helper.make_graph(
+        [helper.make_node("TorchLinear", ["X", "W"], ["Y"], domain="csa2onnx")], "linear",
+        inputs, [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)], initializers)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                    helper.make_opsetid("csa2onnx", 1)],
+                              functions=portable_functions() if portable else [])
+    return model.SerializeToString()
+
+
+def quiet_options(threads: int = 0) -> ort.SessionOptions:
+    options = session_options(threads)
+    options.log_severity_level = 4  # expected errors would otherwise print red log lines
+    return options
+
+
+def session_for(model: bytes, isa: str | None = None, threads: int = 0) -> ort.InferenceSession:
+    """A session whose TorchLinear kernels take the `isa` path (read at kernel creation)."""
+    old = os.environ.get("CSA_TORCH_LINEAR_ISA")
+    if isa is not None:
+        os.environ["CSA_TORCH_LINEAR_ISA"] = isa
+    try:
+        return make_session(model, options=quiet_options(threads))
+    finally:
+        if old is None:
+            os.environ.pop("CSA_TORCH_LINEAR_ISA", None)
+        else:
+            os.environ["CSA_TORCH_LINEAR_ISA"] = old
+
+
+def w_feed(w: np.ndarray, w_type: str) -> ort.OrtValue:
+    if w_type == "bf16":  # w is bf16-valued: the top half of its bits is the bf16
+        bits = (np.ascontiguousarray(w, np.float32).view(np.uint32) >> 16).astype(np.uint16)
+        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(bits, TensorProto.BFLOAT16)
+    return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(w, np.float32))
+
+
+def run(session: ort.InferenceSession, x: np.ndarray, w: np.ndarray | None = None,
+        w_type: str = "f32") -> np.ndarray:
+    feeds = {"X": ort.OrtValue.ortvalue_from_numpy(np.asarray(x, np.float32, order="C"))}
+    if w is not None:
+        feeds["W"] = w_feed(w, w_type)
+    return session.run_with_ort_values(["Y"], feeds)[0].numpy()
+
+
+def bits(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x, np.float32).view(np.uint32)
+
+
+@pytest.fixture(scope="module")
+def fed_sessions() -> dict[tuple[str, str], ort.InferenceSession]:
+    """(isa, w_type) -> session with W fed as an input, for every path this CPU has."""
+    out = {}
+    for isa in ISAS:
+        for name, onnx_type in W_TYPES.items():
+            try:
+                out[(isa, name)] = session_for(linear_model(onnx_type), isa)
+            except Errors as e:
+                assert "does not support it" in str(e)
+    return out
+
+
+# ------------------------------------------------------- NumPy emulation of the orders
+def _fma(acc: np.ndarray, p: np.ndarray) -> np.ndarray:
+    """float32 fma(a, b, acc) for float64 `acc` (float32 values) and exact products `p`:
+    the float64 sum is made round-to-odd (TwoSum error), so rounding it to float32 is the
+    correctly rounded fused result."""
+    s = acc + p
+    bv = s - acc
+    err = (acc - (s - bv)) + (p - bv)
+    even = (s.view(np.uint64) & 1) == 0
+    s = np.where((err != 0) & even, np.nextafter(s, np.where(err > 0, np.inf, -np.inf)), s)
+    return s.astype(np.float32).astype(np.float64)
+
+
+def _add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a + b).astype(np.float32).astype(np.float64)
+
+
+def emulate(x: np.ndarray, w: np.ndarray, w_bf16: bool) -> np.ndarray:
+    """The op's definition (torch_linear.h) on [M, K] x [N, K], in float64 steps."""
+    x = np.asarray(x, np.float64)
+    w = np.asarray(w, np.float64)
+    (m, k), n = x.shape, w.shape[0]
+
+    def prod(j: int) -> np.ndarray:  # exact in float64
+        return np.outer(x[:, j], w[:, j])
+
+    zero = np.zeros((m, n))
+    if w_bf16 and m * k * n > 4096:  # oneDNN: pairs (k+1 first), chunks added
+        chunk = k if k <= 512 else 512 if (m == 1 or k <= 1024) else 1024
+        out = zero
+        for k0 in range(0, k, chunk):
+            acc = zero
+            for j in range(k0, min(k, k0 + chunk), 2):
+                if j + 1 < min(k, k0 + chunk):
+                    acc = _fma(acc, prod(j + 1))
+                acc = _fma(acc, prod(j))
+            out = _add(out, acc)
+        return out.astype(np.float32)
+    if w_bf16:  # torch's 8-lane dot product
+        main, vec = k & ~63, k & ~15
+        reg = [[zero] * 8 for _ in range(8)]
+        for j in range(0, main, 64):
+            reg = [[_fma(reg[r][lane], prod(j + 8 * r + lane)) for lane in range(8)]
+                   for r in range(8)]
+        for off in (4, 2, 1):
+            reg = [[_add(reg[r][lane], reg[r + off][lane]) for lane in range(8)]
+                   for r in range(off)]
+
+        def fold(v: list[np.ndarray]) -> np.ndarray:
+            for off in (4, 2, 1):
+                v = [_add(v[lane], v[lane + off]) for lane in range(off)]
+            return v[0]
+
+        total = fold(reg[0])
+        tail = [zero] * 8
+        for j in range(main, vec, 16):
+            tail = [_fma(_fma(tail[lane], prod(j + lane)), prod(j + 8 + lane))
+                    for lane in range(8)]
+        total = _add(total, fold(tail))
+        for j in range(vec, k):
+            total = _fma(total, prod(j))
+        return total.astype(np.float32)
+    if m >= 4 and n >= 12:  # MKL sgemm: sequential fma chunks
+        chunk = k if k <= 192 else k // 2 if k <= 384 else 192
+        out = zero
+        for k0 in range(0, k, max(chunk, 1)):
+            acc = zero
+            for j in range(k0, min(k, k0 + chunk)):
+                acc = _fma(acc, prod(j))
+            out = _add(out, acc)
+        return out.astype(np.float32)
+    head = (k - 1) % 4 + 1 if m == 1 and k else 0  # MKL 4 lanes, multiply then add
+    lanes = [zero] * 4
+    for j in range(k):
+        lane = 0 if j < head else (j - head) % 4
+        lanes[lane] = _add(lanes[lane], prod(j).astype(np.float32).astype(np.float64))
+    return _add(_add(lanes[0], lanes[2]), _add(lanes[1], lanes[3])).astype(np.float32)
+
+
+EMULATION_SHAPES = [  # (M, N, K): every order, chunk rule, tail and tile edge
+    (1, 70, 1100), (3, 33, 1100), (7, 64, 701), (13, 65, 130), (50, 20, 96),  # oneDNN pairs
+    (1, 16, 256), (2, 8, 130), (3, 5, 77), (1, 3, 200), (4, 4, 64),  # torch dot (<= 4096)
+    (4, 12, 200), (9, 100, 385), (6, 64, 500), (61, 17, 1000), (5, 13, 7),  # MKL chunks
+    (1, 20, 13), (1, 9, 14), (1, 64, 15), (1, 40, 16), (2, 30, 99), (3, 7, 33),  # MKL lanes
+    (50, 11, 40),
+]
+
+
+def emulation_cases() -> Iterator[tuple[str, int, int, int]]:
+    for m, n, k in EMULATION_SHAPES:
+        for w_type in ("bf16", "f32"):
+            yield w_type, m, n, k
+
+
+@pytest.mark.parametrize(("w_type", "m", "n", "k"), list(emulation_cases()))
+def test_every_path_matches_the_emulation_bit_for_bit(fed_sessions, w_type: str, m: int,
+                                                      n: int, k: int) -> None:
+    rng = np.random.default_rng(m * 1000003 + n * 1009 + k)
+    x = rng.standard_normal((m, k)).astype(np.float32)  # not bf16-valued: products round
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    if w_type == "bf16":
+        w = bf16_round(w)
+    want = emulate(x, w, w_type == "bf16")
+    for (isa, wt), session in fed_sessions.items():
+        if wt == w_type:
+            got = run(session, x, w, w_type)
+            np.testing.assert_array_equal(bits(got), bits(want), err_msg=f"isa={isa}")
+
+
+@pytest.mark.parametrize("w_type", ["bf16", "f32"])
+def test_constant_weights_are_packed_once_and_give_the_same_bits(fed_sessions,
+                                                                 w_type: str) -> None:
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((200, 640)).astype(np.float32)
+    if w_type == "bf16":
+        w = bf16_round(w)
+    for isa in {isa for isa, _ in fed_sessions}:
+        const = session_for(linear_model(W_TYPES[w_type], w), isa)
+        for m in (1, 2, 5, 49, 100):
+            x = bf16_round(rng.standard_normal((m, 640)).astype(np.float32))
+            np.testing.assert_array_equal(bits(run(const, x)),
+                                          bits(run(fed_sessions[(isa, w_type)], x, w, w_type)))
+
+
+def test_ranks_and_empty_shapes(fed_sessions) -> None:
+    session = fed_sessions[("scalar", "f32")]
+    rng = np.random.default_rng(9)
+    w = rng.standard_normal((6, 5)).astype(np.float32)
+    x3 = rng.standard_normal((2, 3, 5)).astype(np.float32)
+    y3 = run(session, x3, w)
+    assert y3.shape == (2, 3, 6)
+    np.testing.assert_array_equal(bits(y3), bits(run(session, x3.reshape(6, 5), w)).reshape(
+        2, 3, 6))
+    y1 = run(session, x3[0, 0], w)
+    assert y1.shape == (6,)
+    np.testing.assert_array_equal(bits(y1), bits(emulate(x3[0, 0][None], w, False)[0]))
+    assert run(session, np.zeros((0, 5), np.float32), w).shape == (0, 6)
+    assert run(session, x3, np.zeros((0, 5), np.float32)).shape == (2, 3, 0)
+    for key in (("scalar", "bf16"), ("reference", "f32")):
+        y = run(fed_sessions[key], np.ones((4, 0), np.float32), np.zeros((3, 0), np.float32),
+                key[1])
+        assert y.shape == (4, 3) and not y.any()
+
+
+# ---------------------------------------------------------------------- vs torch
+def _reference_cpu() -> str | None:
+    """Why this CPU is not of the class the orders were read from, else None. torch picks
+    its kernels by CPU (oneDNN: AMX, AVX512-BF16 or neither; MKL: by vendor), and each
+    kernel sums in its own order."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read(1 << 16)
+    except OSError:
+        return "no /proc/cpuinfo"
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines()
+                  if line.startswith("flags")), [])
+    if "AuthenticAMD" not in info or "avx512_bf16" not in flags or "amx_bf16" in flags:
+        return "not an AMD CPU with AVX512-BF16 and no AMX"
+    return None
+
+
+def torch_module():
+    torch = pytest.importorskip("torch", reason="compares against torch's F.linear; "
+                                                "torch not installed")
+    reason = _reference_cpu()
+    if reason is not None:
+        pytest.skip(f"torch's summation order depends on the CPU, and this one is {reason} "
+                    "(the goldens' machine class); the emulation tests still run")
+    return torch
+
+
+TORCH_MS, TORCH_KS, TORCH_NS = (1, 2, 7, 77, 300), (64, 128, 256, 320, 1024), (4, 64, 128, 512)
+
+
+@pytest.mark.parametrize("w_type", ["bf16", "f32"])
+def test_matches_torch_linear_bit_for_bit(w_type: str) -> None:
+    """bf16: bf16(Y) against torch's bf16 F.linear (oneDNN / torch's dot); f32: Y against
+    torch's float32 F.linear (MKL sgemm) -- for every shape of the grid, M = 1 included."""
+    torch = torch_module()
+    torch.set_num_threads(1)
+    session = session_for(linear_model(W_TYPES[w_type]))
+    gen = torch.Generator().manual_seed(11)
+    for m in TORCH_MS:
+        for k in TORCH_KS:
+            for n in TORCH_NS:
+                x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
+                if w_type == "bf16":
+                    x, w = x.bfloat16(), w.bfloat16()
+                    want = torch.nn.functional.linear(x, w).float().numpy()
+                    got = bf16_round(run(session, x.float().numpy(), w.float().numpy(), "bf16"))
+                else:
+                    want = torch.nn.functional.linear(x, w).numpy()
+                    got = run(session, x.numpy(), w.numpy())
+                np.testing.assert_array_equal(bits(got), bits(want),
+                                              err_msg=f"{w_type} M={m} K={k} N={n}")
+
+
+def test_torch_threshold_and_chunk_edges() -> None:
+    """bf16 shapes on both sides of torch's M*K*N > 4096 switch and oneDNN's chunk sizes."""
+    torch = torch_module()
+    torch.set_num_threads(1)
+    session = session_for(linear_model(TensorProto.BFLOAT16))
+    gen = torch.Generator().manual_seed(12)
+    for m, n, k in [(1, 16, 256), (1, 16, 257), (2, 8, 256), (2, 8, 257), (1, 2, 2048),
+                    (1, 3, 2048), (1, 64, 513), (1, 64, 2000), (4, 64, 1025), (4, 64, 3000),
+                    (2, 64, 1024), (3, 20, 511)]:
+        for _ in range(3):
+            x = torch.randn(m, k, generator=gen).bfloat16()
+            w = torch.randn(n, k, generator=gen).bfloat16()
+            want = torch.nn.functional.linear(x, w).float().numpy()
+            got = bf16_round(run(session, x.float().numpy(), w.float().numpy(), "bf16"))
+            np.testing.assert_array_equal(bits(got), bits(want), err_msg=f"M={m} K={k} N={n}")
+
+
+def test_mkl_leftover_columns_are_close_not_exact() -> None:
+    """MKL sums the last N % 4 columns of a lanes-path product (M <= 3 or N < 12) in another
+    order: the op is exact on the other columns and close on those."""
+    torch = torch_module()
+    torch.set_num_threads(1)
+    session = session_for(linear_model(TensorProto.FLOAT))
+    gen = torch.Generator().manual_seed(13)
+    for m, n, k in [(1, 5, 128), (2, 11, 256), (3, 17, 64), (8, 10, 512), (1, 3, 96)]:
+        x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
+        want = torch.nn.functional.linear(x, w).numpy()
+        got = run(session, x.numpy(), w.numpy())
+        exact = n - n % 4
+        np.testing.assert_array_equal(bits(got[:, :exact]), bits(want[:, :exact]))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(k))
+
+
+# ---------------------------------------------------------- threads, errors, portable
+@pytest.mark.parametrize("w_type", ["bf16", "f32"])
+def test_thread_count_does_not_change_a_bit(w_type: str) -> None:
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((300, 700)).astype(np.float32)
+    if w_type == "bf16":
+        w = bf16_round(w)
+    results = []
+    for threads in (1, 2):
+        session = session_for(linear_model(W_TYPES[w_type], w), threads=threads)
+        results.append([run(session, rng_x) for rng_x in (
+            np.random.default_rng(4).standard_normal((m, 700)).astype(np.float32)
+            for m in (1, 97, 250))])
+    for a, b in zip(*results, strict=True):
+        np.testing.assert_array_equal(bits(a), bits(b))
+
+
+@pytest.mark.parametrize(("x_shape", "w_shape", "message"), [
+    ((3, 5), (4, 6), r"TorchLinear: the last dimension of X \(5\) must equal K, the second "
+                     r"dimension of W \(6\); X shape \[3, 5\], W shape \[4, 6\]"),
+    ((3, 5), (2, 4, 5), r"TorchLinear: W must be \[N, K\] \(rank 2\), got shape \[2, 4, 5\]"),
+    ((3, 5), (5,), r"TorchLinear: W must be \[N, K\] \(rank 2\), got shape \[5\]"),
+    ((), (4, 5), r"TorchLinear: X must have rank >= 1, got a scalar"),
+])
+@pytest.mark.parametrize("w_type", ["bf16", "f32"])
+def test_bad_shapes_are_clear_errors(fed_sessions, x_shape: tuple, w_shape: tuple,
+                                     message: str, w_type: str) -> None:
+    for (_, wt), session in fed_sessions.items():
+        if wt != w_type:
+            continue
+        with pytest.raises(ort.capi.onnxruntime_pybind11_state.InvalidArgument, match=message):
+            run(session, np.ones(x_shape, np.float32), np.ones(w_shape, np.float32), w_type)
+
+
+def test_constant_weights_of_a_bad_rank_are_reported_at_run_time() -> None:
+    session = session_for(linear_model(TensorProto.FLOAT, np.ones((2, 3, 4), np.float32)))
+    with pytest.raises(ort.capi.onnxruntime_pybind11_state.InvalidArgument,
+                       match=r"W must be \[N, K\] \(rank 2\), got shape \[2, 3, 4\]"):
+        run(session, np.ones((1, 4), np.float32))
+
+
+def test_unsupported_types_and_paths_are_clear_errors() -> None:
+    with pytest.raises(Errors, match="TorchLinear"):  # no float16 kernel
+        session_for(linear_model(TensorProto.FLOAT16))
+    with pytest.raises(Errors, match=r"CSA_TORCH_LINEAR_ISA=\"sse9\" \(expected avx512, "
+                                     r"avx2, scalar or reference\)"):
+        session_for(linear_model(TensorProto.FLOAT), "sse9")
+
+
+@pytest.mark.parametrize("w_type", ["bf16", "f32"])
+def test_portable_body_matches_the_op(w_type: str) -> None:
+    rng = np.random.default_rng(8)
+    w = rng.standard_normal((96, 320)).astype(np.float32)
+    if w_type == "bf16":
+        w = bf16_round(w)
+    x = bf16_round(rng.standard_normal((2, 7, 320)).astype(np.float32))
+    portable = ort.InferenceSession(linear_model(W_TYPES[w_type], w, portable=True),
+                                    providers=["CPUExecutionProvider"])
+    kernel = session_for(linear_model(W_TYPES[w_type], w))
+    got = portable.run(["Y"], {"X": x})[0]
+    want = run(kernel, x)
+    assert got.shape == want.shape == (2, 7, 96)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
