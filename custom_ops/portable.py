@@ -3,8 +3,7 @@ csa2onnx, version 1).
 
 Attached to a model as local functions, they let the model run on any onnxruntime without
 the custom-op library; where the library is registered its kernels are used instead.
-Fp4QuantDequant is bit-exact with the C++ kernel for float32 input (NaN blocks aside:
-standard ReduceMax does not promise to propagate NaN). TorchLinear is a MatMul: the same
+Fp4QuantDequant is bit-exact with the C++ kernel for float32 input. TorchLinear is a MatMul: the same
 sum, in the runtime's summation order instead of torch's (last-bit differences); so is
 TorchRMSNorm's mean (ReduceMean).
 """
@@ -31,6 +30,10 @@ def Fp4QuantDequant(X: FLOAT, block_size: int, scale_format: str) -> tuple[FLOAT
                              block, axis=0)
     x = op.Reshape(X, blocks_shape)
     amax = op.ReduceMax(op.Abs(x), [-1], keepdims=1)
+    # ReduceMax may skip NaN; the reference's amax propagates it to the whole block.
+    has_nan = op.Cast(op.ReduceMax(op.Cast(op.IsNaN(x), to=onnx.TensorProto.FLOAT), [-1],
+                                   keepdims=1), to=onnx.TensorProto.BOOL)
+    amax = op.Where(has_nan, op.Constant(value_float=float("nan")), amax)
 
     # e8m0: exactly 2^ceil(log2(t)); the float log2 estimate is off by at most one, so
     # one correction each way makes it exact.

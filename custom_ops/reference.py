@@ -29,9 +29,11 @@ def round_e4m3(x: np.ndarray) -> np.ndarray:
 
 def pow2_ceil(t: np.ndarray) -> np.ndarray:
     """Exactly 2^ceil(log2 t) for t > 0 (a float log2 is not exact near powers of two)."""
-    mantissa, exponent = np.frexp(np.asarray(t, np.float32))  # t = m * 2^e, m in [0.5, 1)
+    t = np.asarray(t, np.float32)
+    mantissa, exponent = np.frexp(t)  # t = m * 2^e, m in [0.5, 1)
     up = np.ldexp(np.float32(1.0), exponent).astype(np.float32)
-    return np.where(mantissa == 0.5, t, up).astype(np.float32)
+    # NaN and inf pass through (frexp gives them exponent 0), as torch's log2/ceil/pow do.
+    return np.where((mantissa == 0.5) | ~np.isfinite(t), t, up).astype(np.float32)
 
 
 def e2m1_rne(v: np.ndarray) -> np.ndarray:

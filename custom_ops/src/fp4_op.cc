@@ -15,6 +15,7 @@
 #include "element_types.h"
 #include "fp4_op.h"
 #include "fp4_quant.h"
+#include "kernel_support.h"
 #ifdef CSA_WITH_CUDA
 #include "fp4_cuda.h"
 #endif
@@ -26,12 +27,20 @@ namespace {
   ORT_CXX_API_THROW("Fp4QuantDequant: " + message, ORT_INVALID_ARGUMENT);
 }
 
+// Whether the graph gives output `index` an OrtValue: an omitted output ("" or absent) has
+// none, and Tensor::Allocate would dereference null. Allocates it (Allocate then reuses it).
+bool has_output(OrtKernelContext* ctx, size_t index, const std::vector<int64_t>& shape) {
+  const OrtValue* value = Ort::KernelContext(ctx).GetOutput(index, shape);
+  return value != nullptr;
+}
+
 // Attributes are checked once, when the session creates the kernel.
 struct Fp4Attributes {
   int64_t block_size = 0;
   ScaleFormat format = ScaleFormat::kE8M0;
 
   explicit Fp4Attributes(const OrtKernelInfo* info) {
+    require_node_io(info, "Fp4QuantDequant", 1, 1);  // Scale is optional
     Ort::ConstKernelInfo ki(info);
     try {
       block_size = ki.GetAttribute<int64_t>("block_size");
@@ -73,23 +82,26 @@ struct Fp4Attributes {
   }
 };
 
+// Y, and Scale's storage when the graph asks for it (else null).
+template <typename T>
+T* allocate_outputs(OrtKernelContext* ctx, const Fp4Attributes& attrs,
+                    const std::vector<int64_t>& shape, Ort::Custom::Tensor<T>& y,
+                    std::optional<Ort::Custom::Tensor<float>*> scale, float** scales) {
+  if (!has_output(ctx, 0, shape)) fail("output Y is required");
+  const std::vector<int64_t> scale_shape = attrs.scale_shape(shape);
+  *scales = scale.has_value() && has_output(ctx, 1, scale_shape) ? (*scale)->Allocate(scale_shape)
+                                                                  : nullptr;
+  return y.Allocate(shape);
+}
+
 template <typename T>
 struct Fp4CpuKernel {
   Fp4Attributes attrs;
   Fp4CpuKernel(const OrtApi*, const OrtKernelInfo* info) : attrs(info) {}
 
-  // Returning a Status (not letting the exception escape) keeps the error code: onnxruntime
-  // turns an exception thrown from a custom kernel into RUNTIME_EXCEPTION.
   Ort::Status Compute(OrtKernelContext* ctx, const Ort::Custom::Tensor<T>& x,
                       Ort::Custom::Tensor<T>& y, std::optional<Ort::Custom::Tensor<float>*> scale) {
-    try {
-      Run(ctx, x, y, scale);
-    } catch (const Ort::Exception& e) {
-      return Ort::Status(e);
-    } catch (const std::exception& e) {
-      return Ort::Status(e);
-    }
-    return Ort::Status(nullptr);
+    return status_of([&] { Run(ctx, x, y, scale); });
   }
 
   void Run(OrtKernelContext* ctx, const Ort::Custom::Tensor<T>& x, Ort::Custom::Tensor<T>& y,
@@ -97,8 +109,8 @@ struct Fp4CpuKernel {
     const std::vector<int64_t> shape = x.Shape();
     const int64_t nblocks = attrs.blocks(shape);
     const T* in = x.Data();
-    T* out = y.Allocate(shape);
-    float* scales = scale.has_value() ? (*scale)->Allocate(attrs.scale_shape(shape)) : nullptr;
+    float* scales = nullptr;
+    T* out = allocate_outputs(ctx, attrs, shape, y, scale, &scales);
     if (nblocks == 0) return;
 
     struct Job {
@@ -137,26 +149,17 @@ struct Fp4CudaKernel {
   Fp4Attributes attrs;
   Fp4CudaKernel(const OrtApi*, const OrtKernelInfo* info) : attrs(info) {}
 
-  // Returning a Status (not letting the exception escape) keeps the error code: onnxruntime
-  // turns an exception thrown from a custom kernel into RUNTIME_EXCEPTION.
   Ort::Status Compute(OrtKernelContext* ctx, const Ort::Custom::Tensor<T>& x,
                       Ort::Custom::Tensor<T>& y, std::optional<Ort::Custom::Tensor<float>*> scale) {
-    try {
-      Run(ctx, x, y, scale);
-    } catch (const Ort::Exception& e) {
-      return Ort::Status(e);
-    } catch (const std::exception& e) {
-      return Ort::Status(e);
-    }
-    return Ort::Status(nullptr);
+    return status_of([&] { Run(ctx, x, y, scale); });
   }
 
   void Run(OrtKernelContext* ctx, const Ort::Custom::Tensor<T>& x, Ort::Custom::Tensor<T>& y,
            std::optional<Ort::Custom::Tensor<float>*> scale) {
     const std::vector<int64_t> shape = x.Shape();
     const int64_t nblocks = attrs.blocks(shape);
-    T* out = y.Allocate(shape);
-    float* scales = scale.has_value() ? (*scale)->Allocate(attrs.scale_shape(shape)) : nullptr;
+    float* scales = nullptr;
+    T* out = allocate_outputs(ctx, attrs, shape, y, scale, &scales);
     if (nblocks == 0) return;
     void* stream = Ort::KernelContext(ctx).GetGPUComputeStream();
     const std::string error = launch_fp4_round_trip(x.Data(), out, scales, nblocks,

@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "kernel_support.h"
 #include "torch_linear.h"
 #include "torch_linear_op.h"
 
@@ -43,12 +44,6 @@ using torch_linear::Plan;
 
 [[noreturn]] void fail(const std::string& message) {
   ORT_CXX_API_THROW("TorchLinear: " + message, ORT_INVALID_ARGUMENT);
-}
-
-std::string shape_string(const std::vector<int64_t>& shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + "]";
 }
 
 constexpr int64_t kPanel = 64;     // columns per packed panel
@@ -259,6 +254,7 @@ struct TorchLinearKernel {
   PackedW<S> constant_w;  // packed once when W is a constant initializer
 
   TorchLinearKernel(const OrtApi*, const OrtKernelInfo* info) : isa(select_isa()) {
+    require_node_io(info, "TorchLinear", 2, 1);
     int is_constant = 0;
     Ort::ConstValue w{nullptr};
     try {
@@ -272,18 +268,9 @@ struct TorchLinearKernel {
     constant_w.pack(reinterpret_cast<const S*>(w.GetTensorRawData()), shape[0], shape[1]);
   }
 
-  // Returning a Status (not letting the exception escape) keeps the error code: onnxruntime
-  // turns an exception thrown from a custom kernel into RUNTIME_EXCEPTION.
   Ort::Status Compute(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& x,
                       const Ort::Custom::Tensor<OrtT>& w, Ort::Custom::Tensor<float>& y) {
-    try {
-      Run(ctx, x, w, y);
-    } catch (const Ort::Exception& e) {
-      return Ort::Status(e);
-    } catch (const std::exception& e) {  // e.g. bad_alloc for the output or the packing
-      return Ort::Status(e);
-    }
-    return Ort::Status(nullptr);
+    return status_of([&] { Run(ctx, x, w, y); });
   }
 
   void Run(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& x,

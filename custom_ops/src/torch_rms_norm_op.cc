@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "element_types.h"
+#include "kernel_support.h"
 #include "torch_rms_norm.h"
 #include "torch_rms_norm_op.h"
 
@@ -27,6 +28,7 @@ struct TorchRMSNormKernel {
   float epsilon = 0.0f;
 
   TorchRMSNormKernel(const OrtApi*, const OrtKernelInfo* info) {
+    require_node_io(info, "TorchRMSNorm", 2, 1);
     try {
       epsilon = Ort::ConstKernelInfo(info).GetAttribute<float>("epsilon");
     } catch (const Ort::Exception&) {
@@ -37,14 +39,7 @@ struct TorchRMSNormKernel {
 
   Ort::Status Compute(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& x,
                       const Ort::Custom::Tensor<WT>& w, Ort::Custom::Tensor<float>& y) {
-    try {
-      Run(ctx, x, w, y);
-    } catch (const Ort::Exception& e) {
-      return Ort::Status(e);
-    } catch (const std::exception& e) {
-      return Ort::Status(e);
-    }
-    return Ort::Status(nullptr);
+    return status_of([&] { Run(ctx, x, w, y); });
   }
 
   void Run(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& x,

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "kernel_support.h"
 #include "torch_topk.h"
 #include "torch_topk_op.h"
 
@@ -25,10 +26,11 @@ namespace {
   ORT_CXX_API_THROW("TorchTopK: " + message, ORT_INVALID_ARGUMENT);
 }
 
-std::string shape_string(const std::vector<int64_t>& shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + "]";
+// Whether the graph gives output `index` an OrtValue: an omitted output ("" or absent) has
+// none, and Tensor::Allocate would dereference null. Allocates it (Allocate then reuses it).
+bool has_output(OrtKernelContext* ctx, size_t index, const std::vector<int64_t>& shape) {
+  const OrtValue* value = Ort::KernelContext(ctx).GetOutput(index, shape);
+  return value != nullptr;
 }
 
 // An optional 0/1 attribute. onnxruntime reports "absent" and "not an int" with the same
@@ -61,22 +63,13 @@ struct TorchTopKKernel {
   bool sorted;
 
   TorchTopKKernel(const OrtApi* api, const OrtKernelInfo* info)
-      : largest(flag_attribute(api, info, "largest", true)),
+      : largest((require_node_io(info, "TorchTopK", 2, 2), flag_attribute(api, info, "largest", true))),
         sorted(flag_attribute(api, info, "sorted", true)) {}
 
-  // Returning a Status (not letting the exception escape) keeps the error code: onnxruntime
-  // turns an exception thrown from a custom kernel into RUNTIME_EXCEPTION.
   Ort::Status Compute(OrtKernelContext* ctx, const Ort::Custom::Tensor<OrtT>& x,
                       const Ort::Custom::Tensor<int64_t>& k_tensor,
                       Ort::Custom::Tensor<OrtT>& values, Ort::Custom::Tensor<int64_t>& indices) {
-    try {
-      Run(ctx, x, k_tensor, values, indices);
-    } catch (const Ort::Exception& e) {
-      return Ort::Status(e);
-    } catch (const std::exception& e) {  // e.g. bad_alloc for the outputs
-      return Ort::Status(e);
-    }
-    return Ort::Status(nullptr);
+    return status_of([&] { Run(ctx, x, k_tensor, values, indices); });
   }
 
   void Run(OrtKernelContext* ctx, const Ort::Custom::Tensor<OrtT>& x,
@@ -97,6 +90,8 @@ struct TorchTopKKernel {
 
     std::vector<int64_t> out_shape = shape;
     out_shape.back() = k;
+    if (!has_output(ctx, 0, out_shape) || !has_output(ctx, 1, out_shape))
+      fail("outputs Values and Indices are both required");
     Storage* out_values = reinterpret_cast<Storage*>(values.Allocate(out_shape));
     int64_t* out_indices = indices.Allocate(out_shape);
     int64_t rows = 1;
