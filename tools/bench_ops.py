@@ -1,0 +1,182 @@
+"""Benchmark the custom-op kernels against NumPy and torch (a script, not a test).
+
+    python tools/bench_ops.py [--repeat 5] [--min-time 1.0]
+
+Fp4QuantDequant: values/s of the onnxruntime kernel, the NumPy definition
+(custom_ops/reference.py) and a compact torch version of the same round trip, on a float32
+[4096, 4096] input, both scale formats. TorchTopK: rows/s of the kernel and torch.topk (CPU).
+Each implementation's outputs are checked equal to the kernel's first, so the timings compare
+the same work. onnxruntime runs with intra_op_num_threads = torch.get_num_threads(); NumPy is
+single-threaded here (no BLAS in these paths). Times are the median of the repeats; session
+creation is excluded, output allocation included everywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+import torch
+from onnx import TensorProto, helper
+
+from csa2onnx.custom_ops import make_session, session_options
+from csa2onnx.custom_ops.reference import fp4_round_trip
+
+OPSETS = [helper.make_opsetid("", 21), helper.make_opsetid("csa2onnx", 1)]
+
+
+# ---------------------------------------------------------------- torch fp4 round trip
+E2M1_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def torch_fp4_round_trip(x: torch.Tensor, block: int,
+                         scale_format: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp4_act_quant(x, block, inplace=True) in plain torch ops: (bf16-valued y, scales)."""
+    blocks = x.view(*x.shape[:-1], -1, block)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    if scale_format == "e8m0":
+        t = amax.clamp_min(6.0 * 2.0**-126) * (1.0 / 6.0)
+        mantissa, exponent = torch.frexp(t)  # exact 2^ceil(log2 t), as the kernel computes it
+        scale = torch.where(mantissa == 0.5, t, torch.ldexp(torch.ones_like(t), exponent))
+    else:  # e4m3fn: torch's cast does not saturate, so clamp at 448 first
+        scale = (amax.clamp_min(6.0 * 2.0**-9) / 6.0).clamp_max(448.0)
+        scale = scale.to(torch.float8_e4m3fn).float()
+    a = (blocks / scale).clamp(-6.0, 6.0)
+    m = a.abs()
+    # e2m1 with ties to the even code: midpoints .25 1.25 2.5 5 round down, .75 1.75 3.5 up.
+    code = ((m > 0.25).to(torch.uint8) + (m >= 0.75) + (m > 1.25) + (m >= 1.75) + (m > 2.5) +
+            (m >= 3.5) + (m > 5.0))
+    q = torch.copysign(E2M1_GRID[code.long()], a)
+    y = (q * scale).to(torch.bfloat16).float()
+    return y.view(x.shape), scale.squeeze(-1)
+
+
+# ---------------------------------------------------------------- models and timing
+def fp4_model(block: int, scale_format: str) -> bytes:
+    node = helper.make_node("Fp4QuantDequant", ["X"], ["Y", "Scale"], domain="csa2onnx",
+                            block_size=block, scale_format=scale_format)
+    graph = helper.make_graph(
+        [node], "fp4", [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["r", "c"])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["r", "c"]),
+         helper.make_tensor_value_info("Scale", TensorProto.FLOAT, ["r", "b"])])
+    return helper.make_model(graph, opset_imports=OPSETS).SerializeToString()
+
+
+def topk_model() -> bytes:
+    node = helper.make_node("TorchTopK", ["X", "K"], ["Values", "Indices"], domain="csa2onnx",
+                            largest=1, sorted=1)
+    graph = helper.make_graph(
+        [node], "topk", [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["r", "n"]),
+                         helper.make_tensor_value_info("K", TensorProto.INT64, [1])],
+        [helper.make_tensor_value_info("Values", TensorProto.FLOAT, ["r", "k"]),
+         helper.make_tensor_value_info("Indices", TensorProto.INT64, ["r", "k"])])
+    return helper.make_model(graph, opset_imports=OPSETS).SerializeToString()
+
+
+def median_time(fn: Callable[[], Any], repeat: int, min_time: float) -> float:
+    """Median seconds per call, after one warm-up call; at least `repeat` calls and
+    `min_time` seconds in all."""
+    fn()
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < repeat or time.perf_counter() - start < min_time:
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and bool(np.array_equal(a.view(np.uint32), b.view(np.uint32)))
+
+
+def rate(per_second: float) -> str:
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if per_second >= scale:
+            return f"{per_second / scale:8.2f} {unit}"
+    return f"{per_second:8.2f}  "
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--min-time", type=float, default=1.0, help="seconds per measurement")
+    args = parser.parse_args(argv)
+
+    threads = torch.get_num_threads()
+    options = session_options(threads)
+    rng = np.random.default_rng(0)
+    rows: list[tuple[str, str, str, float, float, str]] = []
+
+    # Fp4QuantDequant: normals over several binades, as activations are.
+    x = (rng.standard_normal((4096, 4096)) *
+         np.exp2(rng.integers(-8, 8, (4096, 1)))).astype(np.float32)
+    xt = torch.from_numpy(x)
+    for block, fmt in ((32, "e8m0"), (16, "e4m3")):
+        session = make_session(fp4_model(block, fmt), options=options)
+        y, scale = session.run(None, {"X": x})
+        ref_y, ref_scale = fp4_round_trip(x, block, fmt)
+        t_y, t_scale = torch_fp4_round_trip(xt, block, fmt)
+        for name, (oy, os_) in (("numpy", (ref_y, ref_scale)),
+                                ("torch", (t_y.numpy(), t_scale.numpy()))):
+            if not (same_bits(oy, y) and same_bits(os_, scale)):
+                print(f"warning: {name} fp4 {fmt} differs from the kernel", file=sys.stderr)
+        label = f"Fp4QuantDequant {fmt} b{block}"
+        kernel = median_time(lambda s=session: s.run(None, {"X": x}), args.repeat, args.min_time)
+        impls = {
+            "onnxruntime kernel": kernel,
+            "numpy reference": median_time(lambda b=block, f=fmt: fp4_round_trip(x, b, f),
+                                           max(args.repeat // 2, 2), args.min_time),
+            "torch ops": median_time(lambda b=block, f=fmt: torch_fp4_round_trip(xt, b, f),
+                                     args.repeat, args.min_time),
+        }
+        for impl, seconds in impls.items():
+            rows.append((label, "[4096, 4096]", impl, seconds, x.size / seconds,
+                         "values/s"))
+
+    # TorchTopK: plain float32 normals.
+    session = make_session(topk_model(), options=options)
+    for n_rows, n, k in ((1024, 4096, 512), (1, 1 << 20, 512)):
+        s = rng.standard_normal((n_rows, n)).astype(np.float32)
+        st = torch.from_numpy(s)
+        feeds = {"X": s, "K": np.array([k], np.int64)}
+        values, indices = session.run(None, feeds)
+        want_v, want_i = torch.topk(st, k, dim=-1, largest=True, sorted=True)
+        if not (np.array_equal(indices, want_i.numpy()) and same_bits(values, want_v.numpy())):
+            print("warning: TorchTopK differs from torch.topk", file=sys.stderr)
+        shape = f"[{n_rows}, {n}] k={k}"
+        impls = {
+            "onnxruntime kernel": median_time(lambda f=feeds: session.run(None, f), args.repeat,
+                                              args.min_time),
+            "torch.topk": median_time(lambda t=st, kk=k: torch.topk(t, kk, dim=-1), args.repeat,
+                                      args.min_time),
+        }
+        for impl, seconds in impls.items():
+            rows.append(("TorchTopK f32", shape, impl, seconds, n_rows / seconds, "rows/s"))
+
+    print(f"threads: onnxruntime intra_op_num_threads={threads} (= torch.get_num_threads()), "
+          f"numpy single-threaded; {os.cpu_count()} CPUs; onnxruntime {ort.__version__}, "
+          f"torch {torch.__version__}, numpy {np.__version__}")
+    print(f"{'op':<28} {'shape':<22} {'implementation':<20} {'median':>10} "
+          f"{'throughput':>18}   kernel speed-up")
+    kernel_rate: dict[tuple[str, str], float] = {}
+    for op, shape, impl, seconds, per_s, unit in rows:
+        if impl == "onnxruntime kernel":
+            kernel_rate[op, shape] = per_s
+            ratio = ""
+        else:
+            ratio = f"x{kernel_rate[op, shape] / per_s:7.2f}"
+        print(f"{op:<28} {shape:<22} {impl:<20} {seconds * 1e3:8.2f} ms "
+              f"{rate(per_s)}{unit:<9} {ratio}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

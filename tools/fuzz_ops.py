@@ -1,0 +1,723 @@
+"""Fuzz the csa2onnx custom ops (Fp4QuantDequant, TorchTopK) under AddressSanitizer and UBSan.
+
+    python tools/fuzz_ops.py --build --cases 30000 --seed 1
+
+`--build` builds the sanitizer library (custom_ops/build-asan, CPU kernels only) first. The
+cases run in a worker subprocess with the sanitizer runtimes preloaded (Python itself is not
+instrumented, so they must come first) and `CSA2ONNX_OPS_LIBRARY` pointing at that library.
+Each case is a random model and input: shapes with 0-sized and huge dims, valid and invalid
+attributes, K of every value and shape, every dtype, NaN/inf/subnormal/random-bit data, 1 or
+2 threads. A case must either return outputs of the right shape (checked against an oracle
+where the input is valid) or raise an onnxruntime error. Findings: a crash, a sanitizer
+report, a hang, a wrong shape or value, a valid input rejected or an invalid one accepted.
+A crashed worker is restarted after the case that killed it, so one run reports them all.
+Case i of seed S is reproducible alone: `--seed S --start i --cases 1 -v`.
+
+Exit status: 0 no findings, 1 findings, 2 could not run (no sanitizer runtime, no library).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+ASAN_BUILD = ROOT / "custom_ops" / "build-asan"
+LIBRARY_NAME = "libcsa2onnx_ops.so"
+BUILD_LOCK = "/tmp/csa_build.lock"  # shared with `make setup` and other engineers' builds
+MAX_ELEMENTS = 1 << 22  # "huge but allocatable": 16 MiB of float32 per input
+CASE_TIMEOUT_S = 120.0
+
+# ONNX element types (TensorProto values), spelled out so the parent needs no onnx import.
+FLOAT, INT32, INT64, FLOAT16, DOUBLE, BFLOAT16 = 1, 6, 7, 10, 11, 16
+GOOD_X_TYPES = (FLOAT, BFLOAT16, FLOAT16)
+
+
+# ---------------------------------------------------------------- setup (parent side)
+def sanitizer_runtimes() -> list[str] | None:
+    """Paths of libasan.so and libubsan.so from the compiler the library is built with."""
+    for cxx in ("g++", "c++", "gcc"):
+        if shutil.which(cxx) is None:
+            continue
+        paths = []
+        for name in ("libasan.so", "libubsan.so"):
+            out = subprocess.run([cxx, f"-print-file-name={name}"], capture_output=True,
+                                 text=True).stdout.strip()
+            # Unknown files come back as the bare name.
+            if not out or out == name or not Path(out).exists():
+                break
+            paths.append(str(Path(out).resolve()))
+        else:
+            return paths
+    return None
+
+
+def build_asan_library(build_dir: Path = ASAN_BUILD) -> Path:
+    """Build the sanitizer library, holding the shared build lock."""
+    cmd = [sys.executable, str(ROOT / "custom_ops" / "build.py"), "--sanitize",
+           "--build-dir", str(build_dir), "--cuda", "OFF"]
+    with open(BUILD_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    return build_dir / LIBRARY_NAME
+
+
+def is_instrumented(library: Path) -> bool:
+    """Whether the library was compiled with ASan and UBSan (else fuzzing proves little)."""
+    data = library.read_bytes()
+    return b"__asan_report" in data and b"__ubsan_handle" in data
+
+
+def worker_env(library: Path, runtimes: list[str]) -> dict[str, str]:
+    env = dict(os.environ)
+    env["LD_PRELOAD"] = ":".join([*runtimes, *filter(None, [env.get("LD_PRELOAD")])])
+    # Python leaks by design, so no leak checks; stop at the first report.
+    env["ASAN_OPTIONS"] = ("detect_leaks=0:halt_on_error=1:abort_on_error=0:"
+                           "allocator_may_return_null=1")
+    env["UBSAN_OPTIONS"] = "halt_on_error=1:print_stacktrace=1"
+    env["CSA2ONNX_OPS_LIBRARY"] = str(library)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+# ---------------------------------------------------------------- case generation
+@dataclass
+class Case:
+    index: int
+    op: str  # "fp4" | "topk"
+    x_type: int
+    x: np.ndarray  # float32 / float16 / uint16 (bf16 bits) / float64 / int32
+    attributes: dict[str, Any]
+    outputs: list[str]  # node output names; "" = omitted optional output
+    threads: int
+    inputs: list[str] = field(default_factory=list)  # node input names; [] = the usual ones
+    k: np.ndarray | None = None  # topk only
+    k_type: int = INT64
+    expect_ok: bool | None = None  # None: no prediction, only crash and shape checks
+    notes: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        k = "" if self.k is None else f" K={self.k.tolist()!r}:{self.k.dtype}"
+        inputs = f" inputs={self.inputs}" if self.inputs else ""
+        return (f"#{self.index} {self.op} x_type={self.x_type} shape={list(self.x.shape)}{k} "
+                f"attrs={self.attributes}{inputs} outputs={self.outputs} threads={self.threads} "
+                f"expect_ok={self.expect_ok} {' '.join(self.notes)}")
+
+
+SPECIAL_F32 = np.array([0x7FC00000, 0xFFC00000, 0x7F800001, 0xFFFFFFFF, 0x7FA00000,  # NaNs
+                        0x7F800000, 0xFF800000, 0x00000000, 0x80000000,  # inf, zeros
+                        0x00000001, 0x80000001, 0x007FFFFF, 0x00800000,  # subnormals
+                        0x7F7FFFFF, 0xFF7FFFFF, 0x3F800000, 0xBF800000,  # max, +-1
+                        0x40C00000, 0x40A00000, 0x3E800000, 0x43E00000],  # 6, 5, .25, 448
+                       dtype=np.uint32).view(np.float32)
+
+
+def random_data(rng: np.random.Generator, size: int) -> np.ndarray:
+    """float32 values in a random style; ties, specials and odd bit patterns included."""
+    style = int(rng.integers(7))
+    if style == 0:
+        return rng.integers(0, 1 << 32, size, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    if style == 1:
+        return rng.choice(SPECIAL_F32, size)
+    if style == 2:
+        with np.errstate(over="ignore"):
+            return (rng.standard_normal(size) *
+                    np.exp2(rng.integers(-150, 128, size).astype(np.float64))).astype(np.float32)
+    if style == 3:
+        return np.full(size, rng.choice(SPECIAL_F32), np.float32)
+    if style == 4:  # subnormals only
+        return (rng.integers(0, 1 << 23, size, dtype=np.uint32) |
+                (rng.integers(0, 2, size, dtype=np.uint32) << 31)).view(np.float32)
+    if style == 5:  # few distinct values: ties
+        return rng.choice(np.array([-2, -1, 0, -0.0, 0.5, 1, 3, np.inf, -np.inf], np.float32),
+                          size)
+    mixed = rng.standard_normal(size).astype(np.float32)
+    mask = rng.random(size) < 0.2
+    mixed[mask] = rng.choice(SPECIAL_F32, int(mask.sum()))
+    return mixed
+
+
+def as_x_type(values: np.ndarray, x_type: int) -> np.ndarray:
+    if x_type == BFLOAT16:  # raw bits, truncated (a low-payload NaN becomes inf: fine)
+        return (values.view(np.uint32) >> 16).astype(np.uint16)
+    if x_type == FLOAT16:
+        with np.errstate(over="ignore", invalid="ignore"):
+            return values.astype(np.float16)
+    if x_type == DOUBLE:
+        return values.astype(np.float64)
+    if x_type == INT32:
+        return values.view(np.int32)
+    return values
+
+
+def random_shape(rng: np.random.Generator, last: int) -> tuple[int, ...]:
+    """Leading dims (rank 0..3 of them) times `last`, at most MAX_ELEMENTS elements."""
+    lead = [int(d) for d in rng.choice([0, 1, 1, 2, 3, 4, 7, 16, 33], int(rng.integers(0, 4)))]
+    if rng.random() < 0.03 and 0 in [*lead, last]:  # a huge dim beside a 0: still empty
+        lead.insert(0, 1 << int(rng.integers(20, 41)))
+    shape = (*lead, last)
+    size = int(np.prod(shape, dtype=np.float64))
+    # Only single long rows get the full budget: many-row cases are slow to check.
+    limit = MAX_ELEMENTS if last > (1 << 18) else (1 << 19)
+    while size > limit and len(shape) > 1:  # drop leading dims until it fits
+        shape = shape[1:]
+        size = int(np.prod(shape, dtype=np.float64))
+    return shape
+
+
+def random_array(rng: np.random.Generator, shape: tuple[int, ...], x_type: int) -> np.ndarray:
+    size = int(np.prod(shape, dtype=np.float64))
+    if size > MAX_ELEMENTS:
+        shape, size = (min(shape[-1], MAX_ELEMENTS),), min(shape[-1], MAX_ELEMENTS)
+    try:
+        values = random_data(rng, size).reshape(shape)
+    except ValueError:  # numpy refuses some 0-sized shapes with huge dims
+        values = random_data(rng, 0).reshape(0, 1)
+    return np.asarray(as_x_type(values, x_type))  # ufuncs turn 0-d arrays into scalars
+
+
+def random_x_type(rng: np.random.Generator) -> int:
+    return int(rng.choice([FLOAT, FLOAT, BFLOAT16, BFLOAT16, FLOAT16, DOUBLE, INT32],
+                          p=[0.3, 0.1, 0.25, 0.05, 0.2, 0.05, 0.05]))
+
+
+def last_dim(rng: np.random.Generator, multiple_of: int = 1) -> int:
+    u = rng.random()
+    if u < 0.05:
+        return 0
+    if u < 0.06:  # huge: one long row
+        n = int(rng.integers(1 << 18, MAX_ELEMENTS + 1))
+    elif u < 0.4:
+        n = int(rng.integers(1, 9))
+    else:
+        n = int(rng.integers(1, 5000))
+    if multiple_of > 1:
+        n = max(multiple_of, n - n % multiple_of)
+    return n
+
+
+def fp4_case(rng: np.random.Generator, index: int, omit_inputs: bool) -> Case:
+    ok = True
+    attributes: dict[str, Any] = {}
+    u = rng.random()
+    block = int(rng.choice([1, 2, 4, 16, 32, 32, 64, 128, 7]))
+    if u < 0.8:
+        attributes["block_size"] = block
+    elif u < 0.85:
+        ok = False  # absent
+    elif u < 0.9:
+        attributes["block_size"] = float(block)
+        ok = False
+    elif u < 0.95:
+        attributes["block_size"] = int(rng.choice([0, -1, -32, -(1 << 62)]))
+        ok = False
+    else:
+        attributes["block_size"] = 1 << int(rng.integers(31, 63))  # valid, dwarfs the dims
+    u = rng.random()
+    if u < 0.85:
+        attributes["scale_format"] = str(rng.choice(["e8m0", "e4m3"]))
+    elif u < 0.9:
+        ok = False
+    else:
+        attributes["scale_format"] = ["", "E8M0", "nvfp4", "e8m0 ", 1][int(rng.integers(5))]
+        ok = False
+    x_type = random_x_type(rng)
+    ok = ok and x_type in GOOD_X_TYPES
+    bs = attributes.get("block_size")
+    bs_int = bs if isinstance(bs, int) and 0 < bs <= MAX_ELEMENTS else 1
+    divisible = rng.random() < 0.85
+    n = last_dim(rng, bs_int if divisible else 1)
+    shape = random_shape(rng, n) if rng.random() > 0.03 else ()
+    x = random_array(rng, shape, x_type)
+    if x.ndim == 0 or (isinstance(bs, int) and bs > 0 and x.shape[-1] % bs):
+        ok = False
+    outputs = [["Y", "Scale"], ["Y"], ["Y", ""], ["Y", "Scale"]][int(rng.integers(4))]
+    if rng.random() < 0.02:
+        outputs, ok = ["", "Scale"], None  # required output omitted: onnxruntime decides
+    inputs: list[str] = []
+    if rng.random() < 0.01 and omit_inputs:
+        inputs, ok = [[""], ["X", "X"]][int(rng.integers(2))], None
+    return Case(index, "fp4", x_type, x, attributes, outputs, int(rng.integers(1, 3)),
+                inputs=inputs, expect_ok=ok)
+
+
+def random_flag(rng: np.random.Generator) -> tuple[Any, bool]:
+    """(value or None for absent, is valid)."""
+    u = rng.random()
+    if u < 0.25:
+        return None, True
+    if u < 0.92:
+        return int(rng.integers(0, 2)), True
+    return [2, -1, 1 << 40, "yes", 1.0, ""][int(rng.integers(6))], False
+
+
+def topk_case(rng: np.random.Generator, index: int, omit_inputs: bool) -> Case:
+    ok: bool | None = True
+    attributes: dict[str, Any] = {}
+    notes = []
+    for name in ("largest", "sorted"):
+        value, valid = random_flag(rng)
+        if value is not None:
+            attributes[name] = value
+        ok = ok and valid
+    x_type = random_x_type(rng)
+    ok = ok and x_type in GOOD_X_TYPES
+    n = last_dim(rng)
+    shape = random_shape(rng, n) if rng.random() > 0.03 else ()
+    x = random_array(rng, shape, x_type)
+    if x.ndim == 0:
+        ok = False
+    n = x.shape[-1] if x.ndim else 0
+    u = rng.random()
+    big = np.iinfo(np.int64)
+    if u < 0.85:
+        k_value = int(rng.choice([0, 1, n, max(n - 1, 0), n // 64, n // 64 + 1,
+                                  int(rng.integers(0, n + 1))]))
+    else:
+        k_value = int(rng.choice([n + 1, -1, big.max, big.min, -(1 << 40), 1 << 40]))
+    if x.ndim and not 0 <= k_value <= n:
+        ok = False
+    k_shape: tuple[int, ...] = [(), (1,), (2,), (0,), (1, 1)][
+        int(rng.choice(5, p=[0.45, 0.4, 0.05, 0.05, 0.05]))]
+    if k_shape not in ((), (1,)):
+        ok = False
+    k = np.full(k_shape, k_value, np.int64)
+    k_type = INT64
+    if rng.random() < 0.04:
+        k_type, ok = INT32, False
+        k = k.astype(np.int32)
+    outputs = ["Values", "Indices"]
+    if rng.random() < 0.03:
+        outputs, ok = [["Values"], ["", "Indices"], ["Values", ""]][int(rng.integers(3))], None
+        notes.append("outputs omitted")
+    inputs: list[str] = []
+    if rng.random() < 0.01 and omit_inputs:  # K (or X) omitted, or one too many
+        inputs, ok = [["X", ""], ["X"], ["", "K"], ["X", "K", "X"]][int(rng.integers(4))], None
+    return Case(index, "topk", x_type, x, attributes, outputs, int(rng.integers(1, 3)), k=k,
+                k_type=k_type, inputs=inputs, expect_ok=ok, notes=notes)
+
+
+def make_case(seed: int, index: int, omit_inputs: bool = False) -> Case:
+    rng = np.random.default_rng([seed, index])
+    make = fp4_case if rng.random() < 0.5 else topk_case
+    return make(rng, index, omit_inputs)
+
+
+# ---------------------------------------------------------------- oracles (worker side)
+def order_keys(x: np.ndarray, x_type: int) -> np.ndarray:
+    """uint64 keys ordering as torch ranks values: -0 == +0, NaN above +inf."""
+    if x_type == FLOAT16:
+        bits, sign, inf = x.view(np.uint16).astype(np.uint64), 0x8000, 0x7C00
+    else:
+        bits = (x.view(np.uint16).astype(np.uint64) << 16 if x_type == BFLOAT16
+                else x.view(np.uint32).astype(np.uint64))
+        sign, inf = 0x80000000, 0x7F800000
+    mag = bits & (sign - 1)
+    keys = np.where(bits & sign, (sign - 1) - mag, sign | bits)
+    keys = np.where(mag == 0, sign, keys)
+    return np.where(mag > inf, np.uint64(0xFFFFFFFF), keys).astype(np.uint64)
+
+
+def as_f32_bits(x: np.ndarray, x_type: int) -> np.ndarray:
+    """Values widened to float32, as bits (bf16 is read back through a Cast to float)."""
+    if x_type == BFLOAT16:
+        return x.astype(np.uint32) << 16
+    return x.astype(np.float32).view(np.uint32)
+
+
+def same_floats(got: np.ndarray, want: np.ndarray) -> bool:
+    """Bit-equal, except that any NaN matches any NaN."""
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    return got.shape == want.shape and bool(np.all(
+        (got.view(np.uint32) == want.view(np.uint32)) | (np.isnan(got) & np.isnan(want))))
+
+
+def expected_fp4(x: np.ndarray, block: int, scale_format: str) -> tuple[np.ndarray, np.ndarray]:
+    """reference.fp4_round_trip, except for e8m0 blocks whose amax is NaN or inf: there the
+    kernel (and portable.py, and torch's 2**ceil(log2(t))) give the scale NaN or inf and the
+    whole block NaN, while reference.pow2_ceil maps NaN and inf to 1.0 (np.frexp quirk)."""
+    from csa2onnx.custom_ops.reference import fp4_round_trip
+
+    y, scale = fp4_round_trip(x, block, scale_format)
+    if scale_format == "e8m0":
+        amax = np.abs(x.reshape(*x.shape[:-1], -1, block)).max(axis=-1)
+        bad = ~np.isfinite(amax)
+        scale = np.where(bad, amax, scale).astype(np.float32)
+        y = np.where(bad[..., None], np.float32(np.nan),
+                     y.reshape(*x.shape[:-1], -1, block)).reshape(x.shape)
+    return y, scale
+
+
+def check_fp4(case: Case, outputs: dict[str, np.ndarray]) -> str | None:
+    x, bs = case.x, case.attributes["block_size"]
+    y = outputs["Y"]
+    want_y_type = np.float16 if case.x_type == FLOAT16 else np.float32
+    if y.shape != x.shape or y.dtype != want_y_type:
+        return f"Y has shape {y.shape} {y.dtype}, want {x.shape} {np.dtype(want_y_type)}"
+    scale_shape = (*x.shape[:-1], x.shape[-1] // bs)
+    if "Scale" in outputs and (outputs["Scale"].shape != scale_shape or
+                               outputs["Scale"].dtype != np.float32):
+        return f"Scale has shape {outputs['Scale'].shape}, want {scale_shape}"
+    if x.size == 0 or x.size > (1 << 20):
+        return None
+    wide = as_f32_bits(x, case.x_type).view(np.float32)
+    want_y, want_scale = expected_fp4(wide, bs, case.attributes["scale_format"])
+    if case.x_type == FLOAT16:
+        with np.errstate(over="ignore", invalid="ignore"):
+            want_y = want_y.astype(np.float16).astype(np.float32)
+    if not same_floats(y.astype(np.float32), want_y):
+        bad = int(np.flatnonzero(~((y.astype(np.float32).view(np.uint32) ==
+                                    want_y.view(np.uint32)) |
+                                   (np.isnan(y.astype(np.float32)) & np.isnan(want_y))))[0])
+        return (f"Y differs from reference.fp4_round_trip at flat {bad}: x bits "
+                f"{wide.reshape(-1)[bad].view(np.uint32):#010x} got {y.reshape(-1)[bad]!r} "
+                f"want {want_y.reshape(-1)[bad]!r}")
+    if "Scale" in outputs and not same_floats(outputs["Scale"], want_scale):
+        return "Scale differs from reference.fp4_block_scales"
+    return None
+
+
+def check_topk(case: Case, outputs: dict[str, np.ndarray]) -> str | None:
+    x, k = case.x, int(case.k.reshape(-1)[0])
+    values, indices = outputs["Values"], outputs["Indices"]
+    want_shape = (*x.shape[:-1], k)
+    if values.shape != want_shape or indices.shape != want_shape or indices.dtype != np.int64:
+        return f"outputs have shapes {values.shape} {indices.shape}, want {want_shape}"
+    n = x.shape[-1]
+    if x.size == 0 or k == 0:
+        return None
+    rows_x, rows_i = x.reshape(-1, n), indices.reshape(-1, k)
+    if rows_i.min() < 0 or rows_i.max() >= n:
+        return "an index is out of range"
+    if any(len(np.unique(r)) != k for r in rows_i[:64]):
+        return "repeated index in a row"
+    keys = order_keys(rows_x, case.x_type)
+    picked = np.take_along_axis(keys, rows_i, axis=1)
+    largest = bool(case.attributes.get("largest", 1))
+    ranked = -np.sort(-keys.astype(np.int64), axis=1) if largest else np.sort(keys, axis=1)
+    want = ranked[:, :k].astype(np.int64)
+    got = (-np.sort(-picked.astype(np.int64), axis=1) if largest
+           else np.sort(picked, axis=1).astype(np.int64))
+    if not np.array_equal(got, want):
+        return "the selected values are not the top k"
+    if bool(case.attributes.get("sorted", 1)) or k * 64 <= n:
+        steps = np.diff(picked.astype(np.int64), axis=1)
+        if (steps > 0).any() if largest else (steps < 0).any():
+            return "output is not sorted"
+    elif not np.array_equal(picked[:, -1].astype(np.int64), want[:, -1]):
+        return "the k-th output is not the k-th ranked value (nth_element places it)"
+    # Values are the selected inputs; torch writes bf16 NaNs back as the canonical 0x7FC0.
+    if case.x_type == FLOAT16:
+        got_bits, src = values.reshape(-1, k).view(np.uint16), rows_x.view(np.uint16)
+    else:  # float32, or bf16 read back through a Cast to float32
+        got_bits, src = values.reshape(-1, k).view(np.uint32), as_f32_bits(rows_x, case.x_type)
+    src = np.take_along_axis(src, rows_i, axis=1)
+    if case.x_type == BFLOAT16:
+        src = np.where((src & 0x7FFFFFFF) > 0x7F800000, np.uint32(0x7FC00000), src)
+    if not np.array_equal(got_bits, src):
+        return "Values are not the inputs at Indices"
+    return None
+
+
+# ---------------------------------------------------------------- running (worker side)
+class Runner:
+    """Builds models and caches sessions (creating one costs more than most runs)."""
+
+    def __init__(self) -> None:
+        import onnxruntime as ort
+        from onnx import helper
+
+        from csa2onnx.custom_ops import session_options
+
+        self.ort, self.helper, self.session_options = ort, helper, session_options
+        ort.set_default_logger_severity(4)  # expected errors would flood stderr
+        self.sessions: OrderedDict[tuple[bytes, int], Any] = OrderedDict()
+
+    def model(self, case: Case) -> tuple[bytes, list[str]]:
+        h = self.helper
+        graph_outputs: list[str] = []
+        nodes = []
+        if case.op == "fp4":
+            op_type, out_types = "Fp4QuantDequant", {"Y": case.x_type, "Scale": FLOAT}
+            node_inputs = case.inputs or ["X"]
+        else:
+            op_type, out_types = "TorchTopK", {"Values": case.x_type, "Indices": INT64}
+            node_inputs = case.inputs or ["X", "K"]
+        node = h.make_node(op_type, node_inputs, list(case.outputs), domain="csa2onnx",
+                           **case.attributes)
+        types = {"X": case.x_type, "K": case.k_type}
+        inputs = [h.make_tensor_value_info(name, types[name], None)
+                  for name in dict.fromkeys(node_inputs) if name]
+        nodes.append(node)
+        outputs = []
+        for i, name in enumerate(case.outputs):
+            if not name:
+                continue
+            out_type = out_types[name]
+            if out_type == BFLOAT16:  # numpy has no bfloat16: read it through a Cast
+                node.output[i] = name + "_bf16"
+                nodes.append(h.make_node("Cast", [name + "_bf16"], [name], to=FLOAT))
+                out_type = FLOAT
+            outputs.append(h.make_tensor_value_info(name, out_type, None))
+            graph_outputs.append(name)
+        graph = h.make_graph(nodes, "fuzz", inputs, outputs)
+        model = h.make_model(graph, opset_imports=[h.make_opsetid("", 21),
+                                                   h.make_opsetid("csa2onnx", 1)])
+        return model.SerializeToString(), graph_outputs
+
+    def session(self, model: bytes, threads: int) -> Any:
+        key = (model, threads)
+        if key in self.sessions:
+            self.sessions.move_to_end(key)
+            return self.sessions[key]
+        options = self.session_options(threads)
+        options.log_severity_level = 4
+        session = self.ort.InferenceSession(model, sess_options=options,
+                                            providers=["CPUExecutionProvider"])
+        self.sessions[key] = session
+        if len(self.sessions) > 48:
+            self.sessions.popitem(last=False)
+        return session
+
+    def feed(self, x: np.ndarray, x_type: int) -> Any:
+        if x_type == BFLOAT16:
+            return self.ort.OrtValue.ortvalue_from_numpy_with_onnx_type(x, BFLOAT16)
+        return self.ort.OrtValue.ortvalue_from_numpy(x)
+
+    def run(self, case: Case) -> tuple[str, str]:
+        """("ok" | "error" | "finding", detail)."""
+        ort_errors = tuple(
+            t for t in vars(self.ort.capi.onnxruntime_pybind11_state).values()
+            if isinstance(t, type) and issubclass(t, Exception))
+        model, names = self.model(case)
+        try:
+            session = self.session(model, case.threads)
+            feeds = {}
+            if "X" in (case.inputs or ["X"]):  # as is: ascontiguousarray makes 0-d 1-d
+                feeds["X"] = self.feed(case.x, case.x_type)
+            if case.k is not None and "K" in (case.inputs or ["K"]):
+                feeds["K"] = self.ort.OrtValue.ortvalue_from_numpy(case.k)
+            got = session.run_with_ort_values(names, feeds)
+            outputs = dict(zip(names, (v.numpy() for v in got), strict=True))
+        except ort_errors as e:
+            if case.expect_ok:
+                return "finding", f"valid input rejected: {type(e).__name__}: {e}"
+            return "error", type(e).__name__
+        if case.expect_ok is False:
+            return "finding", "invalid input accepted"
+        if case.expect_ok is None:
+            return "ok", "unpredicted"
+        check = check_fp4 if case.op == "fp4" else check_topk
+        problem = check(case, outputs)
+        return ("finding", problem) if problem else ("ok", "checked")
+
+
+def overflow_on_purpose() -> None:
+    """The --self-test case: an out-of-bounds read inside the library, which the sanitizer
+    must report and the driver must count (proves the whole chain works)."""
+    import ctypes
+
+    from csa2onnx.custom_ops import library_path
+
+    n = 1 << 16
+    angles, cos, sin = (np.zeros(n, np.float32) for _ in range(3))
+    fn = ctypes.CDLL(str(library_path())).csa2onnx_cos_sin
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+    fn(angles.ctypes.data, n + 64, cos.ctypes.data, sin.ctypes.data)
+
+
+def worker(seed: int, start: int, stop: int, omit_inputs: bool, self_test: bool) -> int:
+    np.seterr(all="ignore")  # NaN/inf inputs are the point; warnings would bury reports
+    if self_test:
+        print(json.dumps({"start": start}), flush=True)
+        overflow_on_purpose()
+        print(json.dumps({"done": start, "status": "ok", "detail": "no report", "op": "self",
+                          "s": 0.0}), flush=True)
+        return 0
+    runner = Runner()
+    for index in range(start, stop):
+        case = make_case(seed, index, omit_inputs)
+        print(json.dumps({"start": index}), flush=True)
+        t0 = time.perf_counter()
+        try:
+            status, detail = runner.run(case)
+        except Exception as e:  # anything but an onnxruntime error is a finding
+            status, detail = "finding", f"non-onnxruntime exception {type(e).__name__}: {e}"
+        print(json.dumps({"done": index, "status": status, "detail": detail,
+                          "describe": case.describe() if status == "finding" else "",
+                          "op": case.op, "s": round(time.perf_counter() - t0, 4)}), flush=True)
+    return 0
+
+
+# ---------------------------------------------------------------- driving (parent side)
+SANITIZER_MARKERS = ("AddressSanitizer", "UndefinedBehaviorSanitizer", "runtime error:",
+                     "LeakSanitizer", "SUMMARY:")
+
+
+def sanitizer_excerpt(stderr: str) -> str:
+    lines = stderr.splitlines()
+    hits = [i for i, line in enumerate(lines) if any(m in line for m in SANITIZER_MARKERS)]
+    if not hits:
+        return "\n".join(lines[-15:])
+    return "\n".join(lines[max(hits[0] - 2, 0):hits[0] + 25])
+
+
+@dataclass
+class Totals:
+    cases: int = 0
+    outcomes: Counter = field(default_factory=Counter)
+    findings: list[str] = field(default_factory=list)
+    slowest: tuple[float, int] = (0.0, -1)
+    case_seconds: float = 0.0
+
+
+def _pump(stream: Any, lines: queue.Queue[str | None]) -> None:
+    for line in stream:
+        lines.put(line)
+    lines.put(None)
+
+
+def drive(seed: int, start: int, count: int, env: dict[str, str], verbose: bool,
+          omit_inputs: bool, totals: Totals, self_test: bool = False,
+          fresh_every: int = 250) -> None:
+    """Runs cases [start, start+count) in workers, restarting after each crash and every
+    `fresh_every` cases: some faults show only in a fresh process (the first C++ exception
+    a process unwinds initialises state in libgcc_s)."""
+    next_index, stop = start, start + count
+    while next_index < stop:
+        batch = min(stop - next_index, fresh_every)
+        with subprocess.Popen(
+                [sys.executable, __file__, "--worker", "--seed", str(seed),
+                 "--start", str(next_index), "--cases", str(batch),
+                 *(["--omit-inputs"] if omit_inputs else []),
+                 *(["--self-test"] if self_test else [])],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                cwd=ROOT) as proc:
+            # Reader threads: a per-case deadline on stdout, and stderr never fills its pipe.
+            lines: queue.Queue[str | None] = queue.Queue()
+            errs: list[str] = []
+            out_reader = threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True)
+            err_reader = threading.Thread(target=errs.extend, args=(proc.stderr,), daemon=True)
+            out_reader.start()
+            err_reader.start()
+            current: int | None = None
+            hung = False
+            while True:
+                try:
+                    line = lines.get(timeout=CASE_TIMEOUT_S)
+                except queue.Empty:
+                    hung = True
+                    proc.kill()
+                    break
+                if line is None:
+                    break
+                try:
+                    msg = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # stray output from a library
+                if "start" in msg:
+                    current = msg["start"]
+                    continue
+                current = None
+                totals.cases += 1
+                next_index = msg["done"] + 1
+                totals.outcomes[f"{msg['op']}:{msg['status']}"] += 1
+                totals.slowest = max(totals.slowest, (msg["s"], msg["done"]))
+                totals.case_seconds += msg["s"]
+                if msg["status"] == "finding":
+                    totals.findings.append(f"{msg['describe']}\n    {msg['detail']}")
+                    print(f"FINDING {msg['describe']}\n    {msg['detail']}", flush=True)
+                elif verbose:
+                    print(f"case {msg['done']}: {msg['status']} {msg['detail']}", flush=True)
+            rc = proc.wait()
+            err_reader.join(timeout=10)
+            stderr = "".join(errs)
+        if current is not None or rc != 0 or any(m in stderr for m in SANITIZER_MARKERS[:3]):
+            where = f"case {current}" if current is not None else "after the last case"
+            what = "hang (killed)" if hung else f"worker exit status {rc}"
+            if rc < 0:
+                what += f" ({signal.Signals(-rc).name})"
+            case = (make_case(seed, current, omit_inputs).describe()
+                    if current is not None and not self_test else "")
+            excerpt = sanitizer_excerpt(stderr)
+            if rc < 0 and not any(m in stderr for m in SANITIZER_MARKERS):
+                excerpt += ("\n    (no sanitizer report: std::terminate, or an unwinder abort "
+                            "such as a C++ exception unwound through onnxruntime's frames)")
+            finding = f"{what} at {where} {case}\n{excerpt}"
+            totals.findings.append(finding)
+            print(f"FINDING {finding}", flush=True)
+            if current is not None:
+                totals.cases += 1
+                totals.outcomes["crash"] += 1
+                next_index = current + 1
+            elif rc != 0:
+                break  # died outside a case: restarting would loop
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", type=int, default=1000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--start", type=int, default=0, help="first case index")
+    parser.add_argument("--build", action="store_true",
+                        help="build the sanitizer library first (custom_ops/build-asan)")
+    parser.add_argument("--library", type=Path, default=ASAN_BUILD / LIBRARY_NAME)
+    parser.add_argument("--omit-inputs", action="store_true",
+                        help="also omit required inputs (\"\" or absent); onnxruntime's lite "
+                        "custom-op header dereferences a missing input, so off by default")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("--fresh-every", type=int, default=250,
+                        help="start a fresh worker process every N cases")
+    parser.add_argument("--self-test", action="store_true",
+                        help="one deliberate out-of-bounds read in the library: must give "
+                        "1 finding (checks that sanitizer reports are caught)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return worker(args.seed, args.start, args.start + args.cases, args.omit_inputs,
+                      args.self_test)
+
+    runtimes = sanitizer_runtimes()
+    if runtimes is None:
+        print("fuzz_ops: no libasan.so/libubsan.so from g++ -print-file-name "
+              "(install the compiler's sanitizer runtimes)", file=sys.stderr)
+        return 2
+    library = build_asan_library() if args.build else args.library.resolve()
+    if not library.is_file():
+        print(f"fuzz_ops: no library at {library}; run with --build", file=sys.stderr)
+        return 2
+    if not is_instrumented(library):
+        print(f"fuzz_ops: {library} is not built with -fsanitize=address,undefined",
+              file=sys.stderr)
+        return 2
+    totals = Totals()
+    t0 = time.perf_counter()
+    drive(args.seed, args.start, 1 if args.self_test else args.cases,
+          worker_env(library, runtimes), args.verbose, args.omit_inputs, totals, args.self_test,
+          max(args.fresh_every, 1))
+    elapsed = time.perf_counter() - t0
+    print(f"outcomes: {dict(sorted(totals.outcomes.items()))}")
+    print(f"slowest case: #{totals.slowest[1]} {totals.slowest[0]:.2f} s; "
+          f"{totals.case_seconds:.1f} s in cases, elapsed {elapsed:.1f} s")
+    print(f"cases={totals.cases} findings={len(totals.findings)} seed={args.seed}")
+    return 1 if totals.findings else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
