@@ -3,9 +3,9 @@ csa2onnx, version 1).
 
 Attached to a model as local functions, they let the model run on any onnxruntime without
 the custom-op library; where the library is registered its kernels are used instead.
-Fp4QuantDequant is bit-exact with the C++ kernel for float32 input. TorchLinear is a MatMul: the same
-sum, in the runtime's summation order instead of torch's (last-bit differences); so is
-TorchRMSNorm's mean (ReduceMean).
+Fp4QuantDequant is bit-exact with the C++ kernel for float32 input. TorchLinear is a
+MatMul: the same sum, in the runtime's summation order instead of torch's (last-bit
+differences); so is TorchRMSNorm's mean (ReduceMean).
 """
 
 from __future__ import annotations
