@@ -7,7 +7,8 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript import OpBuilder, nn
 
-from csa2onnx.graphs.numerics import BFLOAT16, Linear, as_float, round_bf16, weight
+from csa2onnx.custom_ops.ops import torch_linear
+from csa2onnx.graphs.numerics import BFLOAT16, Linear, round_bf16, weight
 from csa2onnx.graphs.rope import RopeParams, RopeTables, apply_rotary_emb, token_positions
 
 
@@ -50,10 +51,12 @@ class OutputProjection(nn.Module):
     def forward(self, op: OpBuilder, o: ir.Value, start_pos: ir.Value) -> ir.Value:
         cos, sin = self.freqs_cis(op, token_positions(op, o, start_pos))
         o = apply_rotary_emb(op, o, cos, sin, self.rope_head_dim, inverse=True)
-        # [b, s, g, 1, d] @ [g, d, r] -> [b, s, g, 1, r]: one matmul per group, f32 sums.
-        groups = op.Reshape(o, [0, 0, self.o_groups, 1, self.group_dim])
-        wo_a = op.Transpose(op.Reshape(as_float(op, self.wo_a),
-                                       [self.o_groups, self.o_lora_rank, self.group_dim]),
-                            perm=[0, 2, 1])
-        lora = round_bf16(op, op.MatMul(groups, wo_a))
-        return self.wo_b(op, op.Reshape(lora, [0, 0, self.o_groups * self.o_lora_rank]))
+        # Group g of o times its own [o_lora_rank, group_dim] rows of wo_a, summed in torch's
+        # order (TorchLinear); the slices of the bf16 initializer fold to constants.
+        groups = op.Reshape(o, [0, 0, self.o_groups, self.group_dim])
+        lora = [torch_linear(op, op.Squeeze(op.Slice(groups, [g], [g + 1], [2]), [2]),
+                             op.Slice(self.wo_a, [g * self.o_lora_rank],
+                                      [(g + 1) * self.o_lora_rank], [0]))
+                for g in range(self.o_groups)]
+        lora = round_bf16(op, op.Concat(*lora, axis=-1))  # [b, s, o_groups * o_lora_rank]
+        return self.wo_b(op, lora)
