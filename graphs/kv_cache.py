@@ -2,9 +2,8 @@
 
 A kv source writes its new latents to its compressed-KV cache and an index-key owner its new
 keys to its index-key cache, both at rows start_pos // r onwards; `n` new rows may be 0 (no
-group completed). The shared `index_k` slot is modelled as a tensor holding a copy of the
-last publisher's key cache: an owner only writes its cache when it publishes, so a copy
-reads the same as the reference's reference to the cache.
+group completed). Which cache the shared `index_k` slot points to is the exporter's
+business (export/layer.py: a publisher id carried between calls).
 """
 
 from __future__ import annotations
@@ -43,16 +42,3 @@ def write_rows(op: OpBuilder, cache: ir.Value, new_rows: ir.Value,
     head = op.Slice(cache, [0], start, [1])
     tail = op.Slice(cache, end, [2**62], [1])
     return op.Concat(head, new_rows, tail, axis=1)
-
-
-def publish_if(op: OpBuilder, slot: ir.Value, cache: ir.Value, n_new: ir.Value) -> ir.Value:
-    """The `index_k` slot after an owner's call: its key cache if it wrote n_new > 0 rows
-    this call, else the slot unchanged. The cache is zero-padded or cut to the slot's rows
-    (the slot is sized for the owner with the most rows), so the result keeps slot's shape.
-    `n_new` is an int64 scalar or [1] (e.g. the number of latents)."""
-    rows = op.Slice(op.Shape(slot), [1], [2])
-    cut = op.Slice(cache, [0], rows, [1])
-    missing = op.Sub(rows, op.Slice(op.Shape(cut), [1], [2]))
-    fitted = op.Pad(cut, op.Concat([0, 0, 0, 0], missing, [0], axis=0))
-    published = op.Greater(op.Reshape(n_new, [1]), op.Constant(value_int=0))
-    return op.Where(published, fitted, slot)

@@ -4,7 +4,6 @@ behaviour 1): the slot holds the key cache LAST published by any owner."""
 
 from __future__ import annotations
 
-import itertools
 import json
 from functools import cache
 
@@ -12,13 +11,10 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
-from onnxscript import nn
 
 from conftest import CASES, GOLDENS, golden, run_model
 from csa2onnx.export.goldens import GoldenCase, load_case
-from csa2onnx.graphs.compressor import Compressor
 from csa2onnx.graphs.indexer import CandidateConfig, Indexer
-from csa2onnx.graphs.kv_cache import cache_row_start, publish_if, write_rows
 from csa2onnx.graphs.numerics import FLOAT, INT64
 from csa2onnx.graphs.rope import layer_rope_params
 from csa2onnx.graphs.standalone import build_model
@@ -234,21 +230,6 @@ def test_indexer_nothing_compressed_yet() -> None:
             assert out["candidates"].shape == (1, s, 0), case
 
 
-def test_publish_if() -> None:
-    model = build_model("publish", [("slot", FLOAT, ["b", "S", 2]), ("cache", FLOAT, ["b", "R", 2]),
-                                    ("n", INT64, [])], ["slot_out"],
-                        lambda op, slot, c, n: publish_if(op, slot, c, n))
-    slot = np.full((1, 4, 2), 7, np.float32)
-    small = np.ones((1, 3, 2), np.float32)
-    big = np.arange(12, dtype=np.float32).reshape(1, 6, 2)
-    keep = run_model(model, {"slot": slot, "cache": small, "n": np.array(0, np.int64)})
-    assert np.array_equal(keep["slot_out"], slot)
-    padded = run_model(model, {"slot": slot, "cache": small, "n": np.array(1, np.int64)})
-    assert np.array_equal(padded["slot_out"], np.concatenate([small, np.zeros((1, 1, 2))], 1))
-    cut = run_model(model, {"slot": slot, "cache": big, "n": np.array(2, np.int64)})
-    assert np.array_equal(cut["slot_out"], big[:, :4])
-
-
 def test_indexer_rejects_bad_config() -> None:
     g = golden("case1_r2_r1")
     args, w = g.model_args, g.weights(1)
@@ -279,62 +260,3 @@ def test_indexer_rejects_bad_config() -> None:
                     .select(op, x, qr, k).topk_idxs)
 
 
-class _OwnerDecode(nn.Module):
-    """A kv-source + index-key owner's decode wiring, as an Attention layer would do it."""
-
-    def __init__(self, g: GoldenCase, layer: int) -> None:
-        super().__init__()
-        w, args = g.weights(layer), g.model_args
-        self.ratio = args["compress_ratios"][layer]
-        self.compressor = Compressor(w["compressor.wkv.weight"], w["compressor.wgate.weight"],
-                                     w["compressor.norm.weight"], ratio=self.ratio,
-                                     head_dim=args["head_dim"], norm_eps=args["norm_eps"])
-        self.indexer = _indexer(g, layer)
-
-    def forward(self, op, x, qr, kv_state, score_state, k_cache, slot, start_pos):
-        c = self.compressor(op, x, kv_state, score_state, start_pos, mode="decode")
-        keys = self.indexer.keys(op, c.latent, c.positions)
-        k_cache = write_rows(op, k_cache, keys.rows, cache_row_start(op, start_pos, self.ratio))
-        slot = publish_if(op, slot, k_cache, op.Shape(c.latent, start=1, end=2))
-        sel = self.indexer.select(op, x, qr, slot, start_pos=start_pos, mode="decode")
-        return sel.topk_idxs, sel.score, c.kv_state, c.score_state, k_cache, slot
-
-
-def test_owner_decode_wiring() -> None:
-    """case1 layer 1 decode, everything chained through our graphs (compressor state, own
-    key cache, the slot): on odd positions it publishes its own keys, on even ones it must
-    read layer 3's ratio-1 keys that the slot still holds from the previous step."""
-    case, layer, other = "case1_r2_r1", 1, 3
-    g = golden(case)
-    args = g.model_args
-    reads = _slot_reads(case)
-    rows, dim = args["max_seq_len"], args["index_head_dim"]  # slot sized for ratio 1
-    r = args["compress_ratios"][layer]
-
-    def padded(cache_rows: np.ndarray) -> np.ndarray:
-        out = np.zeros((cache_rows.shape[0], rows, dim), np.float32)
-        out[:, :cache_rows.shape[1]] = cache_rows
-        return out
-
-    model = build_model(
-        "owner_decode",
-        [("x", FLOAT, ["b", 1, args["dim"]]), ("qr", FLOAT, ["b", 1, args["q_lora_rank"]]),
-         ("kv_state", FLOAT, ["b", r, args["head_dim"]]),
-         ("score_state", FLOAT, ["b", r, args["head_dim"]]),
-         ("k_cache", FLOAT, ["b", rows // r, dim]), ("slot", FLOAT, ["b", rows, dim]),
-         ("start_pos", INT64, [])],
-        ["topk_idxs", "score", "kv_state_out", "score_state_out", "k_cache_out", "slot_out"],
-        lambda op, *inputs: list(_OwnerDecode(g, layer)(op, *inputs)))
-    state = {"kv_state": g.step("prefill", layer, "compressor_kv_state_after"),
-             "score_state": g.step("prefill", layer, "compressor_score_state_after"),
-             "k_cache": reads[("prefill", layer)]}
-    schedule = g.meta["schedule"]
-    for prev, entry in itertools.pairwise(schedule):
-        step = entry["step"]
-        out = run_model(model, {"x": g.step(step, layer, "x"), "qr": g.step(step, layer, "qr"),
-                                "slot": padded(reads[(prev["step"], other)]),
-                                "start_pos": np.array(entry["start_pos"], np.int64), **state})
-        state = {k: out[f"{k}_out"] for k in ("kv_state", "score_state", "k_cache")}
-        assert np.array_equal(out["topk_idxs"], g.step(step, layer, "index_topk_idxs")), step
-        assert np.array_equal(out["score"], g.step(step, layer, "index_score")), step
-        assert np.array_equal(out["slot_out"], padded(reads[(step, layer)])), step
