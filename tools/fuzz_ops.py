@@ -679,8 +679,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="build the sanitizer library first (custom_ops/build-asan)")
     parser.add_argument("--library", type=Path, default=ASAN_BUILD / LIBRARY_NAME)
     parser.add_argument("--omit-inputs", action="store_true",
-                        help="also omit required inputs (\"\" or absent); onnxruntime's lite "
-                        "custom-op header dereferences a missing input, so off by default")
+                        help="also omit required inputs (\"\" or absent): the kernels reject "
+                        "such nodes at session creation (kernel_support.h require_node_io)")
     parser.add_argument("-v", "--verbose", action="store_true")
     parser.add_argument("--fresh-every", type=int, default=250,
                         help="start a fresh worker process every N cases")
