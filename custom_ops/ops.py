@@ -79,3 +79,15 @@ def torch_rms_norm(op: OpBuilder, x: ir.Value, w: ir.Value, eps: float) -> ir.Va
         raise ValueError(f"RMSNorm eps must be > 0, got {eps}")
     csa = op.builder.opset(DOMAIN, DOMAIN_VERSION)
     return _typed(csa.TorchRMSNorm(x, w, epsilon=float(eps)), ir.DataType.FLOAT, x.shape)
+
+
+def sparse_attention(op: OpBuilder, q: ir.Value, kv: ir.Value, sink: ir.Value, idx: ir.Value,
+                     scale: float) -> ir.Value:
+    """The reference's sparse_attn (graphs/sparse_attn.py states the semantics): q
+    [b,s,h,d], kv [b,n,d], sink [h], idx [b,s,k] (int64 or int32, -1 = nothing) -> bf16
+    values in float32 [b,s,h,d], in torch CPU's arithmetic order, row by row."""
+    if not scale > 0:
+        raise ValueError(f"softmax_scale must be > 0, got {scale}")
+    csa = op.builder.opset(DOMAIN, DOMAIN_VERSION)
+    return _typed(csa.SparseAttention(q, kv, sink, idx, softmax_scale=float(scale)),
+                  ir.DataType.FLOAT, q.shape)

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "fp4_op.h"
+#include "sparse_attention_op.h"
 #include "torch_linear_op.h"
 #include "torch_rms_norm_op.h"
 #include "torch_topk_op.h"
@@ -26,6 +27,7 @@ struct Library {
     csa::AppendTorchTopKOps(ops);
     csa::AppendTorchLinearOps(ops);
     csa::AppendTorchRMSNormOps(ops);
+    csa::AppendSparseAttentionOps(ops);
     for (auto& op : ops) domain.Add(op.get());
   }
 };
