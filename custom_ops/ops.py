@@ -72,13 +72,87 @@ def torch_linear(op: OpBuilder, x: ir.Value, w: ir.Value) -> ir.Value:
     return _typed(y, ir.DataType.FLOAT, shape)
 
 
+PORTABLE_KEY = "csa2onnx.portable"  # graph metadata: emit standard ONNX only
+
+
+def is_portable(op: OpBuilder) -> bool:
+    """Whether the graph being built is a portable (library-free) artifact."""
+    return op.builder.root.graph.metadata_props.get(PORTABLE_KEY) == "true"
+
+
 def torch_rms_norm(op: OpBuilder, x: ir.Value, w: ir.Value, eps: float) -> ir.Value:
     """w * (x * rsqrt(mean(x^2) + eps)) over the last axis in float32, the mean summed in
-    torch CPU's order. No rounding inside: round to bf16 where the reference does."""
+    torch CPU's order. No rounding inside: round to bf16 where the reference does.
+
+    In a portable graph the same order is spelled out in standard ops (the width is known
+    from w): a last-bit change in the variance flips bf16 roundings further on."""
     if not eps > 0:
         raise ValueError(f"RMSNorm eps must be > 0, got {eps}")
+    if is_portable(op) and w.shape is not None and isinstance(w.shape[0], int):
+        n = w.shape[0]
+        mean = op.Div(torch_sum_last_axis(op, op.Mul(x, x), n), float(n))
+        rsqrt = op.Reciprocal(op.Sqrt(op.Add(mean, float(eps))))
+        weight = w if w.dtype == ir.DataType.FLOAT else op.Cast(w, to=ir.DataType.FLOAT)
+        return op.Mul(weight, op.Mul(x, rsqrt))
     csa = op.builder.opset(DOMAIN, DOMAIN_VERSION)
     return _typed(csa.TorchRMSNorm(x, w, epsilon=float(eps)), ir.DataType.FLOAT, x.shape)
+
+
+def torch_sum_last_axis(op: OpBuilder, x: ir.Value, n: int) -> ir.Value:
+    """Sum over the last axis (width n, static) as torch CPU adds float32 up, [..., 1]: the
+    order of custom_ops/src/torch_rms_norm.h, one elementwise Add per step."""
+    lanes, ilp, levels = 8, 4, 4
+    vectors = n // lanes
+    groups = vectors // ilp
+
+    def vec(i: int) -> ir.Value:
+        return op.Slice(x, [i * lanes], [(i + 1) * lanes], [-1])
+
+    def add(a: ir.Value | None, b: ir.Value) -> ir.Value:
+        return b if a is None else op.Add(a, b)  # 0 + b is b exactly
+
+    # multi_row_sum over `groups` rows of ilp vectors, a 4-level cascade.
+    level_power = max(4, (groups - 1).bit_length() // levels) if groups > 0 else 4
+    step, mask = 1 << level_power, (1 << level_power) - 1
+    acc: list[list[ir.Value | None]] = [[None] * ilp for _ in range(levels)]
+    i = 0
+    while i + step <= groups:
+        for _ in range(step):
+            for k in range(ilp):
+                acc[0][k] = add(acc[0][k], vec(i * ilp + k))
+            i += 1
+        for j in range(1, levels):
+            for k in range(ilp):
+                acc[j][k] = add(acc[j][k], acc[j - 1][k]) if acc[j - 1][k] is not None \
+                    else acc[j][k]
+                acc[j - 1][k] = None
+            if i & (mask << (j * level_power)):
+                break
+    for _ in range(i, groups):
+        for k in range(ilp):
+            acc[0][k] = add(acc[0][k], vec(i * ilp + k))
+        i += 1
+    part = acc[0]
+    for j in range(1, levels):
+        for k in range(ilp):
+            if acc[j][k] is not None:
+                part[k] = add(part[k], acc[j][k])
+    total: ir.Value | None = part[0]
+    for v in range(groups * ilp, vectors):
+        total = add(total, vec(v))
+    for k in range(1, ilp):
+        if part[k] is not None:
+            total = add(total, part[k])
+    # The scalar tail first, then the 8 lanes, one after another, from 0.
+    result: ir.Value | None = None
+    for t in range(vectors * lanes, n):
+        result = add(result, op.Slice(x, [t], [t + 1], [-1]))
+    if total is not None:
+        for lane in range(lanes):
+            result = add(result, op.Slice(total, [lane], [lane + 1], [-1]))
+    if result is None:  # n == 0
+        return op.ReduceSum(x, [-1], keepdims=1)
+    return result
 
 
 def sparse_attention(op: OpBuilder, q: ir.Value, kv: ir.Value, sink: ir.Value, idx: ir.Value,

@@ -15,6 +15,7 @@ import onnx_ir as ir
 from onnxscript import GraphBuilder
 
 from csa2onnx.custom_ops.library import DOMAIN, DOMAIN_VERSION
+from csa2onnx.custom_ops.ops import PORTABLE_KEY
 from csa2onnx.custom_ops.portable import portable_functions
 from csa2onnx.export.artifacts import manifest_for, write_manifest
 from csa2onnx.export.layer import AttentionLayer, Mode, Slots
@@ -38,6 +39,8 @@ def build_stack_model(plan: StackPlan, weights: dict[int, LayerWeights], mode: M
     c = plan.config
     graph = ir.Graph([], [], nodes=[], name=f"csa2onnx_{mode}",
                      opset_imports={"": OPSET, DOMAIN: DOMAIN_VERSION})
+    if portable:  # read by the op wrappers that spell a custom op out in standard ONNX
+        graph.metadata_props[PORTABLE_KEY] = "true"
     builder = GraphBuilder(graph)
     op = builder.op
     seq = "seq" if mode == "prefill" else 1

@@ -9,6 +9,7 @@ import onnx_ir as ir
 from onnxscript import GraphBuilder, OpBuilder
 
 from csa2onnx.custom_ops.library import DOMAIN, DOMAIN_VERSION
+from csa2onnx.custom_ops.ops import PORTABLE_KEY
 
 OPSET = 21
 IR_VERSION = 10
@@ -18,10 +19,14 @@ InputSpec = tuple[str, ir.DataType, Sequence[int | str]]
 
 
 def build_model(name: str, inputs: Sequence[InputSpec], outputs: Sequence[str],
-                body: Callable[..., ir.Value | Sequence[ir.Value]]) -> onnx.ModelProto:
-    """Trace `body(op, *inputs)` into a model whose outputs get the names `outputs`."""
+                body: Callable[..., ir.Value | Sequence[ir.Value]], *,
+                portable: bool = False) -> onnx.ModelProto:
+    """Trace `body(op, *inputs)` into a model whose outputs get the names `outputs`
+    (`portable`: the op wrappers that can spell a custom op out in standard ONNX do)."""
     graph = ir.Graph([], [], nodes=[], name=name,
                      opset_imports={"": OPSET, DOMAIN: DOMAIN_VERSION})
+    if portable:
+        graph.metadata_props[PORTABLE_KEY] = "true"
     builder = GraphBuilder(graph)
     values = [builder.input(n, dtype, list(shape)) for n, dtype, shape in inputs]
     result = body(builder.op, *values)

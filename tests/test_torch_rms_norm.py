@@ -58,3 +58,33 @@ def test_errors_are_clear() -> None:
         session.run(None, {"X": np.ones((2, 8), np.float32), "W": np.ones(7, np.float32)})
     y = session.run(None, {"X": np.ones((0, 8), np.float32), "W": np.ones(8, np.float32)})[0]
     assert y.shape == (0, 8)
+
+
+@pytest.mark.parametrize("n", [8, 20, 64, 128, 300, 1280, 1536])
+def test_portable_spelling_sums_in_the_same_order(n: int) -> None:
+    """A portable graph spells TorchRMSNorm out in standard ops with torch's summation
+    order: bit for bit the kernel's result, with no custom node left."""
+    from csa2onnx.custom_ops.ops import torch_rms_norm
+    from csa2onnx.graphs.numerics import FLOAT
+    from csa2onnx.graphs.standalone import build_model
+
+    rng = np.random.default_rng(n)
+    x = (rng.standard_normal((64, n)) * 3).astype(np.float32)
+    w = (rng.random(n) + 0.5).astype(np.float32)
+
+    def body(op, x):
+        return torch_rms_norm(op, x, op.Constant(value=__import__("onnx_ir").tensor(w)), 1e-6)
+
+    portable = build_model("rms", [("x", FLOAT, ["r", n])], ["y"], body, portable=True)
+    assert all(node.domain != "csa2onnx" for node in portable.graph.node)
+    got = ort.InferenceSession(portable.SerializeToString(),
+                               providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    node = helper.make_node("TorchRMSNorm", ["X", "W"], ["Y"], domain="csa2onnx", epsilon=1e-6)
+    graph = helper.make_graph(
+        [node], "rms", [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["r", "n"]),
+                        helper.make_tensor_value_info("W", TensorProto.FLOAT, ["n"])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["r", "n"])])
+    kernel = make_session(helper.make_model(graph, opset_imports=[
+        helper.make_opsetid("", 21), helper.make_opsetid("csa2onnx", 1)]).SerializeToString())
+    want = kernel.run(None, {"X": x, "W": w})[0]
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
