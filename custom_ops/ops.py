@@ -1,9 +1,10 @@
 """Graph-side calls of the custom ops, for onnxscript's GraphBuilder (`op` is an OpBuilder).
 
 onnxruntime cannot infer the output types of custom-domain nodes, so these wrappers set
-them. `portable=True` emits only standard ONNX: the fp4 node keeps its name and gets the
-standard-op function body from `portable.py` attached to the model, and top-k becomes
-ONNX `TopK`, which breaks ties lowest-index-first instead of torch's way. `TorchLinear`
+them. A portable graph (PORTABLE_KEY in its metadata) uses only standard ONNX: the custom
+nodes keep their names and get standard-op function bodies (`portable.py`) attached to
+the model, RMSNorm is spelled out in torch's summation order, and top-k becomes ONNX
+`TopK`, which breaks ties lowest-index-first instead of torch's way. `TorchLinear`
 also has a standard-op body there (`MatMul`, exact up to the summation order).
 """
 
@@ -43,13 +44,13 @@ def fp4_quant_dequant(op: OpBuilder, x: ir.Value, block_size: int,
 
 
 def torch_topk(op: OpBuilder, x: ir.Value, k: ir.Value, *, largest: bool = True,
-               sorted: bool = True, portable: bool = False) -> tuple[ir.Value, ir.Value]:
+               sorted: bool = True) -> tuple[ir.Value, ir.Value]:
     """Top-k along the last axis with torch CPU's tie order: (values, int64 indices).
 
-    `k` is an int64 tensor of shape [1]. With `portable`, ONNX TopK (ties to the lowest
+    `k` is an int64 tensor of shape [1]. In a portable graph ONNX TopK (ties to the lowest
     index) stands in: exact wherever no tie decides.
     """
-    if portable:
+    if is_portable(op):
         values, indices = op.TopK(x, k, axis=-1, largest=int(largest), sorted=1, _outputs=2)
     else:
         csa = op.builder.opset(DOMAIN, DOMAIN_VERSION)

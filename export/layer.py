@@ -47,8 +47,7 @@ class Slots:
 
 
 class AttentionLayer(nn.Module):
-    def __init__(self, stack: StackPlan, plan: LayerPlan, w: LayerWeights, *,
-                 portable: bool = False) -> None:
+    def __init__(self, stack: StackPlan, plan: LayerPlan, w: LayerWeights) -> None:
         super().__init__(f"layer{plan.layer}")
         c = stack.config
         self.config, self.plan, self.stack = c, plan, stack
@@ -76,7 +75,7 @@ class AttentionLayer(nn.Module):
                                    index_head_dim=c.index_head_dim, index_topk=c.index_topk,
                                    ratio=plan.ratio, rope=rope, norm_eps=c.norm_eps,
                                    window_size=c.window_size, candidates=candidates,
-                                   uses_candidates=plan.uses_candidates, portable=portable)
+                                   uses_candidates=plan.uses_candidates)
 
     def forward(self, op: OpBuilder, x: ir.Value, start_pos: ir.Value | None,
                 state: dict[str, ir.Value], slots: Slots, mode: Mode,

@@ -70,8 +70,7 @@ def build_stack_model(plan: StackPlan, weights: dict[int, LayerWeights], mode: M
     for i, p in enumerate(plan.layers):
         if progress:
             progress(f"[{i + 1}/{len(plan.layers)}] {mode} layer {p.layer} ({p.role})")
-        layer = AttentionLayer(plan, p, check_layer(c, p.layer, weights[p.layer]),
-                               portable=portable)
+        layer = AttentionLayer(plan, p, check_layer(c, p.layer, weights[p.layer]))
 
         def debug(name: str, value: ir.Value, layer_id: int = p.layer) -> None:
             if debug_outputs:

@@ -31,11 +31,10 @@ class CandidateBlocks(NamedTuple):
 
 
 def select_candidate_blocks(op: OpBuilder, logits: ir.Value, compress_lens: ir.Value,
-                            topk_blocks: int, block_size: int, *,
-                            portable: bool = False) -> CandidateBlocks:
+                            topk_blocks: int, block_size: int) -> CandidateBlocks:
     """logits [b, s, T] f32 (-inf where unreachable); compress_lens int64 broadcastable to
     [b, s] (reachable positions per query). T and the sizes are dynamic; T = 0 gives an
-    empty mask. `portable` swaps torch's tie order for ONNX TopK's (a control, not exact)."""
+    empty mask. (A portable graph swaps torch's tie order for ONNX TopK's.)"""
     if topk_blocks <= 0:
         raise ValueError(f"candidate_topk_blocks must be > 0, got {topk_blocks}")
     if block_size <= 0:
@@ -62,8 +61,7 @@ def select_candidate_blocks(op: OpBuilder, logits: ir.Value, compress_lens: ir.V
                             block_scores)
 
     k = op.Min(n_blocks, op.Constant(value_ints=[topk_blocks]))
-    values, indices = torch_topk(op, block_scores, k, largest=True, sorted=True,
-                                 portable=portable)
+    values, indices = torch_topk(op, block_scores, k, largest=True, sorted=True)
 
     # A block is kept iff picked with a value > -inf. ReduceSum over the k picks (0 when
     # k = 0) marks the kept blocks; a position inherits its block's mark.

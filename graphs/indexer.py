@@ -69,8 +69,8 @@ class Indexer(nn.Module):
 
     wk/k_norm are given only for an index-key owner (an index source that is also a kv
     source). `candidates` makes this the candidate source; `uses_candidates` makes it a
-    later index source that selects inside the published candidates. `portable` uses ONNX
-    TopK (lowest-index ties) instead of TorchTopK: a control, NOT the reference.
+    later index source that selects inside the published candidates. In a portable graph
+    top-k is ONNX TopK (lowest-index ties): a control, NOT the reference.
     Build a fresh module per exported model: parameters bind to one graph.
     """
 
@@ -78,8 +78,7 @@ class Indexer(nn.Module):
                  wk: np.ndarray | None = None, k_norm: np.ndarray | None = None, *,
                  index_n_heads: int, index_head_dim: int, index_topk: int, ratio: int,
                  rope: RopeParams, norm_eps: float, window_size: int,
-                 candidates: CandidateConfig | None = None, uses_candidates: bool = False,
-                 portable: bool = False) -> None:
+                 candidates: CandidateConfig | None = None, uses_candidates: bool = False) -> None:
         super().__init__()
         heads, dim = index_n_heads, index_head_dim
         if heads <= 0 or dim <= 0:
@@ -108,7 +107,6 @@ class Indexer(nn.Module):
         self.n_heads, self.head_dim, self.index_topk = heads, dim, index_topk
         self.ratio, self.window_size, self.rope_head_dim = ratio, window_size, rope.rope_head_dim
         self.candidate_config, self.uses_candidates = candidates, uses_candidates
-        self.portable = portable
         # D^-0.5 (softmax_scale) * H^-0.5, applied to the bf16 head weights.
         self.weights_scale = float(np.float32(dim ** -0.5 * heads ** -0.5))
 
@@ -195,14 +193,13 @@ class Indexer(nn.Module):
             # From the reachability-masked score (the goldens' block scores say so).
             published = select_candidate_blocks(
                 op, score, lens, self.candidate_config.topk_blocks,
-                self.candidate_config.block_size, portable=self.portable).candidates
+                self.candidate_config.block_size).candidates
         if candidates is not None:
             # Level two: non-candidates drop to -inf but stay selectable (reference quirk 2).
             score = op.Where(candidates, score, op.Constant(value_float=NEG_INF))
 
         k_sel = op.Min(width, op.Constant(value_ints=[self.index_topk]))
-        _, raw = torch_topk(op, score, k_sel, largest=True, sorted=False,
-                            portable=self.portable)
+        _, raw = torch_topk(op, score, k_sel, largest=True, sorted=False)
         ascending, _ = op.TopK(raw, k_sel, axis=-1, largest=0, sorted=1, _outputs=2)
         reachable = op.Less(ascending, op.Unsqueeze(lens, [-1]))
         topk_idxs = op.Where(reachable, op.Add(ascending, offset), op.Constant(value_int=-1))

@@ -45,7 +45,7 @@ def _ids(pairs: list[tuple[str, int]]) -> list[str]:
     return [f"{case}-L{layer}" for case, layer in pairs]
 
 
-def _indexer(g: GoldenCase, layer: int, portable: bool = False) -> Indexer:
+def _indexer(g: GoldenCase, layer: int) -> Indexer:
     args, w = g.model_args, g.weights(layer)
     role = g.meta["layer_roles"][layer]
     candidates = None
@@ -59,7 +59,7 @@ def _indexer(g: GoldenCase, layer: int, portable: bool = False) -> Indexer:
         index_topk=args["index_topk"], ratio=args["compress_ratios"][layer],
         rope=layer_rope_params(args, 1), norm_eps=args["norm_eps"],
         window_size=args["window_size"], candidates=candidates,
-        uses_candidates=role["uses_candidates"], portable=portable)
+        uses_candidates=role["uses_candidates"])
 
 
 @cache
@@ -80,11 +80,11 @@ def _select_model(case: str, layer: int, mode: str, portable: bool = False) -> o
         rest = list(rest)
         start_pos = rest.pop(0) if mode == "decode" else None
         candidates = rest.pop(0) if role["uses_candidates"] else None
-        out = _indexer(g, layer, portable).select(op, x, qr, index_k, start_pos=start_pos,
-                                                  candidates=candidates, mode=mode)
+        out = _indexer(g, layer).select(op, x, qr, index_k, start_pos=start_pos,
+                                        candidates=candidates, mode=mode)
         return [getattr(out, n) for n in outputs]
 
-    return build_model(f"indexer_{mode}", inputs, outputs, body)
+    return build_model(f"indexer_{mode}", inputs, outputs, body, portable=portable)
 
 
 @cache
