@@ -50,6 +50,9 @@ class AttentionRuntime:
             options.intra_op_num_threads = intra_op_num_threads
         else:
             options = session_options(intra_op_num_threads)
+        # onnxruntime warns that the If branches reading the index_k slot keep an implicit
+        # input's name when it renames values; harmless, and noise for a user.
+        options.log_severity_level = 3
         self.sessions = {mode: ort.InferenceSession(str(self.folder / f"{mode}.onnx"),
                                                     sess_options=options, providers=providers)
                          for mode in ("prefill", "decode")}
