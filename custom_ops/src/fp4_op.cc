@@ -2,10 +2,7 @@
 // `block_size` along the last axis. Inputs X (float, bfloat16, float16); attributes
 // block_size (> 0, divides the last dimension) and scale_format ("e8m0" | "e4m3");
 // outputs Y (X's shape and type) and, optionally, Scale (float, [..., last / block_size]).
-#define ORT_API_MANUAL_INIT
-#include "onnxruntime_cxx_api.h"
-#undef ORT_API_MANUAL_INIT
-#include "onnxruntime_lite_custom_op.h"
+#include "ort_api.h"
 
 #include <exception>
 #include <optional>

@@ -1,9 +1,6 @@
 // Entry point onnxruntime calls when the library is registered
 // (SessionOptions.register_custom_ops_library): one domain, csa2onnx, version 1.
-#define ORT_API_MANUAL_INIT
-#include "onnxruntime_cxx_api.h"
-#undef ORT_API_MANUAL_INIT
-#include "onnxruntime_lite_custom_op.h"
+#include "ort_api.h"
 
 #include <memory>
 #include <vector>

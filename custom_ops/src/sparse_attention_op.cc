@@ -5,10 +5,7 @@
 // (float [h]), Idx (int64 or int32 [b, s, k], -1 = nothing, else in [0, n)); attribute
 // softmax_scale (float, > 0); output O (float [b, s, h, d], bf16 values).
 // Compiled with -ffp-contract=off: the orders keep some multiplies and adds apart.
-#define ORT_API_MANUAL_INIT
-#include "onnxruntime_cxx_api.h"
-#undef ORT_API_MANUAL_INIT
-#include "onnxruntime_lite_custom_op.h"
+#include "ort_api.h"
 
 #include <exception>
 #include <string>
@@ -17,12 +14,8 @@
 #include "kernel_support.h"
 #include "sparse_attention.h"
 #include "sparse_attention_op.h"
+#include "simd.h"
 
-#if defined(__x86_64__) || defined(__i386__)
-#define CSA_X86 1
-#define CSA_TARGET_AVX512 __attribute__((target("arch=x86-64-v4,prefer-vector-width=512")))
-#define CSA_TARGET_AVX2 __attribute__((target("arch=x86-64-v3")))
-#endif
 
 namespace csa {
 namespace {
@@ -66,17 +59,8 @@ CSA_TARGET_AVX2 void row_avx2(Job<I>& j, size_t r, float* s) { run_row(j, r, s);
 enum class Isa { kScalar, kAvx2, kAvx512 };
 
 Isa select_isa() {
-#ifdef CSA_X86
-  __builtin_cpu_init();
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                    __builtin_cpu_supports("bmi") && __builtin_cpu_supports("bmi2") &&
-                    __builtin_cpu_supports("f16c") && __builtin_cpu_supports("movbe");
-  if (avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-      __builtin_cpu_supports("avx512cd"))
-    return Isa::kAvx512;
-  if (avx2) return Isa::kAvx2;
-#endif
+  if (cpu_has_x86_64_v4()) return Isa::kAvx512;
+  if (cpu_has_x86_64_v3()) return Isa::kAvx2;
   return Isa::kScalar;
 }
 

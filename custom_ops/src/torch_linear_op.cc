@@ -15,10 +15,7 @@
 // CSA_TORCH_LINEAR_ISA (read when a session creates the kernel) forces a path for tests:
 // "avx512", "avx2", "scalar" (the tiles without SIMD) or "reference" (reference_dot per
 // output, single-threaded).
-#define ORT_API_MANUAL_INIT
-#include "onnxruntime_cxx_api.h"
-#undef ORT_API_MANUAL_INIT
-#include "onnxruntime_lite_custom_op.h"
+#include "ort_api.h"
 
 #include <cstdlib>
 #include <exception>
@@ -28,12 +25,8 @@
 #include "kernel_support.h"
 #include "torch_linear.h"
 #include "torch_linear_op.h"
+#include "simd.h"
 
-#if defined(__x86_64__) || defined(__i386__)
-#define CSA_X86 1
-#define CSA_TARGET_AVX512 __attribute__((target("arch=x86-64-v4,prefer-vector-width=512")))
-#define CSA_TARGET_AVX2 __attribute__((target("arch=x86-64-v3")))
-#endif
 #define CSA_INLINE __attribute__((always_inline)) inline
 
 namespace csa {
@@ -214,18 +207,9 @@ CSA_TARGET_AVX2 void task_avx2(const Job& j, size_t task, bool w_bf16) {
 enum class Isa { kReference, kScalar, kAvx2, kAvx512 };
 
 bool cpu_has(Isa isa) {
-#ifdef CSA_X86
-  __builtin_cpu_init();
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                    __builtin_cpu_supports("bmi") && __builtin_cpu_supports("bmi2") &&
-                    __builtin_cpu_supports("f16c") && __builtin_cpu_supports("movbe");
-  if (isa == Isa::kAvx2) return avx2;
-  if (isa == Isa::kAvx512)
-    return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-           __builtin_cpu_supports("avx512cd");
-#endif
-  return isa == Isa::kReference || isa == Isa::kScalar;
+  if (isa == Isa::kAvx2) return cpu_has_x86_64_v3();
+  if (isa == Isa::kAvx512) return cpu_has_x86_64_v4();
+  return true;  // the reference and scalar paths run anywhere
 }
 
 Isa select_isa() {

@@ -2,10 +2,7 @@
 // axis, float32, with the mean summed in torch's order (torch_rms_norm.h). Inputs X (float,
 // [..., n], rank >= 1) and W (float or bfloat16, [n]); attribute epsilon (float, > 0);
 // output Y (float, X's shape), not rounded (the graph rounds to bf16 as the reference does).
-#define ORT_API_MANUAL_INIT
-#include "onnxruntime_cxx_api.h"
-#undef ORT_API_MANUAL_INIT
-#include "onnxruntime_lite_custom_op.h"
+#include "ort_api.h"
 
 #include <exception>
 #include <string>

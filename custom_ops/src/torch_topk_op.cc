@@ -4,10 +4,7 @@
 // Inputs X (float, bfloat16, float16; rank >= 1) and K (int64, scalar or [1]); attributes
 // largest and sorted (0 or 1, default 1); outputs Values (X's type, X.shape[:-1] + [K]) and
 // Indices (int64, same shape). As in torch, the output is sorted whenever K*64 <= n.
-#define ORT_API_MANUAL_INIT
-#include "onnxruntime_cxx_api.h"
-#undef ORT_API_MANUAL_INIT
-#include "onnxruntime_lite_custom_op.h"
+#include "ort_api.h"
 
 #include <atomic>
 #include <exception>
