@@ -28,6 +28,16 @@ def golden(name: str) -> GoldenCase:
     return _cases[name]
 
 
+def every_step_and_layer(cases: tuple[str, ...] = CASES) -> list[tuple[str, str, int, int]]:
+    """(case, step, start_pos, layer) for every scheduled step and layer of the cases."""
+    params = []
+    for case in cases:
+        meta = json.loads((GOLDENS / f"{case}.json").read_text())
+        params += [(case, st["step"], st["start_pos"], layer) for st in meta["schedule"]
+                   for layer in range(len(meta["layer_roles"]))]
+    return params
+
+
 def run_model(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Run a model on the CPU with the custom ops registered; outputs by name."""
     session = make_session(model.SerializeToString())

@@ -5,14 +5,13 @@ YaRN in case3)."""
 from __future__ import annotations
 
 import functools
-import json
 
 import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 
-from conftest import CASES, GOLDENS, golden
+from conftest import every_step_and_layer, golden
 from csa2onnx.custom_ops import make_session
 from csa2onnx.graphs.attention_q import QueryProjection, WindowKVProjection
 from csa2onnx.graphs.rope import RopeParams, RopeTables, layer_rope_params, token_positions
@@ -52,12 +51,7 @@ def _session(case: str, layer: int) -> ort.InferenceSession:
     return make_session(model.SerializeToString())
 
 
-def _schedule(case: str) -> list[dict]:
-    return json.loads((GOLDENS / f"{case}.json").read_text())["schedule"]
-
-
-PARAMS = [(case, st["step"], st["start_pos"], layer) for case in CASES
-          for st in _schedule(case) for layer in range(6)]
+PARAMS = every_step_and_layer()
 
 
 @pytest.mark.parametrize(("case", "step", "start_pos", "layer"), PARAMS,

@@ -5,7 +5,6 @@ QueryProjection, WindowKVProjection, the window, sparse_attn and OutputProjectio
 from __future__ import annotations
 
 import functools
-import json
 
 import numpy as np
 import onnx_ir as ir
@@ -13,7 +12,7 @@ import onnxruntime as ort
 import pytest
 from test_graphs_attention_q import query_projection, window_kv_projection
 
-from conftest import CASES, GOLDENS, golden
+from conftest import every_step_and_layer, golden
 from csa2onnx.custom_ops import make_session
 from csa2onnx.graphs.numerics import INT64 as INT64_T
 from csa2onnx.graphs.output import OutputProjection
@@ -43,12 +42,7 @@ def _session(case: str, layer: int) -> ort.InferenceSession:
     return make_session(model.SerializeToString())
 
 
-def _schedule(case: str) -> list[dict]:
-    return json.loads((GOLDENS / f"{case}.json").read_text())["schedule"]
-
-
-PARAMS = [(case, st["step"], st["start_pos"], layer) for case in CASES
-          for st in _schedule(case) for layer in range(6)]
+PARAMS = every_step_and_layer()
 
 
 @pytest.mark.parametrize(("case", "step", "start_pos", "layer"), PARAMS,
@@ -125,7 +119,7 @@ def test_components_compose(golden_report) -> None:
     g = golden(COMPOSE_CASE)
     win = g.model_args["window_size"]
     ring = None
-    for st in _schedule(COMPOSE_CASE):
+    for st in g.meta["schedule"]:
         step, start_pos = st["step"], st["start_pos"]
         s = st["seqlen"]
         window_rows = s if ring is None else win  # prefill: all s rows; decode: the ring
