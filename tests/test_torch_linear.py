@@ -399,3 +399,31 @@ def test_portable_body_matches_the_op(w_type: str) -> None:
     want = run(kernel, x)
     assert got.shape == want.shape == (2, 7, 96)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+
+
+# ------------------------------------------------- the released model's sizes (large K)
+LARGE_K_SHAPES = [(2, 128, 5120), (7, 512, 1280), (64, 1024, 4096), (256, 128, 8192),
+                  (5, 1280, 5120), (512, 128, 1280)]  # (M, N, K)
+
+
+@pytest.mark.parametrize("w_type", ["bf16", "f32"])
+def test_large_k_matches_torch_bit_for_bit(w_type: str) -> None:
+    """K of the released model (1280, 4096, 5120, 8192), torch with 1 thread."""
+    torch = torch_module()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # MKL's f32 order for some row counts depends on its threads
+    try:
+        session = session_for(linear_model(W_TYPES[w_type]))
+        gen = torch.Generator().manual_seed(14)
+        for m, n, k in LARGE_K_SHAPES:
+            x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
+            if w_type == "bf16":
+                x, w = x.bfloat16(), w.bfloat16()
+                want = torch.nn.functional.linear(x, w).float().numpy()
+                got = bf16_round(run(session, x.float().numpy(), w.float().numpy(), "bf16"))
+            else:
+                want = torch.nn.functional.linear(x, w).numpy()
+                got = run(session, x.numpy(), w.numpy())
+            np.testing.assert_array_equal(bits(got), bits(want), err_msg=f"M={m} K={k} N={n}")
+    finally:
+        torch.set_num_threads(threads)
