@@ -280,27 +280,36 @@ def torch_module():
 TORCH_MS, TORCH_KS, TORCH_NS = (1, 2, 7, 77, 300), (64, 128, 256, 320, 1024), (4, 64, 128, 512)
 
 
+def assert_matches_torch(w_type: str, shapes: list[tuple[int, int, int]], seed: int) -> None:
+    """bf16: bf16(Y) against torch's bf16 F.linear (oneDNN / torch's dot); f32: Y against
+    torch's float32 F.linear (MKL sgemm); shapes are (M, N, K). torch runs with 1 thread:
+    MKL's f32 order for some row counts depends on its thread count."""
+    torch = torch_module()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        session = session_for(linear_model(W_TYPES[w_type]))
+        gen = torch.Generator().manual_seed(seed)
+        for m, n, k in shapes:
+            x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
+            if w_type == "bf16":
+                x, w = x.bfloat16(), w.bfloat16()
+                want = torch.nn.functional.linear(x, w).float().numpy()
+                got = bf16_round(run(session, x.float().numpy(), w.float().numpy(), "bf16"))
+            else:
+                want = torch.nn.functional.linear(x, w).numpy()
+                got = run(session, x.numpy(), w.numpy())
+            np.testing.assert_array_equal(bits(got), bits(want),
+                                          err_msg=f"{w_type} M={m} K={k} N={n}")
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("w_type", ["bf16", "f32"])
 def test_matches_torch_linear_bit_for_bit(w_type: str) -> None:
-    """bf16: bf16(Y) against torch's bf16 F.linear (oneDNN / torch's dot); f32: Y against
-    torch's float32 F.linear (MKL sgemm) -- for every shape of the grid, M = 1 included."""
-    torch = torch_module()
-    torch.set_num_threads(1)
-    session = session_for(linear_model(W_TYPES[w_type]))
-    gen = torch.Generator().manual_seed(11)
-    for m in TORCH_MS:
-        for k in TORCH_KS:
-            for n in TORCH_NS:
-                x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
-                if w_type == "bf16":
-                    x, w = x.bfloat16(), w.bfloat16()
-                    want = torch.nn.functional.linear(x, w).float().numpy()
-                    got = bf16_round(run(session, x.float().numpy(), w.float().numpy(), "bf16"))
-                else:
-                    want = torch.nn.functional.linear(x, w).numpy()
-                    got = run(session, x.numpy(), w.numpy())
-                np.testing.assert_array_equal(bits(got), bits(want),
-                                              err_msg=f"{w_type} M={m} K={k} N={n}")
+    """Every shape of the grid, M = 1 included."""
+    assert_matches_torch(w_type, [(m, n, k) for m in TORCH_MS for k in TORCH_KS
+                                  for n in TORCH_NS], seed=11)
 
 
 def test_torch_threshold_and_chunk_edges() -> None:
@@ -408,22 +417,5 @@ LARGE_K_SHAPES = [(2, 128, 5120), (7, 512, 1280), (64, 1024, 4096), (256, 128, 8
 
 @pytest.mark.parametrize("w_type", ["bf16", "f32"])
 def test_large_k_matches_torch_bit_for_bit(w_type: str) -> None:
-    """K of the released model (1280, 4096, 5120, 8192), torch with 1 thread."""
-    torch = torch_module()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # MKL's f32 order for some row counts depends on its threads
-    try:
-        session = session_for(linear_model(W_TYPES[w_type]))
-        gen = torch.Generator().manual_seed(14)
-        for m, n, k in LARGE_K_SHAPES:
-            x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
-            if w_type == "bf16":
-                x, w = x.bfloat16(), w.bfloat16()
-                want = torch.nn.functional.linear(x, w).float().numpy()
-                got = bf16_round(run(session, x.float().numpy(), w.float().numpy(), "bf16"))
-            else:
-                want = torch.nn.functional.linear(x, w).numpy()
-                got = run(session, x.numpy(), w.numpy())
-            np.testing.assert_array_equal(bits(got), bits(want), err_msg=f"M={m} K={k} N={n}")
-    finally:
-        torch.set_num_threads(threads)
+    """K of the released model (1280, 4096, 5120, 8192)."""
+    assert_matches_torch(w_type, LARGE_K_SHAPES, seed=14)
