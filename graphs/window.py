@@ -56,16 +56,15 @@ def window_decode(op: OpBuilder, kv_new: ir.Value, ring: ir.Value, start_pos: ir
     the ring [b, win, d] carried from the previous call: (idx [b, 1, win], new ring).
 
     The new row goes into slot start_pos % win; the query reads every slot, oldest first
-    (start_pos%win+1 .. win-1, 0 .. start_pos%win) once the ring has wrapped. Before that
-    (start_pos < win-1) the reference lists slots 0..start_pos then -1 padding.
+    (start_pos%win+1 .. win-1, 0 .. start_pos%win), and a slot past start_pos (the ring
+    still filling) is -1 in its place: at start_pos 3, win 8, [-1, -1, -1, -1, 0, 1, 2, 3].
     """
     _check_window(window_size)
     pos = _scalar(op, start_pos)
     slot = op.Mod(pos, window_size)
     slots = op.Range(0, window_size, 1)
     oldest_first = op.Mod(op.Add(op.Add(slots, slot), 1), window_size)
-    filling = op.Where(op.LessOrEqual(slots, pos), slots, -1)
-    row = op.Where(op.GreaterOrEqual(pos, window_size - 1), oldest_first, filling)
+    row = op.Where(op.Greater(oldest_first, pos), -1, oldest_first)
     batch = op.Slice(op.Shape(ring), [0], [1])
     idx = op.Expand(op.Reshape(row, [1, 1, window_size]),
                     op.Concat(batch, [1, window_size], axis=0))

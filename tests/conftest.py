@@ -4,8 +4,10 @@ golden comparisons (written to build/golden_report.json for closing notes)."""
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import onnx
@@ -14,7 +16,8 @@ import pytest
 from csa2onnx.custom_ops import make_session
 from csa2onnx.export.goldens import Comparison, GoldenCase, compare, load_case
 
-GOLDENS = Path(__file__).resolve().parents[1] / "goldens"
+ROOT = Path(__file__).resolve().parents[1]
+GOLDENS = ROOT / "goldens"
 REPORT = Path(__file__).resolve().parents[1] / "build" / "golden_report.json"
 CASES = ("case1_r2_r1", "case2_candidates", "case3_r4_r128")
 
@@ -72,3 +75,22 @@ def golden_report() -> Iterator[GoldenReport]:
         keys = {(r["case"], r["component"], r["array"]) for r in report.rows}
         kept = [r for r in previous if (r["case"], r["component"], r["array"]) not in keys]
         REPORT.write_text(json.dumps(kept + report.rows, indent=1))
+
+
+@pytest.fixture(scope="session")
+def upstream_tools() -> ModuleType:
+    """tools/upstream.py, after checking that torch and the upstream reference are here."""
+    pytest.importorskip("torch", reason="the upstream reference needs torch")
+    sys.path.insert(0, str(ROOT / "tools"))
+    import upstream
+
+    if not upstream.available():
+        pytest.skip(f"the upstream reference is absent ({upstream.reference_dir()}; "
+                    "set CSA2ONNX_UPSTREAM)")
+    return upstream
+
+
+@pytest.fixture
+def upstream_module(upstream_tools: ModuleType) -> ModuleType:
+    """A fresh upstream model module (../shared/reference, CPU kernels)."""
+    return upstream_tools.load_upstream()

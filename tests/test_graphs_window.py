@@ -134,8 +134,8 @@ def test_prefill_layout(seqlen: int) -> None:
 
 
 @pytest.mark.parametrize(("start_pos", "row"), [
-    (1, [0, 1, -1, -1]),  # before the ring fills: 0..start_pos, then -1 (upstream's F.pad)
-    (2, [0, 1, 2, -1]),
+    (1, [-1, -1, 0, 1]),  # ring still filling: oldest first, slots past start_pos are -1
+    (2, [-1, 0, 1, 2]),
     (3, [0, 1, 2, 3]),
     (4, [1, 2, 3, 0]),  # oldest first
     (6, [3, 0, 1, 2]),
@@ -161,3 +161,14 @@ def test_bad_window_size_raises(window_size) -> None:
         build_model("bad", [("kv", FLOAT, [1, 1, 4]), ("ring", FLOAT, [1, 2, 4]),
                             ("pos", INT64, [1])], ["idx", "ring"],
                     lambda op, kv, ring, pos: window_decode(op, kv, ring, pos, window_size))
+
+
+def test_decode_rows_match_upstream(upstream_module) -> None:
+    """Every start_pos across two wraps of the ring, against upstream's get_window_topk_idxs."""
+    upstream = upstream_module
+    for win in (4, 7, 8):
+        for start_pos in range(1, 2 * win + 3):
+            ring = np.zeros((1, win, 2), np.float32)
+            idx, _ = run_decode(np.zeros((1, 1, 2), np.float32), ring, start_pos, win)
+            want = upstream.get_window_topk_idxs(win, 1, 1, start_pos).numpy()
+            np.testing.assert_array_equal(idx, want, err_msg=f"win {win} start_pos {start_pos}")
