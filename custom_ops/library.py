@@ -76,3 +76,18 @@ def libm_cos_sin(angles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
     fn(angles.ctypes.data, angles.size, cos.ctypes.data, sin.ctypes.data)
     return cos, sin
+
+
+def cpu_isas() -> list[str]:
+    """The kernels' instruction-set paths this CPU runs ("avx512", "avx2", "scalar"): values
+    for CSA2ONNX_ISA, which forces every kernel onto one (all give the same bits)."""
+    flags: set[str] = set()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    v3 = {"avx2", "fma", "bmi1", "bmi2", "f16c", "movbe"} <= flags
+    v4 = v3 and {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"} <= flags
+    return ["avx512"] * v4 + ["avx2"] * v3 + ["scalar"]

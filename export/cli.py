@@ -65,8 +65,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     from csa2onnx.export.verify import verify_case
 
+    rule = None if args.rule == "auto" else args.rule.replace("-", "_")
     report = verify_case(args.golden, portable=args.portable, index_keys=args.index_keys,
-                         provider=args.provider, threads=args.threads,
+                         provider=args.provider, threads=args.threads, rule=rule,
                          progress=_progress if args.verbose else None)
     print(report.table())
     return 0 if report.ok else 1
@@ -110,6 +111,9 @@ def parser() -> argparse.ArgumentParser:
                    help="default: from the case's behaviour_patch")
     v.add_argument("--provider", choices=["cpu", "cuda"], default="cpu")
     v.add_argument("--threads", type=int, default=0, help="intra-op threads (0: default)")
+    v.add_argument("--rule", choices=["auto", "same-cpu", "cross-cpu"], default="auto",
+                   help="comparison rule; auto: cross-cpu when the golden's `machine` is not "
+                        "the class csa2onnx reproduces (README)")
     v.add_argument("-v", "--verbose", action="store_true")
     v.set_defaults(fn=cmd_verify)
 

@@ -27,6 +27,10 @@ import make_golden  # noqa: E402
 import torch_reference  # noqa: E402
 
 GOLDENS = ROOT / "goldens"
+# Whether torch here sums like the CPU that made the shared goldens (AVX512-BF16, no AMX):
+# then the oracle must reproduce them bit for bit, else it is held to the cross-CPU rule.
+TORCH_LIKE_GOLDENS = torch_reference.torch_sums_like_goldens()
+RULE = "same_cpu" if TORCH_LIKE_GOLDENS else "cross_cpu"
 
 # name: make_case arguments. Seeds are fixed, not chosen for a pass.
 NEW_CASES = {
@@ -47,16 +51,17 @@ NEW_CASES = {
 
 @pytest.mark.parametrize("name", torch_reference.CHECK_CASES)
 def test_oracle_reproduces_golden(name: str) -> None:
-    """Selections exact and floats within tolerance on every step and layer; bit-identical
-    in fact (100% here on AVX512, AVX2 and scalar kernels; a CPU whose bf16 GEMM accumulates
-    in another order may flip a few bf16 roundings, hence the 99.9% floor)."""
-    ok, stats = torch_reference.check_case(GOLDENS, name)
-    assert ok, f"{name}: the oracle differs from the golden (see MISMATCH lines above)"
+    """Selections exact on every step and layer; floats bit-identical where torch sums like
+    the goldens' CPU (100% on AVX512, AVX2 and scalar kernels; the 99.9% floor is the
+    claim's margin), else within the cross-CPU rule."""
+    ok, stats = torch_reference.check_case(GOLDENS, name, rule=RULE)
+    assert ok, f"{name}: the oracle differs from the golden under {RULE} (MISMATCH lines above)"
     for array in ("index_topk_idxs", "attn_topk_idxs", "out"):
         assert stats[array][0] > 0, f"{name}: no {array} compared"
     elements, identical = (sum(c[i] for c in stats.values()) for i in (1, 2))
-    print(f"{name}: {identical} of {elements} elements bit-identical")
-    assert identical >= 0.999 * elements, {a: c for a, c in stats.items() if c[1] != c[2]}
+    print(f"{name} ({RULE}): {identical} of {elements} elements bit-identical")
+    if TORCH_LIKE_GOLDENS:
+        assert identical >= 0.999 * elements, {a: c for a, c in stats.items() if c[1] != c[2]}
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +79,8 @@ def test_new_cases_exercise_their_features(new_cases: dict[str, Path]) -> None:
     assert [r["layer"] for r in cand.meta["layer_roles"] if r.get("uses_candidates")] == [3, 4]
     short = load_case(new_cases["short_prefill_b3"])
     assert short.step("prefill", 1, "index_topk_idxs").shape == (3, 3, 0)  # s < r: empty
-    assert (short.step("decode0", 0, "attn_topk_idxs")[0, 0] == [0, 1, 2, 3, -1, -1, -1, -1]
+    # The ring still filling: oldest first, slots past start_pos 3 are -1 (upstream's order).
+    assert (short.step("decode0", 0, "attn_topk_idxs")[0, 0] == [-1, -1, -1, -1, 0, 1, 2, 3]
             ).all()
     # The patch matters here: the ratio-4 owner reads the ratio-1 owner's keys on steps
     # where its own group is incomplete, so the two variants select differently.
@@ -87,6 +93,7 @@ def test_new_cases_exercise_their_features(new_cases: dict[str, Path]) -> None:
 
 @pytest.mark.parametrize("name", NEW_CASES)
 def test_exporter_verifies_new_case(name: str, new_cases: dict[str, Path]) -> None:
-    report = verify_case(new_cases[name])
+    report = verify_case(new_cases[name])  # the rule from the case's probed `machine`
     print(report.table())
+    assert report.rule == RULE
     assert report.ok, report.table()

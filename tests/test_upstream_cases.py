@@ -63,7 +63,7 @@ def test_exporter_verifies_upstream_case(upstream_cases: dict[int, Path], prefil
 @pytest.mark.parametrize("prefill", PREFILLS)
 def test_oracle_reproduces_upstream_case(upstream_cases: dict[int, Path], prefill: int) -> None:
     sys.path.insert(0, str(ROOT / "tools"))
-    import torch_reference  # noqa: PLC0415
+    import torch_reference
 
     path = upstream_cases[prefill]
     rule = rule_for(load_case(path).meta)

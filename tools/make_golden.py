@@ -134,6 +134,7 @@ def make_case(folder: str | Path, name: str, *, seed: int = 0, batch: int = 1,
                      "(NOT the upstream model.py; the oracle is bit-identical to it on the "
                      "shared goldens)",
         "torch_version": torch.__version__, "numpy_version": np.__version__,
+        "machine": ref.machine_info(),
         "seed_weights": seed, "seed_inputs": seed + 1, "topk_tiebreak": "torch_cpu",
         "batch": batch, "prefill_len": prefill_len, "decode_steps": decode_steps,
         "schedule": schedule, "model_args": args, "layer_roles": roles,

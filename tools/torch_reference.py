@@ -105,10 +105,11 @@ def fp4_quant(x: torch.Tensor, block: int, e4m3_scale: bool = False) -> torch.Te
 
 
 def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,
-                scale: float) -> torch.Tensor:
+                scale: float, round_p: bool = True) -> torch.Tensor:
     """q [b,s,H,d], kv [b,n,d] (key = value), idx [b,s,K] (-1: nothing) -> bf16 [b,s,H,d].
     Online softmax over idx in blocks of 64; probabilities rounded to bf16 before P@V; the
-    sink only in the denominator."""
+    sink only in the denominator. (`round_p=False`: a deliberate bug, for negative
+    controls.)"""
     b, s, h, d = q.shape
     m = torch.full((b, s, h), -1e30, dtype=F32)
     total = torch.zeros(b, s, h, dtype=F32)
@@ -126,8 +127,8 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
         p = torch.exp(logits - m_new.unsqueeze(-1))
         alpha = torch.exp(m - m_new)
         total = total * alpha + p.sum(-1)
-        acc = acc * alpha.unsqueeze(-1) + torch.einsum("bshn,bsnd->bshd",
-                                                       p.to(BF16).float(), rows)
+        acc = acc * alpha.unsqueeze(-1) + torch.einsum(
+            "bshn,bsnd->bshd", p.to(BF16).float() if round_p else p, rows)
         m = m_new
     return (acc / (total + torch.exp(sink.view(1, 1, h) - m)).unsqueeze(-1)).to(BF16)
 
@@ -162,11 +163,10 @@ def select_candidate_blocks(logits: torch.Tensor, compress_lens: torch.Tensor,
 
 def window_idxs(win: int, b: int, s: int, start_pos: int) -> torch.Tensor:
     """get_window_topk_idxs: prefill matrix [b, s, min(s, win)]; decode ring order [b, 1, win]."""
-    if start_pos >= win - 1:
+    if start_pos > 0:  # oldest first; a slot past start_pos (ring still filling) is -1
         p = start_pos % win
         row = torch.cat([torch.arange(p + 1, win), torch.arange(0, p + 1)])
-    elif start_pos > 0:
-        row = F.pad(torch.arange(start_pos + 1), (0, win - start_pos - 1), value=-1)
+        row = torch.where(row > start_pos, -1, row)
     else:
         t = torch.arange(s).unsqueeze(1)
         row = (t - win + 1).clamp(min=0) + torch.arange(min(s, win))
@@ -493,26 +493,38 @@ def identical(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return a == b
 
 
-def check_case(folder: Path, name: str, verbose: bool = True
+def check_case(folder: Path, name: str, verbose: bool = True, rule: str = "same_cpu"
                ) -> tuple[bool, dict[str, list[int]]]:
     """Oracle vs golden, every step/layer array both hold (the golden `x` fed to each layer).
     Selections and flags (EXACT) must be equal, floats within the goldens' tolerance
-    (rtol 1.6e-2, atol 1e-3 max|golden|). Returns (ok, per array name: [arrays, elements,
-    bit-identical elements])."""
-    from csa2onnx.export.goldens import compare, load_case
+    (rtol 1.6e-2, atol 1e-3 max|golden|), or under the cross-CPU rule (export/cross_cpu.py)
+    with `rule="cross_cpu"`. Returns (ok, per array name: [arrays, elements, bit-identical
+    elements])."""
+    from csa2onnx.export.goldens import load_case
 
     case = load_case(folder / f"{name}.json")
     for key, dtype in case.meta["parameter_dtypes"].items():
         layer, param = key.split(".", 1)
         ratio = case.model_args["compress_ratios"][int(layer[1:])]
         assert str(parameter_dtype(param, ratio)) == f"torch.{dtype}", (key, dtype)
-    ours = run_case(case.meta, case.arrays)
-    ok, stats = True, {}
-    for key, want in case.arrays.items():
-        array = key.split(".", 2)[-1]
+    return compare_arrays(run_case(case.meta, case.arrays), case.arrays, name, verbose, rule)
+
+
+def compare_arrays(ours: dict[str, np.ndarray], golden: dict[str, np.ndarray], name: str,
+                   verbose: bool = True, rule: str = "same_cpu"
+                   ) -> tuple[bool, dict[str, list[int]]]:
+    """check_case's comparison of `{step}.L{l}.array` dicts (the rule's count included)."""
+    from csa2onnx.export.cross_cpu import MovedCounts, step_group
+    from csa2onnx.export.goldens import compare
+
+    ok, stats, moved = True, {}, MovedCounts()
+    for key, want in golden.items():
+        step, array = key.split(".", 1)[0], key.split(".", 2)[-1]
         if key not in ours or array == "x":
             continue
-        result = compare(ours[key], want, exact=array in EXACT)
+        result = compare(ours[key], want, exact=array in EXACT, name=array, rule=rule)
+        group = "state" if array.endswith("_after") else step_group(step)
+        moved.add(array, group, result.moved, result.size)
         counts = stats.setdefault(array, [0, 0, 0])
         counts[0] += 1
         counts[1] += want.size
@@ -522,7 +534,68 @@ def check_case(folder: Path, name: str, verbose: bool = True
             if verbose:
                 print(f"  MISMATCH {name} {key}: {result.detail} "
                       f"(max err {result.max_abs_err:.3g})")
+    if rule == "cross_cpu":
+        for violation in moved.violations():
+            ok = False
+            if verbose:
+                print(f"  MISMATCH {name} count rule: {violation}")
     return ok, stats
+
+
+def machine_info() -> dict[str, Any]:
+    """The `machine` entry of a case made here (FORMAT.md, "Which CPU made a case"), with
+    `summation_class` from torch_sums_like_goldens(): what the comparison rule keys on, since
+    a forced instruction set (ONEDNN_MAX_CPU_ISA) changes torch's sums but not cpuinfo."""
+    flags, model = set(), ""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name") and not model:
+            model = line.split(":", 1)[1].strip()
+        if line.startswith("flags") and not flags:
+            flags = set(line.split(":", 1)[1].split())
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+    return {"cpu": model, "isa": [f for f in wanted if f in flags],
+            "torch_threads": torch.get_num_threads(),
+            "summation_class": "reference" if torch_sums_like_goldens() else "other"}
+
+
+def torch_sums_like_goldens() -> bool:
+    """Whether this process's torch sums like the CPU that made the shared goldens: its bf16
+    F.linear (oneDNN) and f32 F.linear (MKL) at the goldens' shapes against csa2onnx's
+    TorchLinear, which reproduces that CPU's orders on every CPU. False on AMX CPUs, on
+    AVX2-only ones, and under ONEDNN_MAX_CPU_ISA=AVX2."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from csa2onnx.custom_ops import make_session
+
+    def session(w_type: int) -> ort.InferenceSession:
+        graph = helper.make_graph(
+            [helper.make_node("TorchLinear", ["X", "W"], ["Y"], domain="csa2onnx")], "probe",
+            [helper.make_tensor_value_info("X", TensorProto.FLOAT, None),
+             helper.make_tensor_value_info("W", w_type, None)],
+            [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)])
+        return make_session(helper.make_model(graph, opset_imports=[
+            helper.make_opsetid("", 21), helper.make_opsetid("csa2onnx", 1)]).SerializeToString())
+
+    sessions = {BF16: session(TensorProto.BFLOAT16), F32: session(TensorProto.FLOAT)}
+    generator = torch.Generator().manual_seed(0)
+    for m, k, n in ((77, 256, 128), (77, 128, 512), (637, 256, 128), (1, 256, 512),
+                    (77, 512, 256)):
+        for dtype in (BF16, F32):
+            x = torch.randn(m, k, generator=generator).to(dtype)
+            w = torch.randn(n, k, generator=generator).to(dtype)
+            want = F.linear(x, w).float().numpy()
+            w_bits = (w.view(torch.int16).numpy().view(np.uint16) if dtype == BF16
+                      else w.numpy())
+            feeds = {"X": ort.OrtValue.ortvalue_from_numpy(x.float().numpy()),
+                     "W": ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
+                         w_bits, TensorProto.BFLOAT16 if dtype == BF16 else TensorProto.FLOAT)}
+            got = sessions[dtype].run_with_ort_values(["Y"], feeds)[0].numpy()
+            if dtype == BF16:  # the graphs round the op's f32 output where torch does
+                got = torch.from_numpy(got).to(BF16).float().numpy()
+            if not np.array_equal(got.view(np.uint32), want.view(np.uint32)):
+                return False
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:

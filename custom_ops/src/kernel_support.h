@@ -2,9 +2,12 @@
 // returned as a Status, shapes printed in messages.
 #pragma once
 
+#include <cstdlib>
 #include <exception>
 #include <string>
 #include <vector>
+
+#include "simd.h"
 
 namespace csa {
 
@@ -46,6 +49,42 @@ inline std::string shape_string(const std::vector<int64_t>& shape) {
   std::string s = "[";
   for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
   return s + "]";
+}
+
+enum class Isa { kReference, kScalar, kAvx2, kAvx512 };
+
+inline bool cpu_has(Isa isa) {
+  if (isa == Isa::kAvx2) return cpu_has_x86_64_v3();
+  if (isa == Isa::kAvx512) return cpu_has_x86_64_v4();
+  return true;  // the reference and scalar paths run anywhere
+}
+
+// The instruction-set path a kernel takes, chosen when a session creates it: the op's own
+// variable (e.g. CSA_TORCH_LINEAR_ISA), else CSA2ONNX_ISA (every kernel), else the widest
+// this CPU has. Forcing a path is for tests: every path computes the same bits, which is
+// how csa2onnx gives the same outputs on every CPU. `reference` only where the op has one.
+inline Isa select_isa(const char* op_variable, bool has_reference = false) {
+  for (const char* variable : {op_variable, "CSA2ONNX_ISA"}) {
+    const char* forced = std::getenv(variable);
+    if (forced == nullptr || *forced == '\0') continue;
+    const std::string name = forced;
+    const std::string choices = has_reference ? "avx512, avx2, scalar or reference"
+                                              : "avx512, avx2 or scalar";
+    Isa isa;
+    if (name == "reference" && has_reference) isa = Isa::kReference;
+    else if (name == "scalar") isa = Isa::kScalar;
+    else if (name == "avx2") isa = Isa::kAvx2;
+    else if (name == "avx512") isa = Isa::kAvx512;
+    else ORT_CXX_API_THROW(std::string(variable) + "=\"" + name + "\" (expected " + choices + ")",
+                           ORT_INVALID_ARGUMENT);
+    if (!cpu_has(isa))
+      ORT_CXX_API_THROW(std::string(variable) + "=" + name + " but this CPU does not support it",
+                        ORT_INVALID_ARGUMENT);
+    return isa;
+  }
+  if (cpu_has(Isa::kAvx512)) return Isa::kAvx512;
+  if (cpu_has(Isa::kAvx2)) return Isa::kAvx2;
+  return Isa::kScalar;
 }
 
 }  // namespace csa

@@ -56,13 +56,7 @@ template <typename I>
 CSA_TARGET_AVX2 void row_avx2(Job<I>& j, size_t r, float* s) { run_row(j, r, s); }
 #endif
 
-enum class Isa { kScalar, kAvx2, kAvx512 };
-
-Isa select_isa() {
-  if (cpu_has_x86_64_v4()) return Isa::kAvx512;
-  if (cpu_has_x86_64_v3()) return Isa::kAvx2;
-  return Isa::kScalar;
-}
+Isa select_isa() { return csa::select_isa("CSA_SPARSE_ATTENTION_ISA"); }
 
 template <typename I>
 struct SparseAttentionKernel {

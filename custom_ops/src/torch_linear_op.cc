@@ -12,9 +12,9 @@
 // default build calls libm's). This file is compiled with -ffp-contract=off: the compiler
 // must never fuse a multiply and an add that the order keeps apart.
 //
-// CSA_TORCH_LINEAR_ISA (read when a session creates the kernel) forces a path for tests:
-// "avx512", "avx2", "scalar" (the tiles without SIMD) or "reference" (reference_dot per
-// output, single-threaded).
+// CSA_TORCH_LINEAR_ISA (or CSA2ONNX_ISA; read when a session creates the kernel) forces a
+// path for tests: "avx512", "avx2", "scalar" (the tiles without SIMD) or "reference"
+// (reference_dot per output, single-threaded).
 #include "ort_api.h"
 
 #include <cstdlib>
@@ -204,31 +204,7 @@ CSA_TARGET_AVX2 void task_avx2(const Job& j, size_t task, bool w_bf16) {
 }
 #endif
 
-enum class Isa { kReference, kScalar, kAvx2, kAvx512 };
-
-bool cpu_has(Isa isa) {
-  if (isa == Isa::kAvx2) return cpu_has_x86_64_v3();
-  if (isa == Isa::kAvx512) return cpu_has_x86_64_v4();
-  return true;  // the reference and scalar paths run anywhere
-}
-
-Isa select_isa() {
-  const char* forced = std::getenv("CSA_TORCH_LINEAR_ISA");
-  if (forced != nullptr && *forced != '\0') {
-    const std::string name = forced;
-    Isa isa;
-    if (name == "reference") isa = Isa::kReference;
-    else if (name == "scalar") isa = Isa::kScalar;
-    else if (name == "avx2") isa = Isa::kAvx2;
-    else if (name == "avx512") isa = Isa::kAvx512;
-    else fail("CSA_TORCH_LINEAR_ISA=\"" + name + "\" (expected avx512, avx2, scalar or reference)");
-    if (!cpu_has(isa)) fail("CSA_TORCH_LINEAR_ISA=" + name + " but this CPU does not support it");
-    return isa;
-  }
-  if (cpu_has(Isa::kAvx512)) return Isa::kAvx512;
-  if (cpu_has(Isa::kAvx2)) return Isa::kAvx2;
-  return Isa::kScalar;
-}
+Isa select_isa() { return csa::select_isa("CSA_TORCH_LINEAR_ISA", /*has_reference=*/true); }
 
 // OrtT: the onnxruntime type of W (float or BFloat16_t); S: its storage.
 template <typename OrtT, typename S>
