@@ -27,7 +27,9 @@ DTYPES: dict[str, np.dtype] = {
     "F32": np.dtype(np.float32), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
     "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
 }
-_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+# What the writer also handles (non-attention tensors in synthetic checkpoints).
+_NAMES = {dtype: name for name, dtype in
+          {**DTYPES, "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8)}.items()}
 MAX_HEADER_BYTES = 100 << 20  # the format's own limit
 
 
