@@ -141,7 +141,7 @@ def _to_stored(value: np.ndarray, spec: TensorSpec, where: str, weight_format: s
             if (value.view(np.uint8) == 0xFF).any():
                 raise WeightsError(f"{where}: a ue8m0 scale is NaN (byte 0xff)")
             return value.astype(F32)  # 2^(byte - 127), exact in float32 (2^-127 included)
-        if source.kind != "f":
+        if not _is_float(source):
             raise WeightsError(f"{where} has dtype {source}, expected ue8m0 scales")
         scales = np.asarray(value, F32)
         mantissa, _ = np.frexp(scales)
@@ -151,7 +151,7 @@ def _to_stored(value: np.ndarray, spec: TensorSpec, where: str, weight_format: s
         return scales
     if source == spec.dtype:
         return value
-    if source.kind != "f":
+    if not _is_float(source):
         raise WeightsError(f"{where} has dtype {source}, expected {spec.dtype}")
     converted = np.asarray(value).astype(spec.dtype)
     back = converted.astype(source)
@@ -161,6 +161,10 @@ def _to_stored(value: np.ndarray, spec: TensorSpec, where: str, weight_format: s
         raise WeightsError(f"{where} holds {source} values that are not exactly "
                            f"{spec.dtype} values" + (f"; {hint}" if hint else ""))
     return converted
+
+
+def _is_float(dtype: np.dtype) -> bool:
+    return dtype.kind == "f" or dtype in (BF16, E4M3)  # ml_dtypes' kinds are "V"
 
 
 def as_float32(weights: Mapping[str, np.ndarray]) -> LayerWeights:
