@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 from make_checkpoint import make_checkpoint, quantize_fp8  # noqa: E402
 
 CASE1 = GOLDENS / "case1_r2_r1.json"
+RELEASED_HF = ROOT / "export" / "configs" / "v41_flash_attention.json"
 FP8_CASE = Path("/work/shared/goldens/case5_fp8.json")  # in the shared goldens only
 needs_fp8_case = pytest.mark.skipif(not FP8_CASE.is_file(), reason="case5_fp8 not present")
 
@@ -433,3 +434,44 @@ def test_narrower_floats_widen_exactly() -> None:
     weights["wo_a.weight"] = weights["wo_a.weight"].astype(np.float64)  # bf16 slot
     checked = check_layer(config, 1, weights)
     assert checked["compressor.wkv.weight"].dtype == F32 and checked["wo_a.weight"].dtype == BF16
+
+
+def test_index_placing_a_tensor_in_the_wrong_shard(tmp_path: Path, fp8_folder: Path) -> None:
+    for path in fp8_folder.iterdir():
+        (tmp_path / path.name).write_bytes(path.read_bytes())
+    index = json.loads((tmp_path / INDEX).read_text())
+    index["weight_map"]["layers.0.attn.wkv.weight"] = "model-00003-of-00003.safetensors"
+    (tmp_path / INDEX).write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"places layers\.0\.attn\.wkv\.weight in "
+                                              r"model-00003-of-00003\.safetensors, which does"):
+        open_checkpoint(tmp_path).read_layer(0)
+
+
+def test_cli_config_file_with_safetensors_still_works(bf16_folder: Path, tmp_path: Path) -> None:
+    out = tmp_path / "artifacts"
+    assert main(["export", str(CASE1), "--weights", str(bf16_folder / SINGLE), "--out",
+                 str(out), "--layers", "0-1"]) == 0
+    assert read_manifest(out).layers == [0, 1]
+
+
+def test_make_checkpoint_command_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    import make_checkpoint as tool
+
+    small = {**json.loads(RELEASED_HF.read_text()), "hidden_size": 256,
+             "num_attention_heads": 4, "head_dim": 128, "qk_rope_head_dim": 32,
+             "q_lora_rank": 128, "o_lora_rank": 64, "o_groups": 2, "index_n_heads": 4,
+             "index_head_dim": 64, "max_position_embeddings": 4096}  # the release's layout
+    source = tmp_path / "small.json"
+    source.write_text(json.dumps(small))
+    out = tmp_path / "model"
+    assert tool.main([str(source), "--out", str(out), "--layers", "0-2", "--dtype", "bf16",
+                      "--shards", "2", "--seed", "3"]) == 0
+    assert "wrote" in capsys.readouterr().out
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config and config["hidden_size"] == 256
+    checkpoint = open_checkpoint(out)
+    assert checkpoint.config.weight_format == "bf16"
+    assert len(set(json.loads((out / INDEX).read_text())["weight_map"].values())) == 2
+    assert checkpoint.read_layer(2)["compressor.wgate.weight"].dtype == F32
+    with pytest.raises(CheckpointError, match=r"layer 3: missing weights attn_sink"):
+        checkpoint.read_layer(3)  # not written
