@@ -12,6 +12,7 @@ from typing import Any
 
 from csa2onnx.custom_ops.library import DOMAIN, DOMAIN_VERSION
 from csa2onnx.export.plan import StackPlan
+from csa2onnx.export.weights import linear_formats
 
 MANIFEST = "manifest.json"
 
@@ -33,6 +34,8 @@ class Manifest:
     state: list[dict[str, Any]]
     prefill_state_inputs: list[str]
     external_slots: list[str]
+    # layer (as a string, JSON's key type) -> linear -> weight format, from config + plan
+    linear_formats: dict[str, dict[str, str]] = field(default_factory=dict)
     csa2onnx_version: str = field(default_factory=package_version)
     custom_op_domain: str = DOMAIN
     custom_op_version: int = DOMAIN_VERSION
@@ -70,6 +73,7 @@ def manifest_for(plan: StackPlan, portable: bool) -> Manifest:
         prefill_state_inputs=["index_k_publisher"] if any(
             t.name == "index_k_publisher" for t in plan.state()) else [],
         external_slots=list(plan.external_slots()),
+        linear_formats={str(p.layer): linear_formats(plan.config, p) for p in plan.layers},
     )
 
 

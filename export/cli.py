@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from csa2onnx.export.checkpoint import open_checkpoint
 from csa2onnx.export.config import AttentionConfig, ConfigError
 from csa2onnx.export.goldens import load_case
 from csa2onnx.export.plan import plan_stack
@@ -31,16 +32,27 @@ def _layer_range(text: str | None, n_layers: int) -> tuple[int, int]:
 def cmd_export(args: argparse.Namespace) -> int:
     overrides = {k: v for k, v in (("max_seq_len", args.max_seq_len),
                                    ("max_batch_size", args.max_batch_size)) if v}
-    config = AttentionConfig.load(args.config, **overrides)
+    checkpoint = None
+    if args.config.is_dir():  # a Hugging Face model folder: config and weights
+        if args.weights:
+            raise WeightsError(f"{args.config} is a model folder, which holds its weights; "
+                               "drop --weights")
+        checkpoint = open_checkpoint(args.config, **overrides)
+        config = checkpoint.config
+    else:
+        config = AttentionConfig.load(args.config, **overrides)
     first, last = _layer_range(args.layers, config.n_layers)
     plan = plan_stack(config, first, last, index_keys=args.index_keys)
     layers = range(first, last + 1)
-    if args.weights and args.weights[0].suffix == ".json":  # a golden case
+    if checkpoint is not None:
+        weights = checkpoint.read_layers(layers)
+    elif args.weights and args.weights[0].suffix == ".json":  # a golden case
         weights = from_golden(load_case(args.weights[0]).arrays, layers)
     elif args.weights:
         weights = from_safetensors(args.weights, layers)
     else:
-        raise WeightsError("--weights is required (safetensors files or a golden case JSON)")
+        raise WeightsError("--weights is required with a config file (safetensors files or a "
+                           "golden case JSON); a model folder brings its own")
     start = time.perf_counter()
     export_stack(plan, weights, args.out, portable=args.portable, progress=_progress)
     print(f"exported layers {first}..{last} to {args.out} in {time.perf_counter() - start:.1f}s")
@@ -82,8 +94,11 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="csa2onnx", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
-    e = sub.add_parser("export", help="config + weights -> folder of .onnx artifacts")
-    e.add_argument("config", type=Path, help="config.json (ModelArgs or Hugging Face names)")
+    e = sub.add_parser("export", help="model folder, or config + weights -> folder of .onnx "
+                                      "artifacts")
+    e.add_argument("config", type=Path, metavar="MODEL_DIR|CONFIG",
+                   help="a Hugging Face model folder (config.json + safetensors), or a "
+                        "config.json (ModelArgs or Hugging Face names) with --weights")
     e.add_argument("--weights", type=Path, nargs="+",
                    help="safetensors files, or a golden case JSON")
     e.add_argument("--out", type=Path, required=True)

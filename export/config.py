@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 
 class ConfigError(ValueError):
@@ -16,7 +16,7 @@ class ConfigError(ValueError):
 
 # ModelArgs fields that do not concern attention (MoE, vision, MTP, ...): accepted, ignored.
 _MODEL_ARGS_IGNORED = frozenset({
-    "temperature", "dtype", "expert_dtype", "vocab_size", "moe_inter_dim", "n_mtp_layers",
+    "temperature", "expert_dtype", "vocab_size", "moe_inter_dim", "n_mtp_layers",
     "n_routed_experts", "n_shared_experts", "n_activated_experts", "score_func", "gate_temp",
     "norm_topk_prob", "route_scale", "swiglu_limit", "hc_mult", "hc_sinkhorn_iters", "hc_eps",
     "engram_layer_ids", "engram_num_embeddings", "engram_max_ngram_size", "engram_vocab_size",
@@ -47,7 +47,7 @@ _HF_ROPE_SCALING = {"factor": "rope_factor", "beta_fast": "beta_fast", "beta_slo
                     "original_max_position_embeddings": "original_seq_len"}
 # Hugging Face fields with no bearing on attention: accepted, ignored.
 _HF_IGNORED = frozenset({
-    "num_key_value_heads", "dtype", "torch_dtype", "quantization_config", "architectures",
+    "num_key_value_heads", "architectures",
     "model_type", "transformers_version", "vocab_size", "bos_token_id", "eos_token_id",
     "pad_token_id", "tie_word_embeddings", "initializer_range", "hidden_act",
     "intermediate_size", "moe_intermediate_size", "n_routed_experts", "n_shared_experts",
@@ -56,6 +56,14 @@ _HF_IGNORED = frozenset({
     "use_cache", "attention_bias", "attention_dropout", "auto_map", "kv_lora_rank",
     "qk_nope_head_dim", "v_head_dim", "ep_size", "moe_layer_freq", "rope_type",
 })
+
+# The one fp8 weight layout the release uses (and upstream's kernels implement): e4m3 weights
+# with one power-of-two (ue8m0) scale per [32, 32] block.
+WeightFormat = Literal["bf16", "fp8"]
+FP8_BLOCK_SIZE = 32
+FP8_SCALE_FMT = "ue8m0"
+# Upstream's ModelArgs.dtype default: a ModelArgs dict without `dtype` is the released fp8 model.
+MODEL_ARGS_DEFAULT_DTYPE = "fp8"
 
 
 @dataclass(frozen=True)
@@ -89,6 +97,9 @@ class AttentionConfig:
     candidate_block_size: int = 0
     max_seq_len: int = 4096
     max_batch_size: int = 1
+    # Storage of the linears upstream builds with the default dtype (wq_a, wq_b, wkv, wo_b,
+    # indexer.wq_b): ModelArgs.dtype, or a Hugging Face quantization_config.
+    weight_format: WeightFormat = MODEL_ARGS_DEFAULT_DTYPE
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "compress_ratios", tuple(int(r) for r in self.compress_ratios))
@@ -102,24 +113,35 @@ class AttentionConfig:
     # ------------------------------------------------------------------ loading
     @classmethod
     def from_model_args(cls, args: dict[str, Any], **overrides: Any) -> AttentionConfig:
-        """From the reference's ModelArgs names (goldens' model_args, inference config.json)."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(args) - known - _MODEL_ARGS_IGNORED)
+        """From the reference's ModelArgs names (goldens' model_args, inference config.json).
+
+        `dtype` ("bf16" | "fp8") sets weight_format; without it the config is upstream's
+        ModelArgs default, fp8 (the released checkpoint's precision)."""
+        known = {f.name for f in fields(cls)} - {"weight_format"}
+        unknown = sorted(set(args) - known - _MODEL_ARGS_IGNORED - {"dtype"})
         if unknown:
             raise ConfigError(f"unknown config field(s): {', '.join(unknown)}")
-        values = {k: v for k, v in {**args, **overrides}.items() if k in known}
-        return cls._build(values)
+        values = {k: v for k, v in args.items() if k in known}
+        values["weight_format"] = _model_args_dtype(args.get("dtype", MODEL_ARGS_DEFAULT_DTYPE))
+        return cls._build({**values, **overrides})
 
     @classmethod
     def from_hf(cls, config: dict[str, Any], **overrides: Any) -> AttentionConfig:
-        """From a Hugging Face config.json (its text_config when nested)."""
+        """From a Hugging Face config.json (its text_config when nested). The fp8 linears
+        come from `quantization_config` (beside or inside text_config); without one they are
+        bf16. `dtype` / `torch_dtype`, the other tensors' dtype, must be bfloat16."""
+        outer = config
         config = config.get("text_config", config)
         values: dict[str, Any] = {}
         unknown = []
+        quantization = config.get("quantization_config", outer.get("quantization_config"))
+        values["weight_format"] = _hf_weight_format(quantization)
         for key, value in config.items():
-            if key.startswith("_") or key in _HF_IGNORED:
+            if key.startswith("_") or key in _HF_IGNORED or key == "quantization_config":
                 continue
-            if key == "rope_scaling":
+            if key in ("dtype", "torch_dtype"):
+                _hf_torch_dtype(key, value)
+            elif key == "rope_scaling":
                 values.update(_hf_rope_scaling(value))
             elif key in _HF_NAMES:
                 values[_HF_NAMES[key]] = value
@@ -165,6 +187,8 @@ class AttentionConfig:
             if not condition:
                 raise ConfigError(f"{field_name}: {message}")
 
+        need(self.weight_format in ("bf16", "fp8"), "weight_format",
+             f"must be 'bf16' or 'fp8', got {self.weight_format!r}")
         for name in ("dim", "n_heads", "head_dim", "rope_head_dim", "q_lora_rank", "o_groups",
                      "o_lora_rank", "window_size", "n_layers", "max_seq_len", "max_batch_size"):
             need(int(getattr(self, name)) > 0, name, f"must be > 0, got {getattr(self, name)}")
@@ -232,3 +256,41 @@ def _hf_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any]:
         elif key not in ("rope_type", "type", "mscale", "mscale_all_dim"):
             raise ConfigError(f"unknown rope_scaling field: {key}")
     return values
+
+
+def _model_args_dtype(dtype: Any) -> WeightFormat:
+    if dtype not in ("bf16", "fp8"):
+        raise ConfigError(f"dtype: must be 'bf16' or 'fp8' (the linears' storage), got {dtype!r}")
+    return dtype
+
+
+def _hf_torch_dtype(key: str, value: Any) -> None:
+    # The unquantised tensors' dtype; the fp8 linears are described by quantization_config.
+    if value not in ("bfloat16", "torch.bfloat16"):
+        raise ConfigError(f"{key}: must be 'bfloat16' (the reference's dtype), got {value!r}")
+
+
+def _hf_weight_format(quantization: dict[str, Any] | None) -> WeightFormat:
+    """quantization_config -> weight_format: only the released layout is accepted."""
+    if quantization is None:
+        return "bf16"
+    if not isinstance(quantization, dict):
+        raise ConfigError(f"quantization_config: must be an object, got {quantization!r}")
+    expected = {"quant_method": "fp8", "weight_block_size": [FP8_BLOCK_SIZE, FP8_BLOCK_SIZE],
+                "scale_fmt": FP8_SCALE_FMT}
+    for key, want in expected.items():
+        if key not in quantization:
+            raise ConfigError(f"quantization_config.{key}: missing (expected {want!r})")
+        got = quantization[key]
+        if (list(got) if isinstance(got, (list, tuple)) else got) != want:
+            raise ConfigError(f"quantization_config.{key}: only {want!r} is supported, "
+                              f"got {got!r}")
+    if quantization.get("activation_scheme", "dynamic") != "dynamic":
+        raise ConfigError("quantization_config.activation_scheme: only 'dynamic' is supported "
+                          f"(activations are quantised per call), got "
+                          f"{quantization['activation_scheme']!r}")
+    # expert_dtype concerns the experts, which are not exported.
+    unknown = sorted(set(quantization) - set(expected) - {"activation_scheme", "expert_dtype"})
+    if unknown:
+        raise ConfigError(f"quantization_config: unknown field(s) {', '.join(unknown)}")
+    return "fp8"

@@ -176,6 +176,9 @@ def describe(folder: str | Path) -> str:
              f"  index_keys: {manifest.index_keys}, portable: {manifest.portable}"]
     for role in manifest.roles:
         lines.append(f"  L{role['layer']}: ratio {role['ratio']}, {role['role']}")
+        formats = manifest.linear_formats.get(str(role["layer"]))
+        if formats:  # manifests from before linear_formats have none
+            lines.append("    linears: " + ", ".join(f"{k} {v}" for k, v in formats.items()))
     lines.append("  state:")
     for tensor in manifest.state:
         lines.append(f"    {tensor['name']}: {tensor['dtype']}{tensor['shape']} "

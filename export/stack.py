@@ -18,9 +18,10 @@ from csa2onnx.custom_ops.library import DOMAIN, DOMAIN_VERSION
 from csa2onnx.custom_ops.ops import PORTABLE_KEY
 from csa2onnx.custom_ops.portable import portable_functions
 from csa2onnx.export.artifacts import manifest_for, write_manifest
+from csa2onnx.export.config import AttentionConfig
 from csa2onnx.export.layer import AttentionLayer, Mode, Slots
 from csa2onnx.export.plan import StackPlan
-from csa2onnx.export.weights import LayerWeights, check_layer
+from csa2onnx.export.weights import LayerWeights, as_float32, check_layer
 from csa2onnx.graphs.standalone import IR_VERSION, OPSET, check_parameter_names
 
 # Per-layer intermediates a debug export also returns (as L{l}.{name}), named as the goldens.
@@ -70,7 +71,7 @@ def build_stack_model(plan: StackPlan, weights: dict[int, LayerWeights], mode: M
     for i, p in enumerate(plan.layers):
         if progress:
             progress(f"[{i + 1}/{len(plan.layers)}] {mode} layer {p.layer} ({p.role})")
-        layer = AttentionLayer(plan, p, check_layer(c, p.layer, weights[p.layer]))
+        layer = AttentionLayer(plan, p, graph_weights(c, p.layer, weights[p.layer]))
 
         def debug(name: str, value: ir.Value, layer_id: int = p.layer) -> None:
             if debug_outputs:
@@ -103,6 +104,23 @@ def build_stack_model(plan: StackPlan, weights: dict[int, LayerWeights], mode: M
     check_parameter_names(graph)
     _share_identical_initializers(graph)
     return ir.Model(graph, ir_version=IR_VERSION)
+
+
+class UnsupportedWeightsError(ValueError):
+    """Weights the checkpoint side reads but the graphs cannot take yet."""
+
+
+def graph_weights(config: AttentionConfig, layer: int, weights: LayerWeights) -> LayerWeights:
+    """A layer's checked weights as the graphs take them today: float32 arrays of the stored
+    values. fp8 linears (e4m3 + ue8m0 block scales) are refused here, and only here, until
+    the graphs have an fp8 linear."""
+    checked = check_layer(config, layer, weights)
+    if config.weight_format == "fp8":
+        fp8 = sorted(name.removesuffix(".scale") for name in checked if name.endswith(".scale"))
+        raise UnsupportedWeightsError(
+            f"layer {layer}: fp8 linear weights ({', '.join(fp8)}; e4m3 with 32x32 ue8m0 "
+            "scales) are not supported by the graphs yet; export a bf16 checkpoint/config")
+    return as_float32(checked)
 
 
 def _slot_type(plan: StackPlan, name: str, seq: int | str) -> tuple[ir.DataType, list]:

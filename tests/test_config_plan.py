@@ -114,3 +114,93 @@ def test_layer_range_is_checked() -> None:
 def test_golden_json_loads_as_config() -> None:
     config = AttentionConfig.load(GOLDENS / "case3_r4_r128.json")
     assert config.compress_ratios == (0, 128, 128, 4, 4, 0) and config.original_seq_len == 65536
+
+
+# ------------------------------------------------------------------- weight precision
+FP8_QUANT = {"quant_method": "fp8", "activation_scheme": "dynamic",
+             "weight_block_size": [32, 32], "scale_fmt": "ue8m0", "expert_dtype": "fp4"}
+
+
+def released_hf() -> dict:
+    return json.loads(RELEASED.read_text())
+
+
+def test_released_config_is_fp8() -> None:
+    assert released().weight_format == "fp8"
+
+
+@pytest.mark.parametrize(("dtype", "expected"), [("bf16", "bf16"), ("fp8", "fp8"),
+                                                 (None, "fp8")])
+def test_model_args_dtype(dtype: str | None, expected: str) -> None:
+    args = {k: v for k, v in golden("case1_r2_r1").model_args.items() if k != "dtype"}
+    if dtype is not None:
+        args["dtype"] = dtype
+    # without dtype: upstream's ModelArgs default, the released fp8 checkpoint
+    assert AttentionConfig.from_model_args(args).weight_format == expected
+
+
+@pytest.mark.parametrize("dtype", ["fp4", "bfloat16", None])
+def test_model_args_other_dtypes_are_errors(dtype: object) -> None:
+    args = {**golden("case1_r2_r1").model_args, "dtype": dtype}
+    with pytest.raises(ConfigError, match=r"^dtype: must be 'bf16' or 'fp8'"):
+        AttentionConfig.from_model_args(args)
+
+
+def test_golden_cases_keep_their_precision() -> None:
+    assert base().weight_format == "bf16"
+    fp8 = Path("/work/shared/goldens/case5_fp8.json")
+    assert AttentionConfig.load(GOLDENS / "case3_r4_r128.json").weight_format == "bf16"
+    if fp8.is_file():  # the fp8 case lives in the shared goldens only
+        assert AttentionConfig.load(fp8).weight_format == "fp8"
+
+
+@pytest.mark.parametrize(("fields", "expected"), [
+    ({"quantization_config": FP8_QUANT}, "fp8"),
+    ({"quantization_config": FP8_QUANT, "dtype": "bfloat16"}, "fp8"),
+    ({"quantization_config": FP8_QUANT, "torch_dtype": "bfloat16"}, "fp8"),
+    ({"quantization_config": {k: v for k, v in FP8_QUANT.items()
+                              if k not in ("activation_scheme", "expert_dtype")}}, "fp8"),
+    ({"quantization_config": {**FP8_QUANT, "weight_block_size": (32, 32)}}, "fp8"),
+    ({}, "bf16"),
+    ({"dtype": "bfloat16"}, "bf16"),
+    ({"torch_dtype": "bfloat16"}, "bf16"),
+])
+def test_hf_precision(fields: dict, expected: str) -> None:
+    data = {k: v for k, v in released_hf().items()
+            if k not in ("quantization_config", "dtype")}
+    assert AttentionConfig.from_hf({**data, **fields}).weight_format == expected
+    # a nested text_config; quantization_config may sit beside it (multimodal layout)
+    nested = {"text_config": data, **fields}
+    assert AttentionConfig.from_hf(nested).weight_format == expected
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"quant_method": "fp4"}, "quantization_config.quant_method: only 'fp8'"),
+    ({"quant_method": None}, "quantization_config.quant_method"),
+    ({"weight_block_size": [128, 128]}, "quantization_config.weight_block_size: only"),
+    ({"weight_block_size": [32]}, "quantization_config.weight_block_size"),
+    ({"scale_fmt": "e4m3"}, "quantization_config.scale_fmt: only 'ue8m0'"),
+    ({"activation_scheme": "static"}, "quantization_config.activation_scheme: only 'dynamic'"),
+    ({"fmt": "e4m3"}, r"quantization_config: unknown field\(s\) fmt"),
+])
+def test_hf_quantization_errors_name_the_field(fields: dict, message: str) -> None:
+    data = {**released_hf(), "quantization_config": {**FP8_QUANT, **fields}}
+    with pytest.raises(ConfigError, match=message):
+        AttentionConfig.from_hf(data)
+
+
+def test_hf_quantization_config_missing_fields_and_other_dtypes() -> None:
+    missing = {k: v for k, v in FP8_QUANT.items() if k != "scale_fmt"}
+    with pytest.raises(ConfigError, match=r"quantization_config.scale_fmt: missing"):
+        AttentionConfig.from_hf({**released_hf(), "quantization_config": missing})
+    with pytest.raises(ConfigError, match=r"quantization_config: must be an object"):
+        AttentionConfig.from_hf({**released_hf(), "quantization_config": "fp8"})
+    for key in ("dtype", "torch_dtype"):
+        with pytest.raises(ConfigError, match=rf"^{key}: must be 'bfloat16'"):
+            AttentionConfig.from_hf({**released_hf(), key: "float16"})
+
+
+def test_weight_format_override_and_validation() -> None:
+    assert AttentionConfig.load(RELEASED, weight_format="bf16").weight_format == "bf16"
+    with pytest.raises(ConfigError, match=r"weight_format: must be 'bf16' or 'fp8'"):
+        replace(base(), weight_format="fp4")
