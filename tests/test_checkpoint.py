@@ -44,8 +44,7 @@ from make_checkpoint import make_checkpoint, quantize_fp8  # noqa: E402
 
 CASE1 = GOLDENS / "case1_r2_r1.json"
 RELEASED_HF = ROOT / "export" / "configs" / "v41_flash_attention.json"
-FP8_CASE = Path("/work/shared/goldens/case5_fp8.json")  # in the shared goldens only
-needs_fp8_case = pytest.mark.skipif(not FP8_CASE.is_file(), reason="case5_fp8 not present")
+FP8_CASE = Path(__file__).resolve().parents[1] / "goldens" / "case5_fp8.json"
 
 
 def fp8_config() -> AttentionConfig:
@@ -55,7 +54,7 @@ def fp8_config() -> AttentionConfig:
 
 # ------------------------------------------------------------------------------ the table
 @pytest.mark.parametrize("path", [GOLDENS / f"{c}.json" for c in CASES] + [
-    pytest.param(FP8_CASE, marks=needs_fp8_case)])
+    FP8_CASE])
 def test_table_is_the_goldens_parameter_dtypes(path: Path) -> None:
     meta = json.loads(path.read_text())
     config = AttentionConfig.from_model_args(meta["model_args"])
@@ -93,7 +92,6 @@ def test_golden_bf16_weights_keep_stored_dtypes() -> None:
         assert value.dtype == F32 and np.array_equal(value, raw[name])
 
 
-@needs_fp8_case
 def test_golden_fp8_weights_convert_exactly() -> None:
     case = load_case(FP8_CASE)
     config = AttentionConfig.from_model_args(case.model_args)

@@ -148,10 +148,8 @@ def test_model_args_other_dtypes_are_errors(dtype: object) -> None:
 
 def test_golden_cases_keep_their_precision() -> None:
     assert base().weight_format == "bf16"
-    fp8 = Path("/work/shared/goldens/case5_fp8.json")
     assert AttentionConfig.load(GOLDENS / "case3_r4_r128.json").weight_format == "bf16"
-    if fp8.is_file():  # the fp8 case lives in the shared goldens only
-        assert AttentionConfig.load(fp8).weight_format == "fp8"
+    assert AttentionConfig.load(GOLDENS / "case5_fp8.json").weight_format == "fp8"
 
 
 @pytest.mark.parametrize(("fields", "expected"), [
