@@ -23,8 +23,15 @@ demo: setup
 	$(PY) -m csa2onnx.export.demo
 	$(VENV)/bin/csa2onnx verify goldens/case3_r4_r128.json
 
+# Tests whose oracle is live torch, run again with torch forced onto the AVX2 class, so the
+# cross-CPU branch of each runs on every machine (README: "Exact on every CPU").
+TORCH_CLASS_TESTS := tests/test_unseen_cases.py tests/test_upstream_cases.py \
+	tests/test_torch_linear.py tests/test_cross_cpu.py
+TORCH_AVX2 := ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2
+
 test: setup
 	$(PY) -m pytest -q
+	$(TORCH_AVX2) $(PY) -m pytest -q $(TORCH_CLASS_TESTS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

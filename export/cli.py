@@ -85,6 +85,31 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from csa2onnx.export.bench import BenchOptions, run_bench, to_json
+
+    source = args.source
+    # a model folder benchmarks its own weights; a config file random bf16 ones
+    weights = args.weights or (str(source) if source.is_dir() else "random-bf16")
+    config = source if not source.is_dir() else source / "config.json"
+    n_layers = AttentionConfig.load(config).n_layers
+    opts = BenchOptions(source=source, layers=_layer_range(args.layers, n_layers) if args.layers
+                        else None, weights=weights, prefill=args.prefill, decode=args.decode,
+                        batch=args.batch, max_seq_len=args.max_seq_len, threads=args.threads,
+                        seed=args.seed, baseline=args.baseline, upstream=args.upstream)
+    live = sys.stderr.isatty() and not args.json
+
+    def progress(stage: str) -> None:
+        if live:
+            print(f"\r\033[K  bench: {stage}", end="", file=sys.stderr, flush=True)
+
+    result = run_bench(opts, progress)
+    if live:
+        print("\r\033[K", end="", file=sys.stderr)
+    print(to_json(result) if args.json else result.table())
+    return 0
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     print(describe(args.artifacts))
     return 0
@@ -131,6 +156,25 @@ def parser() -> argparse.ArgumentParser:
                         "the class csa2onnx reproduces (README)")
     v.add_argument("-v", "--verbose", action="store_true")
     v.set_defaults(fn=cmd_verify)
+
+    b = sub.add_parser("bench", help="time layers at a config's dims (optionally beside "
+                                     "upstream PyTorch)")
+    b.add_argument("source", type=Path, help="a config.json or a Hugging Face model folder")
+    b.add_argument("--layers", help="a range FIRST-LAST (default: all layers)")
+    b.add_argument("--weights", help="random-bf16 | random-fp8 | a model folder (default: the "
+                                     "folder's own weights, or random-bf16 for a config)")
+    b.add_argument("--prefill", type=int, default=256, help="prefill tokens (default 256)")
+    b.add_argument("--decode", type=int, default=16, help="decode steps (default 16)")
+    b.add_argument("--batch", type=int, default=1)
+    b.add_argument("--max-seq-len", type=int)
+    b.add_argument("--threads", type=int, default=2, help="intra-op threads, both sides")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--baseline", choices=["upstream"],
+                   help="also run the upstream PyTorch reference on the same weights/inputs")
+    b.add_argument("--upstream", type=Path, help="the upstream reference folder (default "
+                                                 "../shared/reference or $CSA2ONNX_UPSTREAM)")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(fn=cmd_bench)
 
     i = sub.add_parser("inspect", help="summarise an artifact folder")
     i.add_argument("artifacts", type=Path)

@@ -16,6 +16,10 @@ import onnxruntime as ort
 from csa2onnx.custom_ops import session_options
 from csa2onnx.export.artifacts import Manifest, read_manifest
 
+_ELEMENT_BYTES = {"tensor(float)": 4, "tensor(int64)": 8, "tensor(int32)": 4,
+                  "tensor(bool)": 1, "tensor(bfloat16)": 2, "tensor(float16)": 2,
+                  "tensor(uint8)": 1, "tensor(float8e4m3fn)": 1}
+
 
 class RuntimeStateError(RuntimeError):
     """A call that does not fit the state (decode before prefill, batch, positions)."""
@@ -33,7 +37,9 @@ class AttentionRuntime:
     """Runs a stack's prefill and decode artifacts, holding its state."""
 
     def __init__(self, folder: str | Path, provider: str = "cpu",
-                 intra_op_num_threads: int = 0) -> None:
+                 intra_op_num_threads: int = 0, spinning: bool = True) -> None:
+        """`spinning=False` keeps idle intra-op threads from spinning between calls (for
+        benchmarks beside another framework)."""
         self.folder = Path(folder)
         self.manifest: Manifest = read_manifest(self.folder)
         providers = ["CPUExecutionProvider"]
@@ -53,6 +59,8 @@ class AttentionRuntime:
         # onnxruntime warns that the If branches reading the index_k slot keep an implicit
         # input's name when it renames values; harmless, and noise for a user.
         options.log_severity_level = 3
+        if not spinning:
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.sessions = {mode: ort.InferenceSession(str(self.folder / f"{mode}.onnx"),
                                                     sess_options=options, providers=providers)
                          for mode in ("prefill", "decode")}
@@ -104,6 +112,11 @@ class AttentionRuntime:
         result = self._run("decode", feeds)
         self.position += 1
         return result
+
+    def state_bytes(self) -> int:
+        """Bytes of the state held between calls."""
+        return sum(int(np.prod(v.shape())) * _ELEMENT_BYTES[v.data_type()]
+                   for v in self.state.values())
 
     def state_array(self, name: str) -> np.ndarray:
         return self.state[name].numpy()

@@ -1,0 +1,361 @@
+"""`csa2onnx bench`: time a stack of attention layers at any config's dims, and optionally
+the same layers, weights and inputs in the upstream PyTorch reference side by side.
+
+csa2onnx runs first and is measured completely (its sessions never spin: the option
+`session.intra_op.allow_spinning` is off), then torch is loaded and timed, so neither
+side's idle threads take a core while the other is timed. Upstream is reference material:
+it is loaded from its folder by path (`--upstream`, default ../shared/reference beside the
+checkout or $CSA2ONNX_UPSTREAM) only when `--baseline upstream` asks for it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import onnxruntime as ort
+
+from csa2onnx.export.checkpoint import open_checkpoint
+from csa2onnx.export.config import AttentionConfig
+from csa2onnx.export.plan import StackPlan, plan_stack
+from csa2onnx.export.runtime import AttentionRuntime
+from csa2onnx.export.stack import export_stack
+from csa2onnx.export.synthetic import attention_tensors
+from csa2onnx.export.weights import LayerWeights
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class BenchError(ValueError):
+    """A benchmark that cannot run as asked."""
+
+
+@dataclass
+class BenchOptions:
+    source: Path  # a config file or a Hugging Face model folder
+    layers: tuple[int, int] | None = None
+    weights: str = "random-bf16"  # random-bf16 | random-fp8 | a model folder
+    prefill: int = 256
+    decode: int = 16
+    batch: int = 1
+    max_seq_len: int | None = None
+    threads: int = 2
+    seed: int = 0
+    baseline: str | None = None  # "upstream"
+    upstream: Path | None = None
+
+
+@dataclass
+class SideResult:
+    """One implementation's timings (seconds) and memory."""
+
+    prefill_s: float
+    decode_ms: list[float]
+    peak_rss_mib: float  # the process's high-water mark when this side finished
+    held_mib: float = 0.0  # resident memory this side added (setup to end of its run)
+    setup_s: float = 0.0  # csa2onnx: session creation; upstream: building the layers
+
+    @property
+    def decode_median_ms(self) -> float:
+        return statistics.median(self.decode_ms) if self.decode_ms else float("nan")
+
+    @property
+    def decode_p90_ms(self) -> float:
+        if not self.decode_ms:
+            return float("nan")
+        ordered = sorted(self.decode_ms)
+        return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+
+
+@dataclass
+class BenchResult:
+    options: dict[str, Any]
+    machine: dict[str, Any]
+    layers: list[int]
+    weight_format: str
+    weight_bytes: int
+    state_bytes: int
+    export_s: float
+    ours: SideResult
+    upstream: SideResult | None = None
+    agreement: dict[str, float] = field(default_factory=dict)
+
+    def table(self) -> str:
+        o, u = self.ours, self.upstream
+        tokens = self.options["prefill"] * self.options["batch"]
+        lines = [f"csa2onnx bench: layers {self.layers[0]}..{self.layers[-1]}, "
+                 f"{self.weight_format} weights, batch {self.options['batch']}, prefill "
+                 f"{self.options['prefill']}, {self.options['decode']} decode steps, "
+                 f"max_seq_len {self.options['max_seq_len']}, {self.options['threads']} threads",
+                 f"machine: {self.machine['cpu']} ({', '.join(self.machine['isa'])}); "
+                 f"onnxruntime {self.machine['onnxruntime']}"
+                 + (f", torch {self.machine['torch']}" if "torch" in self.machine else ""),
+                 f"weights {self.weight_bytes / 2**20:.1f} MiB, state "
+                 f"{self.state_bytes / 2**20:.1f} MiB, export {self.export_s:.1f} s, session creation {o.setup_s:.1f} s",
+                 "",
+                 f"{'':<24}{'csa2onnx':>12}" + (f"{'upstream':>12}{'ratio':>8}" if u else "")]
+
+        def row(name: str, ours: float, theirs: float | None, fmt: str,
+                higher_is_better: bool = False) -> str:
+            text = f"{name:<24}{ours:>12{fmt}}"
+            if theirs is not None:
+                ratio = ours / theirs if higher_is_better else theirs / ours
+                text += f"{theirs:>12{fmt}}{ratio:>8.2f}"
+            return text
+
+        lines.append(row("prefill s", o.prefill_s, u.prefill_s if u else None, ".3f"))
+        lines.append(row("prefill tokens/s", tokens / o.prefill_s,
+                         tokens / u.prefill_s if u else None, ".1f", higher_is_better=True))
+        lines.append(row("decode median ms", o.decode_median_ms,
+                         u.decode_median_ms if u else None, ".1f"))
+        lines.append(row("decode p90 ms", o.decode_p90_ms, u.decode_p90_ms if u else None,
+                         ".1f"))
+        lines.append(row("memory held MiB", o.held_mib, u.held_mib if u else None, ".0f"))
+        lines.append(row("peak RSS MiB", o.peak_rss_mib, u.peak_rss_mib if u else None, ".0f"))
+        if u:
+            lines.append("ratio > 1: csa2onnx is faster (or smaller). memory held: resident "
+                         "memory a side added from its setup to the end of its run; peak RSS "
+                         "is the process's (upstream's includes csa2onnx's run before it)")
+        if self.agreement:
+            lines.append("out agreement with upstream (bf16-identical fraction, max |diff|): "
+                         + ", ".join(f"{k} {v:.4g}" for k, v in self.agreement.items()))
+        return "\n".join(lines)
+
+
+def machine_info() -> dict[str, Any]:
+    flags, model = set(), platform.processor()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name") and not flags:
+                model = line.split(":", 1)[1].strip()
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+    return {"cpu": model, "isa": [f for f in wanted if f in flags], "cores": os.cpu_count(),
+            "onnxruntime": ort.__version__, "python": platform.python_version()}
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def rss_mib() -> float:
+    """Resident memory now (VmRSS), MiB."""
+    status = Path("/proc/self/status")
+    if status.is_file():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _config(opts: BenchOptions) -> AttentionConfig:
+    """The config: the source's, its precision from --weights (a folder: the checkpoint's)."""
+    overrides: dict[str, Any] = {"max_batch_size": opts.batch}
+    if opts.max_seq_len:
+        overrides["max_seq_len"] = opts.max_seq_len
+    if opts.weights in ("random-bf16", "random-fp8"):
+        overrides["weight_format"] = opts.weights.removeprefix("random-")
+        source = opts.source / "config.json" if opts.source.is_dir() else opts.source
+        return AttentionConfig.load(source, **overrides)
+    return open_checkpoint(Path(opts.weights), **overrides).config
+
+
+def _weights(opts: BenchOptions, config: AttentionConfig,
+             plan: StackPlan) -> dict[int, LayerWeights]:
+    layers = [p.layer for p in plan.layers]
+    if opts.weights in ("random-bf16", "random-fp8"):
+        rng = np.random.default_rng(opts.seed)
+        return {layer: attention_tensors(config, layer, rng) for layer in layers}
+    return open_checkpoint(Path(opts.weights)).read_layers(layers)
+
+
+def _inputs(rng: np.random.Generator, layers: list[int], batch: int, seqlen: int,
+            dim: int) -> dict[int, np.ndarray]:
+    return {layer: rng.standard_normal((batch, seqlen, dim), np.float32)
+            .astype(ml_dtypes.bfloat16).astype(np.float32) for layer in layers}
+
+
+def run_bench(opts: BenchOptions,
+              progress: Callable[[str], None] | None = None) -> BenchResult:
+    config = _config(opts)
+    first, last = opts.layers or (0, config.n_layers - 1)
+    plan = plan_stack(config, first, last)
+    if opts.prefill + opts.decode > config.max_seq_len:
+        raise BenchError(f"prefill {opts.prefill} + {opts.decode} decode steps is past "
+                         f"max_seq_len {config.max_seq_len}")
+    layers = [p.layer for p in plan.layers]
+    say = progress or (lambda text: None)
+    say("weights")
+    weights = _weights(opts, config, plan)
+    weight_bytes = sum(a.nbytes for w in weights.values() for a in w.values())
+    with tempfile.TemporaryDirectory(prefix="csa2onnx-bench-") as tmp:
+        say("export")
+        t0 = time.perf_counter()
+        export_stack(plan, weights, Path(tmp))
+        export_s = time.perf_counter() - t0
+        say("sessions")
+        rss_before = rss_mib()
+        t0 = time.perf_counter()
+        runtime = AttentionRuntime(tmp, intra_op_num_threads=opts.threads, spinning=False)
+        setup_s = time.perf_counter() - t0
+        if runtime.manifest.external_slots:
+            raise BenchError(f"layers {first}..{last} read slots "
+                             f"{runtime.manifest.external_slots} from layers outside the "
+                             "range; include their sources")
+        ours, out_ours = _run_csa2onnx(runtime, opts, layers, config.dim, say)
+        ours.setup_s, ours.held_mib = setup_s, rss_mib() - rss_before
+        state_bytes = runtime.state_bytes()
+        del runtime
+    machine = machine_info()
+    result = BenchResult(options=asdict(opts) | {"source": str(opts.source),
+                                                  "upstream": str(opts.upstream),
+                                                  "max_seq_len": config.max_seq_len},
+                         machine=machine, layers=layers, weight_format=config.weight_format,
+                         weight_bytes=weight_bytes, state_bytes=state_bytes,
+                         export_s=export_s, ours=ours)
+    if opts.baseline == "upstream":
+        say("upstream")
+        result.upstream, out_theirs, torch_version = _run_upstream(opts, config, layers,
+                                                                   weights, say)
+        machine["torch"] = torch_version
+        for key, ours_out in out_ours.items():
+            a = ours_out.astype(ml_dtypes.bfloat16).view(np.uint16)
+            b = out_theirs[key].astype(ml_dtypes.bfloat16).view(np.uint16)
+            result.agreement[f"{key} identical"] = float((a == b).mean())
+            result.agreement[f"{key} max|d|"] = float(np.abs(ours_out - out_theirs[key]).max())
+    return result
+
+
+def _run_csa2onnx(runtime: AttentionRuntime, opts: BenchOptions, layers: list[int], dim: int,
+                  say: Callable[[str], None]) -> tuple[SideResult, dict[str, np.ndarray]]:
+    rng = np.random.default_rng(opts.seed + 1)
+    warm = min(16, opts.prefill)
+    runtime.prefill(_inputs(rng, layers, opts.batch, warm, dim))  # warm-up, not timed
+    runtime.decode(_inputs(rng, layers, opts.batch, 1, dim))
+    rng = np.random.default_rng(opts.seed + 2)  # the timed inputs, as upstream gets them
+    xs = _inputs(rng, layers, opts.batch, opts.prefill, dim)
+    say("prefill")
+    t0 = time.perf_counter()
+    out = runtime.prefill(xs).out
+    prefill_s = time.perf_counter() - t0
+    outputs = {f"prefill.L{k}": v for k, v in out.items()}
+    decode_ms = []
+    for step in range(opts.decode):
+        xs = _inputs(rng, layers, opts.batch, 1, dim)
+        say(f"decode {step + 1}/{opts.decode}")
+        t0 = time.perf_counter()
+        out = runtime.decode(xs).out
+        decode_ms.append((time.perf_counter() - t0) * 1e3)
+    outputs.update({f"last decode.L{k}": v for k, v in out.items()})
+    return SideResult(prefill_s, decode_ms, peak_rss_mib()), outputs
+
+
+def load_upstream(path: Path | None) -> ModuleType:
+    """The upstream model module, loaded from its folder (reference material: never part of
+    the package; only the benchmark's baseline)."""
+    folder = Path(path or os.environ.get("CSA2ONNX_UPSTREAM") or ROOT.parent / "shared"
+                  / "reference")
+    if not (folder / "load.py").is_file():
+        raise BenchError(f"--baseline upstream: no upstream reference at {folder} (load.py "
+                         "missing); pass --upstream DIR")
+    sys.path.insert(0, str(folder))
+    try:
+        import load  # the reference folder's own loader
+    except ImportError as e:
+        raise BenchError(f"--baseline upstream needs torch: {e}") from None
+    return load.load_upstream()
+
+
+def _torch_tensor(array: np.ndarray):
+    import torch
+
+    kinds = {ml_dtypes.bfloat16: (np.int16, torch.bfloat16),
+             ml_dtypes.float8_e4m3fn: (np.uint8, torch.float8_e4m3fn),
+             ml_dtypes.float8_e8m0fnu: (np.uint8, torch.float8_e8m0fnu)}
+    for dtype, (raw, target) in kinds.items():
+        if array.dtype == dtype:
+            return torch.from_numpy(np.ascontiguousarray(array).view(raw)).view(target)
+    return torch.from_numpy(np.ascontiguousarray(array, np.float32))
+
+
+def _run_upstream(opts: BenchOptions, config: AttentionConfig, layers: list[int],
+                  weights: dict[int, LayerWeights], say: Callable[[str], None]
+                  ) -> tuple[SideResult, dict[str, np.ndarray], str]:
+    rss_before = rss_mib()
+    mod = load_upstream(opts.upstream)
+    import torch
+
+    torch.set_num_threads(opts.threads)
+    args = {k: v for k, v in config.to_dict().items()
+            if k in mod.ModelArgs.__dataclass_fields__}
+    args["dtype"] = config.weight_format
+    model_args = mod.ModelArgs(**args)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        t0 = time.perf_counter()
+        mod.world_size, mod.rank = 1, 0
+        mod.default_dtype = torch.float8_e4m3fn if args["dtype"] == "fp8" else torch.bfloat16
+        attention = {}
+        with torch.no_grad():
+            for layer in layers:
+                a = mod.Attention(layer, model_args).eval()
+                for name, p in a.named_parameters():
+                    p.copy_(_torch_tensor(weights[layer][name]).to(p.dtype))
+                attention[layer] = a
+        setup_s = time.perf_counter() - t0
+
+        def step(xs: dict[int, np.ndarray], start_pos: int) -> dict[int, np.ndarray]:
+            return {layer: attention[layer](torch.from_numpy(xs[layer]).to(torch.bfloat16),
+                                            start_pos).float().numpy() for layer in layers}
+
+        with torch.inference_mode():
+            rng = np.random.default_rng(opts.seed + 1)
+            warm = min(16, opts.prefill)
+            step(_inputs(rng, layers, opts.batch, warm, config.dim), 0)
+            step(_inputs(rng, layers, opts.batch, 1, config.dim), warm)
+            rng = np.random.default_rng(opts.seed + 2)
+            xs = _inputs(rng, layers, opts.batch, opts.prefill, config.dim)
+            say("upstream prefill")
+            t0 = time.perf_counter()
+            out = step(xs, 0)
+            prefill_s = time.perf_counter() - t0
+            outputs = {f"prefill.L{k}": v for k, v in out.items()}
+            decode_ms = []
+            for i in range(opts.decode):
+                xs = _inputs(rng, layers, opts.batch, 1, config.dim)
+                say(f"upstream decode {i + 1}/{opts.decode}")
+                t0 = time.perf_counter()
+                out = step(xs, opts.prefill + i)
+                decode_ms.append((time.perf_counter() - t0) * 1e3)
+            outputs.update({f"last decode.L{k}": v for k, v in out.items()})
+    finally:
+        torch.set_default_dtype(previous)
+    side = SideResult(prefill_s, decode_ms, peak_rss_mib(), rss_mib() - rss_before, setup_s)
+    return side, outputs, torch.__version__
+
+
+def to_json(result: BenchResult) -> str:
+    data = asdict(result)
+    for side in ("ours", "upstream"):
+        if data[side]:
+            value = getattr(result, side)
+            data[side] |= {"decode_median_ms": value.decode_median_ms,
+                           "decode_p90_ms": value.decode_p90_ms}
+    return json.dumps(data, indent=1)
