@@ -104,7 +104,8 @@ class BenchResult:
                  f"onnxruntime {self.machine['onnxruntime']}"
                  + (f", torch {self.machine['torch']}" if "torch" in self.machine else ""),
                  f"weights {self.weight_bytes / 2**20:.1f} MiB, state "
-                 f"{self.state_bytes / 2**20:.1f} MiB, export {self.export_s:.1f} s, session creation {o.setup_s:.1f} s",
+                 f"{self.state_bytes / 2**20:.1f} MiB, export {self.export_s:.1f} s, "
+                 f"session creation {o.setup_s:.1f} s",
                  "",
                  f"{'':<24}{'csa2onnx':>12}" + (f"{'upstream':>12}{'ratio':>8}" if u else "")]
 
