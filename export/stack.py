@@ -22,6 +22,7 @@ from csa2onnx.export.config import AttentionConfig
 from csa2onnx.export.layer import AttentionLayer, Mode, Slots
 from csa2onnx.export.plan import StackPlan
 from csa2onnx.export.weights import LayerWeights, as_float32, check_layer
+from csa2onnx.graphs.numerics import Fp8Weight
 from csa2onnx.graphs.standalone import IR_VERSION, OPSET, check_parameter_names
 
 # Per-layer intermediates a debug export also returns (as L{l}.{name}), named as the goldens.
@@ -106,21 +107,19 @@ def build_stack_model(plan: StackPlan, weights: dict[int, LayerWeights], mode: M
     return ir.Model(graph, ir_version=IR_VERSION)
 
 
-class UnsupportedWeightsError(ValueError):
-    """Weights the checkpoint side reads but the graphs cannot take yet."""
-
-
-def graph_weights(config: AttentionConfig, layer: int, weights: LayerWeights) -> LayerWeights:
-    """A layer's checked weights as the graphs take them today: float32 arrays of the stored
-    values. fp8 linears (e4m3 + ue8m0 block scales) are refused here, and only here, until
-    the graphs have an fp8 linear."""
+def graph_weights(config: AttentionConfig, layer: int, weights: LayerWeights
+                  ) -> dict[str, np.ndarray | Fp8Weight]:
+    """A layer's checked weights as the graphs take them: float32 arrays of the stored
+    values, except fp8 linears, which stay e4m3 with their block scales (Fp8Weight)."""
     checked = check_layer(config, layer, weights)
-    if config.weight_format == "fp8":
-        fp8 = sorted(name.removesuffix(".scale") for name in checked if name.endswith(".scale"))
-        raise UnsupportedWeightsError(
-            f"layer {layer}: fp8 linear weights ({', '.join(fp8)}; e4m3 with 32x32 ue8m0 "
-            "scales) are not supported by the graphs yet; export a bf16 checkpoint/config")
-    return as_float32(checked)
+    scales = {name.removesuffix(".scale") for name in checked if name.endswith(".scale")}
+    graph: dict[str, np.ndarray | Fp8Weight] = dict(as_float32(
+        {k: v for k, v in checked.items()
+         if not (k.endswith(".scale") or k.removesuffix(".weight") in scales)}))
+    for base in scales:
+        graph[f"{base}.weight"] = Fp8Weight(np.asarray(checked[f"{base}.weight"]),
+                                            np.asarray(checked[f"{base}.scale"], np.float32))
+    return graph
 
 
 def _slot_type(plan: StackPlan, name: str, seq: int | str) -> tuple[ir.DataType, list]:

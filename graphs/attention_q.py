@@ -9,7 +9,7 @@ import onnx_ir as ir
 from onnxscript import OpBuilder, nn
 
 from csa2onnx.graphs import quant
-from csa2onnx.graphs.numerics import Linear, RMSNorm
+from csa2onnx.graphs.numerics import RMSNorm, Weight, linear
 from csa2onnx.graphs.rope import RopeParams, RopeTables, apply_rotary_emb, token_positions
 
 
@@ -31,7 +31,7 @@ class QueryProjection(nn.Module):
     """qr = q_norm(wq_a(x)); q = wq_b(qr) as [b, s, n_heads, head_dim], RoPE'd at the
     tokens' positions. Returns (qr, q): the indexer reads qr, sparse_attn reads q."""
 
-    def __init__(self, wq_a: np.ndarray, q_norm: np.ndarray, wq_b: np.ndarray, n_heads: int,
+    def __init__(self, wq_a: Weight, q_norm: np.ndarray, wq_b: Weight, n_heads: int,
                  head_dim: int, rope_head_dim: int, norm_eps: float, rope: RopeParams,
                  name: str | None = None) -> None:
         super().__init__(name)
@@ -44,9 +44,9 @@ class QueryProjection(nn.Module):
         _check_shape("q_norm", q_norm, (q_lora_rank,))
         _check_shape("wq_b", wq_b, (n_heads * head_dim, q_lora_rank))
         self.n_heads, self.head_dim, self.rope_head_dim = n_heads, head_dim, rope_head_dim
-        self.wq_a = Linear(wq_a)
+        self.wq_a = linear(wq_a)
         self.q_norm = RMSNorm(q_norm, norm_eps)
-        self.wq_b = Linear(wq_b)
+        self.wq_b = linear(wq_b)
         self.freqs_cis = RopeTables(rope)
 
     def forward(self, op: OpBuilder, x: ir.Value,
@@ -61,7 +61,7 @@ class WindowKVProjection(nn.Module):
     """kv = kv_norm(wkv(x)) [b, s, head_dim], RoPE'd at the tokens' positions, then the fp8
     round trip. Returns (before fp8, after fp8); the window attends to the latter."""
 
-    def __init__(self, wkv: np.ndarray, kv_norm: np.ndarray, head_dim: int, rope_head_dim: int,
+    def __init__(self, wkv: Weight, kv_norm: np.ndarray, head_dim: int, rope_head_dim: int,
                  norm_eps: float, rope: RopeParams, name: str | None = None) -> None:
         super().__init__(name)
         _check_rope(rope, rope_head_dim, head_dim)
@@ -73,7 +73,7 @@ class WindowKVProjection(nn.Module):
             raise ValueError(f"head_dim {head_dim} must be a multiple of the fp8 block "
                              f"{quant.FP8_BLOCK}")
         self.rope_head_dim = rope_head_dim
-        self.wkv = Linear(wkv)
+        self.wkv = linear(wkv)
         self.kv_norm = RMSNorm(kv_norm, norm_eps)
         self.freqs_cis = RopeTables(rope)
 

@@ -20,7 +20,7 @@ from onnxscript import OpBuilder, nn
 from csa2onnx.custom_ops.ops import torch_topk
 from csa2onnx.graphs.candidates import select_candidate_blocks
 from csa2onnx.graphs.compressor import scalar_i64
-from csa2onnx.graphs.numerics import FLOAT, Linear, RMSNorm, round_bf16, weight
+from csa2onnx.graphs.numerics import FLOAT, Linear, RMSNorm, Weight, linear, round_bf16, weight
 from csa2onnx.graphs.quant import fp4_e8m0
 from csa2onnx.graphs.rope import RopeParams, apply_rotary_emb, freqs_cis, rope_at
 
@@ -74,7 +74,7 @@ class Indexer(nn.Module):
     Build a fresh module per exported model: parameters bind to one graph.
     """
 
-    def __init__(self, wq_b: np.ndarray, weights_proj: np.ndarray,
+    def __init__(self, wq_b: Weight, weights_proj: np.ndarray,
                  wk: np.ndarray | None = None, k_norm: np.ndarray | None = None, *,
                  index_n_heads: int, index_head_dim: int, index_topk: int, ratio: int,
                  rope: RopeParams, norm_eps: float, window_size: int,
@@ -110,7 +110,7 @@ class Indexer(nn.Module):
         # D^-0.5 (softmax_scale) * H^-0.5, applied to the bf16 head weights.
         self.weights_scale = float(np.float32(dim ** -0.5 * heads ** -0.5))
 
-        self.wq_b = Linear(wq_b)
+        self.wq_b = linear(wq_b)
         self.weights_proj = Linear(weights_proj)
         if wk is not None:
             self.wk = Linear(wk)

@@ -6,12 +6,14 @@ almost no bf16 kernels); `round_bf16` is placed exactly where the reference roun
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 from onnxscript import OpBuilder, nn
 
-from csa2onnx.custom_ops.ops import torch_linear, torch_rms_norm
+from csa2onnx.custom_ops.ops import fp8_linear, torch_linear, torch_rms_norm
 
 FLOAT = ir.DataType.FLOAT
 BFLOAT16 = ir.DataType.BFLOAT16
@@ -49,6 +51,52 @@ class Linear(nn.Module):
 
     def forward(self, op: OpBuilder, x: ir.Value) -> ir.Value:
         return round_bf16(op, torch_linear(op, x, self.weight))
+
+
+@dataclass(frozen=True)
+class Fp8Weight:
+    """A Linear weight as the released checkpoint stores it: e4m3 values [N, K] and one
+    ue8m0 scale per [32, 32] block, [ceil(N/32), K/32] float32 powers of two."""
+
+    values: np.ndarray  # ml_dtypes.float8_e4m3fn
+    scale: np.ndarray
+
+    @property
+    def shape(self) -> tuple[int, ...]:  # np.shape / np.ndim read these
+        return self.values.shape
+
+    @property
+    def ndim(self) -> int:
+        return self.values.ndim
+
+
+class Fp8Linear(nn.Module):
+    """The fp8 linear of reference.md ("fp8 linears"): act_quant(x) fused with the
+    block-scaled e4m3 GEMM, rounded once to bf16. The weights stay fp8 (1 byte each)."""
+
+    def __init__(self, w: Fp8Weight, name: str | None = None) -> None:
+        super().__init__(name)
+        if w.values.dtype != ml_dtypes.float8_e4m3fn or w.values.ndim != 2:
+            raise ValueError(f"an fp8 Linear weight must be float8_e4m3fn [out, in], got "
+                             f"{w.values.dtype} {w.values.shape}")
+        self.out_features, self.in_features = w.values.shape
+        blocks = (-(-self.out_features // 32), -(-self.in_features // 32))
+        if w.scale.shape != blocks:
+            raise ValueError(f"an fp8 Linear scale must be {list(blocks)} for a weight "
+                             f"{list(w.values.shape)}, got {list(w.scale.shape)}")
+        self.weight = nn.Parameter(w.values.shape, data=ir.tensor(w.values))
+        self.scale = weight(w.scale, FLOAT)
+
+    def forward(self, op: OpBuilder, x: ir.Value) -> ir.Value:
+        return round_bf16(op, fp8_linear(op, x, self.weight, self.scale))
+
+
+Weight = np.ndarray | Fp8Weight  # a Linear weight: bf16 values, or the checkpoint's fp8
+
+
+def linear(w: Weight) -> Linear | Fp8Linear:
+    """The reference's `linear()`: the weight's format picks the GEMM."""
+    return Fp8Linear(w) if isinstance(w, Fp8Weight) else Linear(w)
 
 
 class LinearF32(Linear):

@@ -8,7 +8,7 @@ import onnx_ir as ir
 from onnxscript import OpBuilder, nn
 
 from csa2onnx.custom_ops.ops import torch_linear
-from csa2onnx.graphs.numerics import BFLOAT16, Linear, round_bf16, weight
+from csa2onnx.graphs.numerics import BFLOAT16, Weight, linear, round_bf16, weight
 from csa2onnx.graphs.rope import RopeParams, RopeTables, apply_rotary_emb, token_positions
 
 
@@ -21,7 +21,7 @@ class OutputProjection(nn.Module):
     ([o_groups*o_lora_rank, n_heads*head_dim/o_groups], bf16), rounded once to bf16.
     """
 
-    def __init__(self, wo_a: np.ndarray, wo_b: np.ndarray, n_heads: int, head_dim: int,
+    def __init__(self, wo_a: np.ndarray, wo_b: Weight, n_heads: int, head_dim: int,
                  o_groups: int, o_lora_rank: int, rope_head_dim: int, rope: RopeParams,
                  name: str | None = None) -> None:
         super().__init__(name)
@@ -45,7 +45,7 @@ class OutputProjection(nn.Module):
         self.n_heads, self.head_dim, self.rope_head_dim = n_heads, head_dim, rope_head_dim
         self.o_groups, self.o_lora_rank, self.group_dim = o_groups, o_lora_rank, group_dim
         self.wo_a = weight(wo_a, BFLOAT16)  # a raw parameter: used per group, not as a Linear
-        self.wo_b = Linear(wo_b)
+        self.wo_b = linear(wo_b)
         self.freqs_cis = RopeTables(rope)
 
     def forward(self, op: OpBuilder, o: ir.Value, start_pos: ir.Value) -> ir.Value:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
+import onnx
 import pytest
 
 from conftest import CASES, GOLDENS, golden
@@ -40,7 +41,9 @@ from csa2onnx.export.weights import (
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
-from make_checkpoint import make_checkpoint, quantize_fp8  # noqa: E402
+from make_checkpoint import make_checkpoint  # noqa: E402
+
+from csa2onnx.export.synthetic import attention_tensors, quantize_fp8  # noqa: E402
 
 CASE1 = GOLDENS / "case1_r2_r1.json"
 RELEASED_HF = ROOT / "export" / "configs" / "v41_flash_attention.json"
@@ -133,7 +136,6 @@ def fp8_layer0(config: AttentionConfig) -> dict[str, np.ndarray]:
 
 
 def make_layer(config: AttentionConfig, layer: int) -> dict[str, np.ndarray]:
-    from make_checkpoint import attention_tensors
     return attention_tensors(config, layer, np.random.default_rng(0))
 
 
@@ -372,12 +374,19 @@ def test_cli_exports_a_bf16_model_folder(bf16_folder: Path, tmp_path: Path,
     assert "linears: wq_a bf16, wq_b bf16" in capsys.readouterr().out
 
 
-def test_cli_fp8_folder_fails_clearly(fp8_folder: Path, tmp_path: Path,
-                                      capsys: pytest.CaptureFixture) -> None:
-    assert main(["export", str(fp8_folder), "--out", str(tmp_path / "a"), "--layers", "0"]) == 2
-    err = capsys.readouterr().err
-    assert "error: layer 0: fp8 linear weights (wkv, wo_b, wq_a, wq_b; e4m3" in err
-    assert "not supported by the graphs yet" in err and "Traceback" not in err
+def test_cli_exports_an_fp8_model_folder(fp8_folder: Path, tmp_path: Path,
+                                         capsys: pytest.CaptureFixture) -> None:
+    """fp8 linears stay e4m3 in the artifact (1 byte a weight) beside their block scales."""
+    out = tmp_path / "a"
+    assert main(["export", str(fp8_folder), "--out", str(out), "--layers", "0"]) == 0
+    model = onnx.load(str(out / "prefill.onnx"), load_external_data=False)
+    fp8 = {i.name: i for i in model.graph.initializer
+           if i.data_type == onnx.TensorProto.FLOAT8E4M3FN}
+    assert len(fp8) == 4, list(fp8)  # wq_a, wq_b, wkv, wo_b of a window-only layer
+    assert sum(n.op_type == "Fp8Linear" for n in model.graph.node) == 4
+    capsys.readouterr()
+    assert main(["inspect", str(out)]) == 0
+    assert "wq_a fp8-e4m3/32x32-ue8m0" in capsys.readouterr().out
     assert main(["export", str(fp8_folder), "--weights", "w.safetensors", "--out",
                  str(tmp_path / "b")]) == 2
     assert "is a model folder, which holds its weights" in capsys.readouterr().err
