@@ -48,7 +48,14 @@ namespace {
 constexpr int64_t kBlock = Fp8::kBlock;   // K block of the scales, and panel width
 constexpr int64_t kChunkRows = 128;       // rows quantised and multiplied per pass over W
 constexpr int64_t kParallelWork = int64_t{1} << 17;  // M*N*K below which one thread runs it
-constexpr double kTileScale = 256.0;      // tiles hold w / 256 (the f16 trick's scaling)
+// Exact power-of-two scalings: quantised rows are stored as xq * 2^1000; tiles hold w / 256
+// (the f16 trick), so a tile sum is dot * 2^992; the AVX-512 code path builds doubles
+// holding w * 2^-1016 straight from the codes, so its sum is dot * 2^-16. Every product
+// stays a normal double (>= 2^-34), every sum below 2^1015.
+constexpr double kXScale = 0x1p1000;
+constexpr double kTileScale = 256.0;
+constexpr double kTileDot = 0x1p-992;
+constexpr double kCodeDot = 0x1p16;
 
 // Checks shapes and returns (M, N, K); everything is checked before any memory is touched.
 struct Dims {
@@ -203,7 +210,7 @@ CSA_INLINE void rows_tile(const double* x, int64_t ldx, const double* tile, int6
     float* o = out + m * kBlock + c;
 #pragma GCC ivdep
     for (int j = 0; j < NT; ++j) {
-      const float dot = static_cast<float>(acc[m][j] * kTileScale);  // exact, then one rounding
+      const float dot = static_cast<float>(acc[m][j] * kTileDot);  // exact, then one rounding
       const float term = dot * scale;
       o[j] = o[j] + term;
     }
@@ -256,11 +263,26 @@ CSA_TARGET_AVX512 CSA_INLINE void codes_to_doubles_avx512(const uint8_t* src, __
   w[3] = _mm512_cvtps_pd(_mm512_extractf32x8_ps(f1, 1));
 }
 
-// out[m][0..32) = out + float(256 * acc[m]) * (xs[m] * ws), rows m < MR.
+// e4m3fn codes -> doubles holding w * 2^-1016 with integer operations only: the code's
+// exponent and mantissa bits go to the bottom of the double's exponent field and the top
+// of its mantissa, the sign to bit 63 (subnormal codes become subnormal doubles, which
+// the caller avoids when denormals are treated as zero).
+CSA_TARGET_AVX512 CSA_INLINE void codes_to_scaled_doubles_avx512(const uint8_t* src,
+                                                                 __m512d (&w)[4]) {
+  const __m512i mask = _mm512_set1_epi64(static_cast<long long>(0x80FE000000000000ull));
+  for (int q = 0; q < 4; ++q) {
+    const __m512i v = _mm512_cvtepi8_epi64(_mm_loadl_epi64(
+        reinterpret_cast<const __m128i*>(src + 8 * q)));
+    w[q] = _mm512_castsi512_pd(_mm512_and_si512(_mm512_slli_epi64(v, 49), mask));
+  }
+}
+
+// out[m][0..32) = out + float(acc[m] * dot_scale) * (xs[m] * ws), rows m < MR.
 template <int MR>
 CSA_TARGET_AVX512 CSA_INLINE void finish_avx512(const __m512d (&acc)[MR][4], const float* xs,
-                                                int64_t ldxs, float ws, float* out) {
-  const __m512d tile_scale = _mm512_set1_pd(kTileScale);
+                                                int64_t ldxs, float ws, double dot_scale,
+                                                float* out) {
+  const __m512d tile_scale = _mm512_set1_pd(dot_scale);
   for (int m = 0; m < MR; ++m) {
     const float scale_f = xs[m * ldxs] * ws;
     const __m512 scale = _mm512_set1_ps(scale_f);
@@ -290,29 +312,46 @@ CSA_TARGET_AVX512 CSA_INLINE void tile_rows_avx512(const double* x, int64_t ldx,
       for (int q = 0; q < 4; ++q) acc[m][q] = _mm512_fmadd_pd(xv, w[q], acc[m][q]);
     }
   }
-  finish_avx512<MR>(acc, xs, ldxs, ws, out);
+  finish_avx512<MR>(acc, xs, ldxs, ws, kTileDot, out);
 }
 
 // MR rows straight from the codes (decode, and rows left over from the tiles).
-template <int MR>
+template <int MR, bool kIntegerCodes>
 CSA_TARGET_AVX512 CSA_INLINE void code_rows_avx512(const double* x, int64_t ldx,
                                                    const uint8_t* codes, const float* xs,
                                                    int64_t ldxs, float ws, float* out) {
-  __m512d acc[MR][4];
-  for (int m = 0; m < MR; ++m)
-    for (int q = 0; q < 4; ++q) acc[m][q] = _mm512_setzero_pd();
-  for (int64_t k = 0; k < kBlock; ++k) {
-    __m512d w[4];
-    codes_to_doubles_avx512(codes + k * kBlock, w);
-    for (int m = 0; m < MR; ++m) {
-      const __m512d xv = _mm512_set1_pd(x[m * ldx + k]);
-      for (int q = 0; q < 4; ++q) acc[m][q] = _mm512_fmadd_pd(xv, w[q], acc[m][q]);
+  // Few rows: even and odd k in separate accumulators, so that more fused multiply-add
+  // chains run at once (the sums are exact, so splitting them changes nothing).
+  constexpr int kSplit = MR <= 2 ? 2 : 1;
+  __m512d part[kSplit][MR][4];
+  for (int h = 0; h < kSplit; ++h)
+    for (int m = 0; m < MR; ++m)
+      for (int q = 0; q < 4; ++q) part[h][m][q] = _mm512_setzero_pd();
+  for (int64_t k0 = 0; k0 < kBlock; k0 += kSplit) {
+    for (int h = 0; h < kSplit; ++h) {
+      const int64_t k = k0 + h;
+      __m512d w[4];
+      if (kIntegerCodes) {
+        codes_to_scaled_doubles_avx512(codes + k * kBlock, w);
+      } else {
+        codes_to_doubles_avx512(codes + k * kBlock, w);
+      }
+      for (int m = 0; m < MR; ++m) {
+        const __m512d xv = _mm512_set1_pd(x[m * ldx + k]);
+        for (int q = 0; q < 4; ++q) part[h][m][q] = _mm512_fmadd_pd(xv, w[q], part[h][m][q]);
+      }
     }
   }
-  finish_avx512<MR>(acc, xs, ldxs, ws, out);
+  __m512d acc[MR][4];
+  for (int m = 0; m < MR; ++m)
+    for (int q = 0; q < 4; ++q)
+      acc[m][q] = kSplit == 2 ? _mm512_add_pd(part[0][m][q], part[kSplit - 1][m][q])
+                              : part[0][m][q];
+  finish_avx512<MR>(acc, xs, ldxs, ws, kIntegerCodes ? kCodeDot : kTileDot, out);
 }
 
-CSA_TARGET_AVX512 void task_avx512(const Job& j, size_t task) {
+template <bool kIntegerCodes>
+CSA_TARGET_AVX512 CSA_INLINE void task_avx512(const Job& j, size_t task) {
   constexpr int kTileRows = 6, kCodeRows = 4;
   const int64_t p = static_cast<int64_t>(task);
   alignas(64) float buf[kChunkRows * kBlock];
@@ -332,13 +371,15 @@ CSA_TARGET_AVX512 void task_avx512(const Job& j, size_t task) {
         tile_rows_avx512<kTileRows>(x + r * j.K, j.K, tile, xs + r * j.KB, j.KB, ws,
                                     buf + r * kBlock);
     }
+    constexpr bool I = kIntegerCodes;
     for (; r + kCodeRows <= j.rows; r += kCodeRows)
-      code_rows_avx512<kCodeRows>(x + r * j.K, j.K, codes, xs + r * j.KB, j.KB, ws,
-                                  buf + r * kBlock);
+      code_rows_avx512<kCodeRows, I>(x + r * j.K, j.K, codes, xs + r * j.KB, j.KB, ws,
+                                     buf + r * kBlock);
+    float* o = buf + r * kBlock;
     switch (j.rows - r) {
-      case 3: code_rows_avx512<3>(x + r * j.K, j.K, codes, xs + r * j.KB, j.KB, ws, buf + r * kBlock); break;
-      case 2: code_rows_avx512<2>(x + r * j.K, j.K, codes, xs + r * j.KB, j.KB, ws, buf + r * kBlock); break;
-      case 1: code_rows_avx512<1>(x + r * j.K, j.K, codes, xs + r * j.KB, j.KB, ws, buf + r * kBlock); break;
+      case 3: code_rows_avx512<3, I>(x + r * j.K, j.K, codes, xs + r * j.KB, j.KB, ws, o); break;
+      case 2: code_rows_avx512<2, I>(x + r * j.K, j.K, codes, xs + r * j.KB, j.KB, ws, o); break;
+      case 1: code_rows_avx512<1, I>(x + r * j.K, j.K, codes, xs + r * j.KB, j.KB, ws, o); break;
       default: break;
     }
   }
@@ -347,6 +388,8 @@ CSA_TARGET_AVX512 void task_avx512(const Job& j, size_t task) {
   for (int64_t r = 0; r < j.rows; ++r)
     for (int64_t c = 0; c < cols; ++c) j.y[r * j.N + n0 + c] = buf[r * kBlock + c];
 }
+CSA_TARGET_AVX512 void task_avx512_int(const Job& j, size_t t) { task_avx512<true>(j, t); }
+CSA_TARGET_AVX512 void task_avx512_f16(const Job& j, size_t t) { task_avx512<false>(j, t); }
 CSA_TARGET_AVX2 void task_avx2(const Job& j, size_t t) {
   run_task<convert_tile_avx2, 2, 16, true>(j, t);
 }
@@ -443,7 +486,10 @@ struct Fp8LinearKernel {
     } call{{nullptr, nullptr, packed->data.data(), wscale.Data(), out, 0, d.N, d.K, d.KB},
            task_scalar};
 #ifdef CSA_X86
-    if (isa == Isa::kAvx512) call.task = task_avx512;
+    // Subnormal doubles as inputs need denormals honoured (MXCSR DAZ clear, the default);
+    // under DAZ the weights go through the f16 conversion, whose results are all normal.
+    if (isa == Isa::kAvx512)
+      call.task = (_mm_getcsr() & 0x40u) ? task_avx512_f16 : task_avx512_int;
     if (isa == Isa::kAvx2) call.task = task_avx2;
 #endif
     const int64_t chunk = d.M < kChunkRows ? d.M : kChunkRows;
@@ -466,7 +512,8 @@ struct Fp8LinearKernel {
         for (int64_t kb = 0; kb < q.KB; ++kb) {
           float v[kBlock];
           q.xs[r * q.KB + kb] = Fp8::quantize_block(q.x + r * q.K + kb * kBlock, v);
-          for (int64_t i = 0; i < kBlock; ++i) q.xq[r * q.K + kb * kBlock + i] = v[i];
+          for (int64_t i = 0; i < kBlock; ++i)
+            q.xq[r * q.K + kb * kBlock + i] = static_cast<double>(v[i]) * kXScale;
         }
       };
       if (rows * d.K >= (int64_t{1} << 16)) {
