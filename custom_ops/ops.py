@@ -5,7 +5,8 @@ them. A portable graph (PORTABLE_KEY in its metadata) uses only standard ONNX: t
 nodes keep their names and get standard-op function bodies (`portable.py`) attached to
 the model, RMSNorm is spelled out in torch's summation order, and top-k becomes ONNX
 `TopK`, which breaks ties lowest-index-first instead of torch's way. `TorchLinear`
-also has a standard-op body there (`MatMul`, exact up to the summation order).
+also has a standard-op body there (`MatMul`, exact up to the summation order), and so has
+`Fp8Linear` (bit-exact: per-block double `MatMul`s added in block order by a `Loop`).
 """
 
 from __future__ import annotations
@@ -66,6 +67,20 @@ def torch_linear(op: OpBuilder, x: ir.Value, w: ir.Value) -> ir.Value:
     """
     csa = op.builder.opset(DOMAIN, DOMAIN_VERSION)
     y = csa.TorchLinear(x, w)
+    shape = None
+    if x.shape is not None:  # x.shape[:-1] + [N]
+        n = w.shape[0] if w.shape is not None and len(w.shape) == 2 else None
+        shape = ir.Shape([*list(x.shape)[:-1], n])
+    return _typed(y, ir.DataType.FLOAT, shape)
+
+
+def fp8_linear(op: OpBuilder, x: ir.Value, w: ir.Value, w_scale: ir.Value) -> ir.Value:
+    """The released checkpoint's fp8 linear: act_quant(x) (e4m3, power-of-two scale per 32
+    inputs) fused with the block-scaled GEMM against W [N, K] float8e4m3fn and WScale
+    [ceil(N/32), K/32] float32 (custom_ops/reference.py `fp8_linear`). float32 result
+    [..., N], not rounded: round to bf16 where the reference does."""
+    csa = op.builder.opset(DOMAIN, DOMAIN_VERSION)
+    y = csa.Fp8Linear(x, w, w_scale)
     shape = None
     if x.shape is not None:  # x.shape[:-1] + [N]
         n = w.shape[0] if w.shape is not None and len(w.shape) == 2 else None

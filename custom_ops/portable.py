@@ -1,5 +1,5 @@
-"""Fp4QuantDequant, TorchLinear, TorchRMSNorm and SparseAttention as ONNX functions of
-standard ops (domain csa2onnx, version 1).
+"""Fp4QuantDequant, TorchLinear, TorchRMSNorm, SparseAttention and Fp8Linear as ONNX
+functions of standard ops (domain csa2onnx, version 1).
 
 Attached to a model as local functions, they let the model run on any onnxruntime without
 the custom-op library; where the library is registered its kernels are used instead.
@@ -8,11 +8,18 @@ MatMul: the same sum, in the runtime's summation order instead of torch's (last-
 differences); so is TorchRMSNorm's mean (ReduceMean). SparseAttention gathers the rows
 [b, s, k, d] and unrolls the blockwise online softmax (graphs/sparse_attn.py): exact up to
 float32 reassociation (~99.8% of bf16 outputs identical to the reference), and far more
-memory than the kernel's row-by-row walk.
+memory than the kernel's row-by-row walk. Fp8Linear is bit-exact with the kernel and the
+NumPy definition (NaN payloads aside): act_quant in float ops (the power of two corrected
+to exactness, the e4m3 rounding a saturating Cast), each K block's dot a DOUBLE MatMul
+(exact whatever the runtime's order, then one Cast to float), and the blocks added in
+order by a Loop, so the accumulation order is exactly the definition's, not only up to
+reassociation. It widens W to float32 (onnxruntime may constant-fold that Cast, keeping
+4 bytes per weight for the session) and each block's [32, N] slice to double.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
 from onnxscript import FLOAT, script
 from onnxscript import opset21 as op
@@ -22,6 +29,8 @@ csa2onnx = Opset("csa2onnx", 1)
 
 _E8M0_AMAX_FLOOR = 6.0 * 2.0**-126
 _E4M3_AMAX_FLOOR = 6.0 * 2.0**-9
+_FP8_AMAX_FLOOR = float(np.float32(1e-4))
+_FP8_MAX_INV = float(np.float32(1.0 / 448.0))
 
 
 @script(csa2onnx)
@@ -133,6 +142,56 @@ def SparseAttention(Q: FLOAT, KV: FLOAT, Sink: FLOAT, Idx, softmax_scale: float)
     return op.Cast(op.Cast(o, to=onnx.TensorProto.BFLOAT16), to=onnx.TensorProto.FLOAT)
 
 
+@script(csa2onnx)
+def Fp8Linear(X: FLOAT, W, WScale: FLOAT, block_size: int = 32) -> FLOAT:
+    # block_size: only 32 exists (the kernel rejects others); the body uses 32.
+    shape = op.Shape(X)
+    w_shape = op.Shape(W)
+    n = op.Slice(w_shape, [0], [1])
+    k = op.Slice(w_shape, [1], [2])
+    kb = op.Div(k, op.Constant(value_ints=[32]))
+    x = op.Reshape(X, op.Concat(op.Constant(value_ints=[-1]), kb,
+                                op.Constant(value_ints=[32]), axis=0))  # [M, KB, 32]
+    # act_quant: amax (a NaN propagates; ReduceMax may skip it), floor, exact power of two.
+    amax = op.ReduceMax(op.Abs(x), [-1], keepdims=1)
+    has_nan = op.Cast(op.ReduceMax(op.Cast(op.IsNaN(x), to=onnx.TensorProto.FLOAT), [-1],
+                                   keepdims=1), to=onnx.TensorProto.BOOL)
+    amax = op.Where(has_nan, op.Constant(value_float=float("nan")), amax)
+    floor = op.Constant(value_float=_FP8_AMAX_FLOOR)
+    amax = op.Where(op.Less(amax, floor), floor, amax)  # NaN stays NaN
+    t = amax * op.Constant(value_float=_FP8_MAX_INV)
+    # 2^ceil(log2 t): the float log2 estimate is off by at most one, so one correction
+    # each way makes it exact (inf and NaN pass through).
+    p = op.Pow(op.Constant(value_float=2.0),
+               op.Ceil(op.Div(op.Log(t), op.Constant(value_float=0.6931471805599453))))
+    p = op.Where(op.Less(p, t), p * 2.0, p)
+    half = p * 0.5
+    xs = op.Where(op.GreaterOrEqual(half, t), half, p)  # [M, KB, 1]
+    # e4m3 nearest even, saturating at +-448 (the clamp); NaN stays NaN.
+    xq = op.Cast(op.Cast(op.Div(x, xs), to=onnx.TensorProto.FLOAT8E4M3FN, saturate=1),
+                 to=onnx.TensorProto.FLOAT)
+    xq = op.Cast(op.Transpose(xq, perm=[1, 0, 2]), to=onnx.TensorProto.DOUBLE)  # [KB, M, 32]
+    w = op.Reshape(op.Cast(W, to=onnx.TensorProto.FLOAT),
+                   op.Concat(n, kb, op.Constant(value_ints=[32]), axis=0))
+    w = op.Transpose(w, perm=[1, 2, 0])  # [KB, 32, N]
+    # WScale row n // 32 for every column n, then xs * ws per block: [KB, M, N].
+    nb = op.Slice(op.Shape(WScale), [0], [1])
+    ws = op.Expand(op.Unsqueeze(WScale, [1]),
+                   op.Concat(nb, op.Constant(value_ints=[32]), kb, axis=0))
+    ws = op.Slice(op.Reshape(ws, op.Concat(op.Constant(value_ints=[-1]), kb, axis=0)),
+                  op.Constant(value_ints=[0]), n, op.Constant(value_ints=[0]))  # [N, KB]
+    scale = op.Mul(op.Transpose(xs, perm=[1, 0, 2]),
+                   op.Unsqueeze(op.Transpose(ws, perm=[1, 0]), [1]))
+    # Blocks in order: each dot exact in double, rounded once, scaled, then added.
+    acc = op.ConstantOfShape(op.Concat(op.Slice(op.Shape(x), [0], [1]), n, axis=0))
+    for i in range(op.Squeeze(kb, [0])):
+        dot = op.Cast(op.MatMul(op.Gather(xq, i, axis=0),
+                                op.Cast(op.Gather(w, i, axis=0), to=onnx.TensorProto.DOUBLE)),
+                      to=onnx.TensorProto.FLOAT)
+        acc = op.Add(acc, op.Mul(dot, op.Gather(scale, i, axis=0)))
+    return op.Reshape(acc, op.Concat(op.Slice(shape, [0], [-1]), n, axis=0))
+
+
 def fp4_function_proto() -> onnx.FunctionProto:
     """The Fp4QuantDequant function alone (see `portable_functions`)."""
     return Fp4QuantDequant.to_function_proto()
@@ -141,4 +200,4 @@ def fp4_function_proto() -> onnx.FunctionProto:
 def portable_functions() -> list[onnx.FunctionProto]:
     """The functions to add to a model's `functions` for a library-free artifact."""
     return [f.to_function_proto() for f in (Fp4QuantDequant, TorchLinear, TorchRMSNorm,
-                                             SparseAttention)]
+                                             SparseAttention, Fp8Linear)]

@@ -82,3 +82,61 @@ def fp8_act_quant(x: np.ndarray, block: int = 32) -> tuple[np.ndarray, np.ndarra
     with np.errstate(over="ignore"):
         y = round_bf16(round_e4m3(blocks / scales) * scales)
     return y.reshape(x.shape), scales[..., 0]
+
+
+E4M3_MAX_INV = np.float32(1.0 / 448.0)  # tilelang's f32 immediate for 1 / fp8_max
+FP8_BLOCK = 32
+
+
+def act_quant_e4m3(x: np.ndarray, block: int = FP8_BLOCK) -> tuple[np.ndarray, np.ndarray]:
+    """act_quant(x, 32, "ue8m0") without the round trip: (xq, xs).
+
+    xq: e4m3 values as float32, x's shape; xs: float32 [..., last // block], powers of two.
+    Per block: amax = max|x| (a NaN propagates), clamped below at f32(1e-4);
+    xs = 2^ceil(log2(amax * f32(1/448))) exactly; xq = e4m3(clamp(x / xs, -448, 448)),
+    nearest even. Non-finite blocks: NaN amax gives xs = NaN and xq all NaN; an inf gives
+    xs = inf, xq NaN where x is +-inf and (signed) 0 elsewhere.
+    """
+    x = np.asarray(x, np.float32)
+    if x.shape[-1] % block:
+        raise ValueError(f"block {block} does not divide the last dimension {x.shape[-1]}")
+    blocks = x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
+    a = np.abs(blocks)
+    amax = np.where(np.isnan(a).any(axis=-1, keepdims=True), np.float32(np.nan),
+                    a.max(axis=-1, keepdims=True, initial=np.float32(0.0)))
+    amax = np.where(amax < FP8_AMAX_FLOOR, FP8_AMAX_FLOOR, amax).astype(np.float32)
+    scales = pow2_ceil(amax * E4M3_MAX_INV)
+    with np.errstate(invalid="ignore"):
+        q = round_e4m3(blocks / scales)  # round_e4m3 clamps to +-448 first; NaN stays NaN
+    return q.reshape(x.shape), scales[..., 0]
+
+
+def fp8_linear(x: np.ndarray, w: np.ndarray, w_scale: np.ndarray,
+               block: int = FP8_BLOCK) -> np.ndarray:
+    """Fp8Linear: fp8_gemm(act_quant(x), w, w_scale), float32 [..., N], not rounded to bf16.
+
+    x float32 [..., K]; w [N, K] e4m3 values as float32 (NaN for the NaN codes); w_scale
+    float32 [ceil(N/32), K/32]. For each K block kb in order: dot = sum over the block of
+    xq * w in float64 (exact: e4m3 products are multiples of 2^-18 below 2^18), rounded once
+    to float32; acc = acc + dot * (xs[m, kb] * w_scale[n // 32, kb]) in float32 from 0.
+    So a row of x holding a NaN or an inf gives a NaN row, a NaN weight a NaN column.
+    """
+    x = np.asarray(x, np.float32)
+    w = np.asarray(w, np.float32)
+    w_scale = np.asarray(w_scale, np.float32)
+    n, k = w.shape
+    if k % block or x.shape[-1] != k:
+        raise ValueError(f"x {x.shape} and w {w.shape}: K must match and be a multiple of {block}")
+    kb = k // block
+    if w_scale.shape != (-(-n // block), kb):
+        raise ValueError(f"w_scale shape {w_scale.shape} != {(-(-n // block), kb)}")
+    xq, xs = act_quant_e4m3(x.reshape(-1, k), block)
+    ws = np.repeat(w_scale, block, axis=0)[:n]  # [N, kb]: column n's scales
+    acc = np.zeros((xq.shape[0], n), np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        for b in range(kb):
+            cols = slice(b * block, (b + 1) * block)
+            dot = (xq[:, cols].astype(np.float64) @ w[:, cols].astype(np.float64).T)
+            scale = xs[:, b:b + 1] * ws[:, b][None, :]  # float32 product of the two scales
+            acc = acc + dot.astype(np.float32) * scale
+    return acc.reshape(*x.shape[:-1], n)

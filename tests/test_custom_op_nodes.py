@@ -14,6 +14,7 @@ OPS = {  # op: (input types, output names, attributes)
     "TorchTopK": ([TensorProto.FLOAT, TensorProto.INT64], ["Values", "Indices"], {}),
     "TorchLinear": ([TensorProto.FLOAT, TensorProto.FLOAT], ["Y"], {}),
     "TorchRMSNorm": ([TensorProto.FLOAT, TensorProto.FLOAT], ["Y"], {"epsilon": 1e-6}),
+    "Fp8Linear": ([TensorProto.FLOAT, TensorProto.FLOAT8E4M3FN, TensorProto.FLOAT], ["Y"], {}),
 }
 
 

@@ -2,6 +2,8 @@
 
     python tools/bench_ops.py [--repeat 5] [--min-time 1.0]
 
+    python tools/bench_ops.py --only fp8 [--fp8-rows 1,4,256,1024]   # Fp8Linear section only
+
 Fp4QuantDequant: values/s of the onnxruntime kernel, the NumPy definition
 (custom_ops/reference.py) and a compact torch version of the same round trip, on a float32
 [4096, 4096] input, both scale formats. TorchTopK: rows/s of the kernel and torch.topk (CPU).
@@ -9,6 +11,11 @@ Each implementation's outputs are checked equal to the kernel's first, so the ti
 the same work. onnxruntime runs with intra_op_num_threads = torch.get_num_threads(); NumPy is
 single-threaded here (no BLAS in these paths). Times are the median of the repeats; session
 creation is excluded, output allocation included everywhere.
+
+Fp8Linear: milliseconds per call against the bf16 TorchLinear on the same [N, K] (the same
+values: e4m3 is exact in bf16), both with W a constant initializer, at the released
+model's fp8 linear shapes and M rows, intra_op_num_threads = 2; the ratio is Fp8Linear's
+time over TorchLinear's, and the W columns give the bytes of weights each call reads.
 """
 
 from __future__ import annotations
@@ -21,13 +28,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 import onnxruntime as ort
 import torch
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 from csa2onnx.custom_ops import make_session, session_options
-from csa2onnx.custom_ops.reference import fp4_round_trip
+from csa2onnx.custom_ops.reference import fp4_round_trip, fp8_linear, round_bf16
 
 OPSETS = [helper.make_opsetid("", 21), helper.make_opsetid("csa2onnx", 1)]
 
@@ -80,6 +88,60 @@ def topk_model() -> bytes:
     return helper.make_model(graph, opset_imports=OPSETS).SerializeToString()
 
 
+FP8_SHAPES = [(5120, 1280), (1280, 32768), (5120, 512), (8192, 5120), (1280, 4096)]  # (K, N)
+
+
+def fp8_linear_model(codes: np.ndarray, w_scale: np.ndarray) -> bytes:
+    n, k = codes.shape
+    node = helper.make_node("Fp8Linear", ["X", "W", "WScale"], ["Y"], domain="csa2onnx")
+    graph = helper.make_graph(
+        [node], "fp8", [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["m", k])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["m", n])],
+        [helper.make_tensor("W", TensorProto.FLOAT8E4M3FN, [n, k], codes.tobytes(), raw=True),
+         numpy_helper.from_array(w_scale, "WScale")])
+    return helper.make_model(graph, opset_imports=OPSETS).SerializeToString()
+
+
+def bf16_linear_model(w: np.ndarray) -> bytes:
+    n, k = w.shape
+    bits = (np.ascontiguousarray(w, np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    node = helper.make_node("TorchLinear", ["X", "W"], ["Y"], domain="csa2onnx")
+    graph = helper.make_graph(
+        [node], "bf16", [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["m", k])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["m", n])],
+        [helper.make_tensor("W", TensorProto.BFLOAT16, [n, k], bits.tobytes(), raw=True)])
+    return helper.make_model(graph, opset_imports=OPSETS).SerializeToString()
+
+
+def bench_fp8_linear(rows: list[int], repeat: int, min_time: float, threads: int = 2) -> None:
+    """Fp8Linear vs the bf16 TorchLinear on the same [N, K], printed as a table."""
+    rng = np.random.default_rng(1)
+    options = session_options(threads)
+    print(f"Fp8Linear vs bf16 TorchLinear, intra_op_num_threads={threads}, {os.cpu_count()} "
+          "CPUs, W constant; ms per call (median)")
+    print(f"{'K':>5} {'N':>6} {'M':>5} {'Fp8Linear':>11} {'TorchLinear':>12} {'ratio':>6} "
+          f"{'W fp8':>9} {'W bf16':>9}")
+    for k, n in FP8_SHAPES:
+        codes = rng.integers(0, 256, (n, k), dtype=np.uint8)
+        codes[(codes & 0x7F) == 0x7F] = 0x7E  # no NaN weights
+        w = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+        w_scale = np.exp2(rng.integers(-12, -4, (-(-n // 32), k // 32))).astype(np.float32)
+        fp8 = make_session(fp8_linear_model(codes, w_scale), options=options)
+        bf16 = make_session(bf16_linear_model(w), options=options)
+        for m in rows:
+            x = round_bf16(rng.standard_normal((m, k)).astype(np.float32))
+            # spot check against the NumPy definition where it is quick
+            if m <= 4 and n * k <= 1 << 23 and not same_bits(fp8.run(None, {"X": x})[0],
+                                                             fp8_linear(x, w, w_scale)):
+                print(f"warning: Fp8Linear differs from the definition at M={m} K={k} N={n}",
+                      file=sys.stderr)
+            t_fp8 = median_time(lambda s=fp8, f={"X": x}: s.run(None, f), repeat, min_time)
+            t_bf16 = median_time(lambda s=bf16, f={"X": x}: s.run(None, f), repeat, min_time)
+            print(f"{k:>5} {n:>6} {m:>5} {t_fp8 * 1e3:9.3f}ms {t_bf16 * 1e3:10.3f}ms "
+                  f"{t_fp8 / t_bf16:6.2f} {n * k / 2**20:7.1f}MB {2 * n * k / 2**20:7.1f}MB",
+                  flush=True)
+
+
 def median_time(fn: Callable[[], Any], repeat: int, min_time: float) -> float:
     """Median seconds per call, after one warm-up call; at least `repeat` calls and
     `min_time` seconds in all."""
@@ -108,7 +170,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--min-time", type=float, default=1.0, help="seconds per measurement")
+    parser.add_argument("--only", choices=["all", "fp8"], default="all",
+                        help="fp8: only the Fp8Linear section")
+    parser.add_argument("--fp8-rows", default="1,4,256,1024",
+                        help="comma-separated M for the Fp8Linear section")
     args = parser.parse_args(argv)
+    fp8_rows = [int(r) for r in args.fp8_rows.split(",")]
+    if args.only == "fp8":
+        bench_fp8_linear(fp8_rows, args.repeat, args.min_time)
+        return 0
 
     threads = torch.get_num_threads()
     options = session_options(threads)
@@ -175,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
             ratio = f"x{kernel_rate[op, shape] / per_s:7.2f}"
         print(f"{op:<28} {shape:<22} {impl:<20} {seconds * 1e3:8.2f} ms "
               f"{rate(per_s)}{unit:<9} {ratio}")
+    print()
+    bench_fp8_linear(fp8_rows, args.repeat, args.min_time)
     return 0
 
 

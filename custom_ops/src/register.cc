@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "fp4_op.h"
+#include "fp8_linear_op.h"
 #include "sparse_attention_op.h"
 #include "torch_linear_op.h"
 #include "torch_rms_norm_op.h"
@@ -23,6 +24,7 @@ struct Library {
     csa::AppendFp4Ops(ops);
     csa::AppendTorchTopKOps(ops);
     csa::AppendTorchLinearOps(ops);
+    csa::AppendFp8LinearOps(ops);
     csa::AppendTorchRMSNormOps(ops);
     csa::AppendSparseAttentionOps(ops);
     for (auto& op : ops) domain.Add(op.get());

@@ -1,0 +1,65 @@
+// CUDA Fp8Linear: the scalar rule of fp8_linear.h. A thread block takes one row of X and
+// 256 columns: its first 32 threads quantise up to 32 K blocks of the row into shared
+// memory, then every thread walks those blocks in order for its column: the 32 products
+// summed in double (exact in any order), rounded once to float, scaled and added in float
+// with explicitly rounded operations (and --fmad=false for the file). Written to compile
+// and to match the CPU kernel bit for bit; it has not been run on a GPU here.
+#include <cuda_runtime.h>
+
+#include "fp8_linear.h"
+#include "fp8_linear_cuda.h"
+
+namespace csa {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kChunkBlocks = 32;  // K blocks quantised per pass (4 KiB of shared memory)
+
+__global__ void fp8_linear_kernel(const float* x, const uint8_t* w, const float* wscale,
+                                  float* y, int64_t M, int64_t N, int64_t K) {
+  __shared__ float xq[kChunkBlocks * Fp8::kBlock];
+  __shared__ float xs[kChunkBlocks];
+  const int64_t KB = K / Fp8::kBlock;
+  const int64_t n = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  for (int64_t m = blockIdx.y; m < M; m += gridDim.y) {
+    const float* row = x + m * K;
+    float acc = 0.0f;
+    for (int64_t kb0 = 0; kb0 < KB; kb0 += kChunkBlocks) {
+      const int64_t blocks = KB - kb0 < kChunkBlocks ? KB - kb0 : kChunkBlocks;
+      __syncthreads();  // the previous chunk is no longer read
+      if (threadIdx.x < blocks) {
+        const int64_t kb = kb0 + threadIdx.x;
+        xs[threadIdx.x] = Fp8::quantize_block(row + kb * Fp8::kBlock,
+                                              xq + threadIdx.x * Fp8::kBlock);
+      }
+      __syncthreads();
+      if (n < N) {
+        for (int64_t b = 0; b < blocks; ++b) {
+          const uint8_t* wb = w + n * K + (kb0 + b) * Fp8::kBlock;
+          double dot = 0.0;
+          for (int i = 0; i < Fp8::kBlock; ++i)
+            dot = __dadd_rn(dot, __dmul_rn(static_cast<double>(xq[b * Fp8::kBlock + i]),
+                                           static_cast<double>(Fp8::e4m3_value(wb[i]))));
+          acc = Fp8::accumulate(acc, __double2float_rn(dot), xs[b],
+                                wscale[(n / Fp8::kBlock) * KB + kb0 + b]);
+        }
+      }
+    }
+    if (n < N) y[m * N + n] = acc;
+  }
+}
+
+}  // namespace
+
+std::string launch_fp8_linear(const float* x, const uint8_t* w, const float* wscale, float* y,
+                              int64_t M, int64_t N, int64_t K, void* stream) {
+  const int64_t col_blocks = (N + kThreads - 1) / kThreads;
+  if (col_blocks > 0x7fffffff) return "too many columns for one launch";
+  const unsigned rows = static_cast<unsigned>(M < 65535 ? M : 65535);
+  fp8_linear_kernel<<<dim3(static_cast<unsigned>(col_blocks), rows), kThreads, 0,
+                      static_cast<cudaStream_t>(stream)>>>(x, w, wscale, y, M, N, K);
+  const cudaError_t err = cudaGetLastError();
+  return err == cudaSuccess ? std::string() : std::string(cudaGetErrorString(err));
+}
+
+}  // namespace csa

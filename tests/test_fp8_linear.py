@@ -1,0 +1,396 @@
+"""Fp8Linear through onnxruntime: bit for bit against the NumPy definition
+(custom_ops/reference.py `fp8_linear`) on every instruction-set path and thread count, edge
+inputs (amax floor, e4m3 subnormals, saturation, exponent spreads where a float32 block sum
+would be inexact, signed zeros, NaN and inf), the upstream oracle (kernel_cpu.act_quant +
+fp8_gemm through torch), the standard-op body, the graph wrapper's typing, and errors."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from types import ModuleType
+
+import ml_dtypes
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from csa2onnx.custom_ops import make_session, session_options
+from csa2onnx.custom_ops import ops as csa_ops
+from csa2onnx.custom_ops.portable import portable_functions
+from csa2onnx.custom_ops.reference import act_quant_e4m3, fp8_linear, round_bf16
+from csa2onnx.graphs.standalone import build_model
+
+ISAS = ("avx512", "avx2", "scalar")
+REFERENCE_DIR = Path("/work/shared/reference")
+E4M3 = ml_dtypes.float8_e4m3fn
+NAN_CODES = (0x7F, 0xFF)
+Errors = (ort.capi.onnxruntime_pybind11_state.InvalidArgument,
+          ort.capi.onnxruntime_pybind11_state.InvalidGraph,
+          ort.capi.onnxruntime_pybind11_state.NotImplemented,
+          ort.capi.onnxruntime_pybind11_state.RuntimeException,
+          ort.capi.onnxruntime_pybind11_state.Fail)
+
+
+# ------------------------------------------------------------------------- helpers
+def fp8_model(codes: np.ndarray | None = None, w_scale: np.ndarray | None = None, *,
+              portable: bool = False, attrs: dict | None = None,
+              types: tuple[int, int, int] = (TensorProto.FLOAT, TensorProto.FLOAT8E4M3FN,
+                                             TensorProto.FLOAT),
+              inputs: tuple[str, str, str] = ("X", "W", "WScale")) -> bytes:
+    """Y = Fp8Linear(X, W, WScale); W and WScale graph inputs, or initializers when given."""
+    graph_inputs, initializers = [helper.make_tensor_value_info("X", types[0], None)], []
+    if codes is None:
+        graph_inputs.append(helper.make_tensor_value_info("W", types[1], None))
+    else:
+        initializers.append(helper.make_tensor("W", TensorProto.FLOAT8E4M3FN, codes.shape,
+                                               np.ascontiguousarray(codes).tobytes(), raw=True))
+    if w_scale is None:
+        graph_inputs.append(helper.make_tensor_value_info("WScale", types[2], None))
+    else:
+        initializers.append(onnx.numpy_helper.from_array(w_scale.astype(np.float32), "WScale"))
+    node = helper.make_node("Fp8Linear", list(inputs), ["Y"], domain="csa2onnx", **(attrs or {}))
+    graph = helper.make_graph([node], "fp8", graph_inputs,
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)],
+                              initializers)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                    helper.make_opsetid("csa2onnx", 1)],
+                              functions=portable_functions() if portable else [])
+    return model.SerializeToString()
+
+
+def session_for(model: bytes, isa: str | None = None, threads: int = 0) -> ort.InferenceSession:
+    """A session whose Fp8Linear kernels take the `isa` path (read at kernel creation)."""
+    old = os.environ.get("CSA_FP8_LINEAR_ISA")
+    if isa is not None:
+        os.environ["CSA_FP8_LINEAR_ISA"] = isa
+    try:
+        options = session_options(threads)
+        options.log_severity_level = 4  # expected errors would otherwise print red log lines
+        return make_session(model, options=options)
+    finally:
+        if old is None:
+            os.environ.pop("CSA_FP8_LINEAR_ISA", None)
+        else:
+            os.environ["CSA_FP8_LINEAR_ISA"] = old
+
+
+def run(session: ort.InferenceSession, x: np.ndarray, codes: np.ndarray | None = None,
+        w_scale: np.ndarray | None = None) -> np.ndarray:
+    feeds = {"X": ort.OrtValue.ortvalue_from_numpy(np.asarray(x, np.float32, order="C"))}
+    if codes is not None:
+        feeds["W"] = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
+            np.ascontiguousarray(codes, np.uint8), TensorProto.FLOAT8E4M3FN)
+    if w_scale is not None:
+        feeds["WScale"] = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(w_scale,
+                                                                                np.float32))
+    return session.run_with_ort_values(["Y"], feeds)[0].numpy()
+
+
+def values(codes: np.ndarray) -> np.ndarray:
+    """e4m3fn codes -> their values as float32 (NaN for 0x7F / 0xFF)."""
+    return np.asarray(codes, np.uint8).view(E4M3).astype(np.float32)
+
+
+def codes_of(v: np.ndarray) -> np.ndarray:
+    """float32 values already on the e4m3 grid -> codes."""
+    return np.asarray(v, np.float32).astype(E4M3).view(np.uint8)
+
+
+def assert_same(got: np.ndarray, want: np.ndarray, msg: str = "") -> None:
+    """Bit for bit, except that any NaN matches any NaN (payloads are not specified)."""
+    assert got.shape == want.shape, (got.shape, want.shape, msg)
+    g, w = got.view(np.uint32), want.view(np.uint32)
+    bad = (g != w) & ~(np.isnan(got) & np.isnan(want))
+    assert not bad.any(), f"{int(bad.sum())} of {bad.size} outputs differ {msg}"
+
+
+def random_case(rng: np.random.Generator, m: int, n: int, k: int
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x over many binades (per element and per row), every finite e4m3 code in W
+    (subnormals, +-0 and +-448 included), power-of-two scales over a wide range."""
+    x = rng.standard_normal((m, k)) * np.exp2(rng.integers(-12, 12, (m, k)) // 3 +
+                                              rng.integers(-20, 20, (m, 1)))
+    codes = rng.integers(0, 256, (n, k), dtype=np.uint8)
+    codes[np.isin(codes, NAN_CODES)] = 0x7E
+    w_scale = np.exp2(rng.integers(-24, 8, (-(-n // 32), k // 32))).astype(np.float32)
+    return x.astype(np.float32), codes, w_scale
+
+
+@pytest.fixture(scope="module")
+def fed_sessions() -> dict[str, ort.InferenceSession]:
+    """isa -> session with W and WScale fed as inputs, for every path this CPU has."""
+    out = {}
+    for isa in ISAS:
+        try:
+            out[isa] = session_for(fp8_model(), isa)
+        except Errors as e:
+            assert "does not support it" in str(e)
+    assert "scalar" in out
+    return out
+
+
+# ------------------------------------------------------------- vs the NumPy definition
+SHAPES = [  # (M, N, K): N off the 32-column panels, K from one block to 8192, M past the
+    (1, 40, 32), (2, 1000, 64), (4, 40, 256), (3, 7, 8192), (1, 1000, 1280),  # tiles
+    (5, 33, 96), (6, 64, 160), (13, 100, 512), (130, 65, 96), (11, 1, 64),  # and the chunk
+]
+
+
+@pytest.mark.parametrize(("m", "n", "k"), SHAPES)
+def test_every_path_matches_the_numpy_definition(fed_sessions, m: int, n: int, k: int) -> None:
+    rng = np.random.default_rng(m * 1000003 + n * 1009 + k)
+    x, codes, w_scale = random_case(rng, m, n, k)
+    want = fp8_linear(x, values(codes), w_scale)
+    assert np.isfinite(want).all()
+    for isa, session in fed_sessions.items():
+        assert_same(run(session, x, codes, w_scale), want, f"isa={isa}")
+
+
+def test_constant_weights_give_the_same_bits(fed_sessions) -> None:
+    rng = np.random.default_rng(5)
+    x, codes, w_scale = random_case(rng, 50, 200, 640)
+    for isa in fed_sessions:
+        const = session_for(fp8_model(codes, w_scale), isa)
+        for rows in (1, 2, 5, 49):
+            assert_same(run(const, x[:rows]), run(fed_sessions[isa], x[:rows], codes, w_scale),
+                        f"isa={isa} M={rows}")
+
+
+def test_thread_count_and_path_do_not_change_a_bit(fed_sessions) -> None:
+    rng = np.random.default_rng(3)
+    x, codes, w_scale = random_case(rng, 300, 300, 1024)
+    want = fp8_linear(x, values(codes), w_scale)
+    for isa in fed_sessions:
+        for threads in (1, 2):
+            session = session_for(fp8_model(codes, w_scale), isa, threads)
+            for rows in (1, 4, 300):
+                assert_same(run(session, x[:rows]), want[:rows], f"isa={isa} threads={threads}")
+
+
+# ------------------------------------------------------------------------ edge inputs
+def edge_rows(k: int) -> np.ndarray:
+    """One row per edge case, k = 4 blocks of 32."""
+    rows = np.zeros((8, k), np.float32)
+    rows[1, :32] = 3e-5  # below the amax floor: xs = 2^ceil(log2(1e-4/448))
+    rows[1, 32:] = -0.0
+    rows[2] = np.exp2(-np.arange(k) % 40 - 3.0)  # down to e4m3 subnormals after scaling
+    rows[3] = 448.0 * np.sign(np.sin(np.arange(k) + 1.0))  # amax = 448 * 2^0: saturating
+    rows[3, ::5] = 447.9  # rounds up to 448
+    rows[4] = np.where(np.arange(k) % 2, 1e30, -1e-30)  # huge spread: most round to 0
+    rows[5] = (np.arange(k) - k / 2) * 2.0**-10  # crossing zero, ties in e4m3
+    rows[6] = -np.abs(rows[5])
+    rows[6, ::3] = -0.0
+    rows[7] = np.float32(3.3895314e38) * np.cos(np.arange(k))  # near the float32 maximum
+    return rows
+
+
+def test_edge_inputs_match_the_definition(fed_sessions) -> None:
+    k, n = 128, 70
+    x = edge_rows(k)
+    rng = np.random.default_rng(17)
+    codes = rng.integers(0, 256, (n, k), dtype=np.uint8)
+    codes[np.isin(codes, NAN_CODES)] = 0x01  # the smallest subnormal
+    codes[:, :8] = [0x00, 0x80, 0x01, 0x81, 0x07, 0x08, 0x7E, 0xFE]  # 0, -0, subnormals, 448
+    w_scale = np.exp2(rng.integers(-10, 4, (3, 4))).astype(np.float32)
+    w_scale[1, 2] = 0.0
+    want = fp8_linear(x, values(codes), w_scale)
+    for isa, session in fed_sessions.items():
+        assert_same(run(session, x, codes, w_scale), want, f"isa={isa}")
+    xq, xs = act_quant_e4m3(x)
+    assert xs[1, 0] == np.float32(2.0**-22) and (np.abs(xq[3]) == 448).sum() > 0
+    assert ((xq[2] != 0) & (np.abs(xq[2]) < 2.0**-6)).any()  # e4m3 subnormals in xq
+    assert np.signbit(xq[6][x[6] == 0]).all()  # negative zeros stay negative
+
+
+def test_exact_block_sums_matter(fed_sessions) -> None:
+    """One product of 448 * 448 then 31 of 2^-8, a quarter of float32's ulp there each: a
+    float32 running sum drops them all, the exact sum rounded once does not."""
+    x = np.full((1, 32), 0.0625, np.float32)
+    x[0, 0] = 448.0  # amax 448: xs = 1, xq = x
+    w = np.full((32, 32), 0.0625, np.float32)
+    w[:, 0] = 448.0
+    codes, w_scale = codes_of(w), np.ones((1, 1), np.float32)
+    naive = np.float32(0.0)
+    for p in (x[0] * w[0]).astype(np.float32):
+        naive = np.float32(naive + p)
+    exact = np.float32(448.0 * 448.0 + 31 * 2.0**-8)
+    assert naive == np.float32(200704.0) and exact == np.float32(200704.125) != naive
+    want = fp8_linear(x, w, w_scale)
+    assert (want == exact).all()
+    for isa, session in fed_sessions.items():
+        assert_same(run(session, x, codes, w_scale), want, f"isa={isa}")
+
+
+def test_nan_and_inf(fed_sessions) -> None:
+    """A NaN or inf in a row of X makes that row NaN; a NaN weight code its column."""
+    rng = np.random.default_rng(23)
+    x, codes, w_scale = random_case(rng, 5, 70, 96)
+    x[1, 40], x[2, 3], x[3, 95] = np.nan, np.inf, -np.inf
+    codes[7, 50], codes[66, 0] = 0x7F, 0xFF
+    want = fp8_linear(x, values(codes), w_scale)
+    nan_rows, nan_cols = [1, 2, 3], [7, 66]
+    expect = np.zeros(want.shape, bool)
+    expect[nan_rows] = True
+    expect[:, nan_cols] = True
+    np.testing.assert_array_equal(np.isnan(want), expect)
+    for isa, session in fed_sessions.items():
+        assert_same(run(session, x, codes, w_scale), want, f"isa={isa}")
+        assert_same(run(session_for(fp8_model(codes, w_scale), isa), x), want, f"isa={isa}")
+
+
+def test_ranks_and_empty_shapes(fed_sessions) -> None:
+    session = fed_sessions["scalar"]
+    rng = np.random.default_rng(9)
+    x, codes, w_scale = random_case(rng, 6, 40, 64)
+    x3 = x.reshape(2, 3, 64)
+    y3 = run(session, x3, codes, w_scale)
+    assert y3.shape == (2, 3, 40)
+    assert_same(y3, fp8_linear(x, values(codes), w_scale).reshape(2, 3, 40))
+    assert_same(run(session, x[0], codes, w_scale), fp8_linear(x[0], values(codes), w_scale))
+    assert run(session, np.zeros((0, 64), np.float32), codes, w_scale).shape == (0, 40)
+    assert run(session, x3, codes[:0], w_scale[:0]).shape == (2, 3, 0)
+    y = run(session, np.ones((4, 0), np.float32), np.zeros((3, 0), np.uint8),
+            np.zeros((1, 0), np.float32))
+    assert y.shape == (4, 3) and not y.any()
+
+
+# ------------------------------------------------------------------- upstream oracle
+def kernel_cpu() -> ModuleType:
+    pytest.importorskip("torch", reason="the upstream oracle runs on torch; not installed")
+    path = REFERENCE_DIR / "kernel_cpu.py"
+    if not path.is_file():
+        pytest.skip(f"{REFERENCE_DIR} (the upstream kernel_cpu.py oracle) is absent")
+    spec = importlib.util.spec_from_file_location("csa2onnx_test_kernel_cpu", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_matches_upstream_act_quant_and_fp8_gemm() -> None:
+    """Y equals upstream's fp8 linear, act_quant(x, 32, "ue8m0") then fp8_gemm, on bf16
+    activations (as in the model): fp8_gemm rounds to torch's default dtype, float32 here
+    (the model sets bf16, which the graph applies after the op); and the quantiser equals
+    act_quant."""
+    kc = kernel_cpu()
+    import torch
+
+    session = session_for(fp8_model())
+    rng = np.random.default_rng(29)
+    for m, n, k in [(1, 40, 64), (3, 1000, 256), (16, 96, 1280), (2, 64, 5120)]:
+        x, codes, w_scale = random_case(rng, m, n, k)
+        x = round_bf16(x)
+        xt = torch.from_numpy(x).to(torch.bfloat16)
+        q, s = kc.act_quant(xt, 32, "ue8m0")
+        w = torch.from_numpy(codes.copy()).view(torch.float8_e4m3fn)
+        assert torch.get_default_dtype() == torch.float32
+        want = kc.fp8_gemm(q, s, w, torch.from_numpy(w_scale)).numpy()
+        assert_same(run(session, x, codes, w_scale), want, f"M={m} N={n} K={k}")
+        xq, xs = act_quant_e4m3(x)
+        assert_same(xq, q.float().numpy())
+        assert_same(xs, s.float().numpy())
+
+
+# ------------------------------------------------------------ portable body, wrapper
+def test_portable_body_matches_the_kernel_bit_for_bit() -> None:
+    """The standard-op body computes each block dot exactly (double MatMul) and adds the
+    blocks in order (Loop), so the rule asserted is equality of every bit, NaN for NaN."""
+    rng = np.random.default_rng(31)
+    x, codes, w_scale = random_case(rng, 14, 100, 256)
+    x[3, 7] = np.nan
+    codes[9, 100] = 0x7F
+    x = np.concatenate([x, edge_rows(256)])
+    model = fp8_model(codes, w_scale, portable=True)
+    portable = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    kernel = session_for(model)
+    got, want = portable.run(["Y"], {"X": x})[0], run(kernel, x)
+    assert_same(got, want)
+    assert_same(want, fp8_linear(x, values(codes), w_scale))
+    got3 = portable.run(["Y"], {"X": x[:12].reshape(3, 4, 256)})[0]
+    assert_same(got3, want[:12].reshape(3, 4, 100))
+
+
+def test_wrapper_types_the_output_and_runs() -> None:
+    k, n = 64, 40
+    model = build_model(
+        "fp8", [("x", ir.DataType.FLOAT, ["b", "s", k]),
+                ("w", ir.DataType.FLOAT8E4M3FN, [n, k]),
+                ("ws", ir.DataType.FLOAT, [2, 2])], ["y"], csa_ops.fp8_linear)
+    out = model.graph.output[0].type.tensor_type
+    assert out.elem_type == TensorProto.FLOAT
+    assert [d.dim_param or d.dim_value for d in out.shape.dim] == ["b", "s", n]
+    rng = np.random.default_rng(37)
+    x, codes, w_scale = random_case(rng, 6, n, k)
+    feeds = {"x": ort.OrtValue.ortvalue_from_numpy(x.reshape(2, 3, k)),
+             "w": ort.OrtValue.ortvalue_from_numpy_with_onnx_type(codes,
+                                                                  TensorProto.FLOAT8E4M3FN),
+             "ws": ort.OrtValue.ortvalue_from_numpy(w_scale)}
+    y = make_session(model.SerializeToString()).run_with_ort_values(["y"], feeds)[0].numpy()
+    assert_same(y, fp8_linear(x, values(codes), w_scale).reshape(2, 3, n))
+
+
+# ------------------------------------------------------------------------------ errors
+@pytest.mark.parametrize(("x_shape", "w_shape", "ws_shape", "message"), [
+    ((3, 64), (4, 32), (1, 1), r"Fp8Linear: the last dimension of X \(64\) must equal K, the "
+                               r"second dimension of W \(32\); X shape \[3, 64\], W shape "
+                               r"\[4, 32\]"),
+    ((3, 64), (2, 4, 64), (1, 2), r"Fp8Linear: W must be \[N, K\] \(rank 2\), got shape "
+                                  r"\[2, 4, 64\]"),
+    ((3, 48), (4, 48), (1, 1), r"Fp8Linear: K \(48, the second dimension of W \[4, 48\]\) "
+                               r"must be a multiple of the block size 32"),
+    ((3, 64), (40, 64), (1, 2), r"Fp8Linear: WScale must be \[ceil\(N/32\), K/32\] = \[2, 2\] "
+                                r"for W \[40, 64\], got shape \[1, 2\]"),
+    ((3, 64), (40, 64), (2, 2, 1), r"WScale must be .* got shape \[2, 2, 1\]"),
+    ((), (4, 64), (1, 2), r"Fp8Linear: X must have rank >= 1, got a scalar"),
+])
+def test_bad_shapes_are_clear_errors(fed_sessions, x_shape: tuple, w_shape: tuple,
+                                     ws_shape: tuple, message: str) -> None:
+    for session in fed_sessions.values():
+        with pytest.raises(ort.capi.onnxruntime_pybind11_state.InvalidArgument, match=message):
+            run(session, np.ones(x_shape, np.float32), np.zeros(w_shape, np.uint8),
+                np.ones(ws_shape, np.float32))
+
+
+def test_constant_weights_of_a_bad_shape_are_reported_at_run_time() -> None:
+    session = session_for(fp8_model(np.zeros((4, 48), np.uint8), np.ones((1, 1), np.float32)))
+    with pytest.raises(ort.capi.onnxruntime_pybind11_state.InvalidArgument,
+                       match=r"must be a multiple of the block size 32"):
+        run(session, np.ones((1, 48), np.float32))
+
+
+@pytest.mark.parametrize("types", [
+    (TensorProto.DOUBLE, TensorProto.FLOAT8E4M3FN, TensorProto.FLOAT),
+    (TensorProto.FLOAT, TensorProto.FLOAT, TensorProto.FLOAT),
+    (TensorProto.FLOAT, TensorProto.FLOAT8E5M2, TensorProto.FLOAT),
+    (TensorProto.FLOAT, TensorProto.FLOAT8E4M3FN, TensorProto.BFLOAT16),
+])
+def test_wrong_types_are_clear_errors(types: tuple[int, int, int]) -> None:
+    with pytest.raises(Errors, match="Fp8Linear"):
+        session_for(fp8_model(types=types))
+
+
+@pytest.mark.parametrize("block_size", [16, 64, 0])
+def test_unsupported_block_size_is_a_clear_error(block_size: int) -> None:
+    with pytest.raises(Errors, match=f"Fp8Linear: block_size must be 32 \\(the only size "
+                                     f"supported\\), got {block_size}"):
+        session_for(fp8_model(attrs={"block_size": block_size}))
+    session_for(fp8_model(attrs={"block_size": 32}))  # explicit default is fine
+
+
+def test_missing_inputs_are_clear_errors() -> None:
+    for i in range(3):
+        names = ["X", "W", "WScale"]
+        names[i] = ""
+        with pytest.raises(Errors, match=f"Fp8Linear: input {i} is required"):
+            session_for(fp8_model(inputs=tuple(names)))
+
+
+def test_unknown_path_is_a_clear_error() -> None:
+    with pytest.raises(Errors, match=r"CSA_FP8_LINEAR_ISA=\"sse9\" \(expected avx512, avx2 "
+                                     r"or scalar\)"):
+        session_for(fp8_model(), "sse9")
