@@ -26,7 +26,7 @@ demo: setup
 # Tests whose oracle is live torch, run again with torch forced onto the AVX2 class, so the
 # cross-CPU branch of each runs on every machine (README: "Exact on every CPU").
 TORCH_CLASS_TESTS := tests/test_unseen_cases.py tests/test_upstream_cases.py \
-	tests/test_torch_linear.py tests/test_cross_cpu.py
+	tests/test_torch_linear.py tests/test_cross_cpu.py tests/test_fp8_cases.py
 TORCH_AVX2 := ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2
 
 test: setup

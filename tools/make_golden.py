@@ -84,17 +84,32 @@ def random_weights(args: dict[str, Any], layer: int, gen: torch.Generator
         else:
             w = torch.randn(shape, generator=gen) / shape[1] ** 0.5
             weights[name] = w.bfloat16().float()
+            base = name.removesuffix(".weight")
+            if args.get("dtype") == "fp8" and base in ref.FP8_LINEARS:
+                weights[name], weights[f"{base}.scale"] = quantize_fp8(weights[name])
     return weights
+
+
+def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 values and one ue8m0 scale per [32, 32] block (pow2 ceil of amax / 448, as
+    upstream's checkpoints are quantised), both as f32."""
+    n, k = w.shape
+    padded = torch.zeros(-(-n // 32) * 32, -(-k // 32) * 32)
+    padded[:n, :k] = w
+    blocks = padded.unflatten(0, (-1, 32)).unflatten(-1, (-1, 32))  # [nb, 32, kb, 32]
+    scale = ref.pow2_ceil(blocks.abs().amax(dim=(1, 3)).clamp(min=1e-4) * (1 / 448))
+    q = (blocks / scale[:, None, :, None]).clamp(-448, 448).to(ref.E4M3).float()
+    return q.flatten(2, 3).flatten(0, 1)[:n, :k].contiguous(), scale
 
 
 def make_case(folder: str | Path, name: str, *, seed: int = 0, batch: int = 1,
               prefill_len: int = 45, decode_steps: int = 6,
-              layout: dict[str, Any] | str = "mixed_b2",
+              layout: dict[str, Any] | str = "mixed_b2", dtype: str = "bf16",
               owner_reads_own_index_k: bool = False, description: str = "") -> Path:
     """Generate and write NAME.json + NAME.npz into `folder`; returns the JSON path."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    args = model_args(layout, batch)
+    args = model_args(layout, batch) | {"dtype": dtype}
     end = prefill_len + decode_steps
     if not (prefill_len > 0 and end <= args["max_seq_len"]):
         raise ValueError(f"positions 0..{end - 1} do not fit max_seq_len {args['max_seq_len']}")
@@ -138,9 +153,9 @@ def make_case(folder: str | Path, name: str, *, seed: int = 0, batch: int = 1,
         "seed_weights": seed, "seed_inputs": seed + 1, "topk_tiebreak": "torch_cpu",
         "batch": batch, "prefill_len": prefill_len, "decode_steps": decode_steps,
         "schedule": schedule, "model_args": args, "layer_roles": roles,
-        "parameter_dtypes": {f"L{layer}.{k}": str(ref.parameter_dtype(k, roles[layer][
-            "compress_ratio"])).removeprefix("torch.") for layer, w in weights.items()
-            for k in w},
+        "parameter_dtypes": {f"L{layer}.{k}": str(ref.parameter_dtype(
+            k, roles[layer]["compress_ratio"], dtype == "fp8")).removeprefix("torch.")
+            for layer, w in weights.items() for k in w},
         "rope_tables": {k: "[max_seq_len, rope_head_dim/2, (re, im)]"
                         for k in arrays if k.startswith("freqs_cis.")},
         "tie_sensitive_rows": {k: int(v.sum()) for k, v in arrays.items()
@@ -176,10 +191,12 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"preset ({', '.join(LAYOUTS)}), a JSON object, or @file.json")
     parser.add_argument("--owner-reads-own-index-k", action="store_true",
                         help="the _ownk behaviour patch: index-key owners read their own keys")
+    parser.add_argument("--dtype", choices=["bf16", "fp8"], default="bf16",
+                        help="fp8: the released checkpoint's e4m3 linears with block scales")
     opts = parser.parse_args(argv)
     path = make_case(opts.out, opts.name, seed=opts.seed, batch=opts.batch,
                      prefill_len=opts.prefill_len, decode_steps=opts.decode_steps,
-                     layout=parse_layout(opts.layout),
+                     layout=parse_layout(opts.layout), dtype=opts.dtype,
                      owner_reads_own_index_k=opts.owner_reads_own_index_k)
     print(path)
     return 0

@@ -26,7 +26,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-BF16, F32, E4M3 = torch.bfloat16, torch.float32, torch.float8_e4m3fn
+BF16, F32, E4M3, E8M0 = torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float8_e8m0fnu
+# The linears an fp8 checkpoint stores as e4m3 with [32, 32] ue8m0 block scales.
+FP8_LINEARS = ("wq_a", "wq_b", "wkv", "wo_b", "indexer.wq_b")
 NEG_INF = float("-inf")
 ATTN_BLOCK = 64  # sparse_attn's online-softmax block
 Record = Callable[[str, torch.Tensor], None]
@@ -74,12 +76,32 @@ def pow2_ceil(v: torch.Tensor) -> torch.Tensor:
     return ((e + 127).to(torch.int32) << 23).view(F32)
 
 
-def act_quant(x: torch.Tensor, block: int = 32) -> torch.Tensor:
-    """fp8 e4m3 round trip with power-of-two (ue8m0) block scales."""
+def act_quant_scaled(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 values (as f32) and their power-of-two (ue8m0) scales, one per `block` inputs."""
     v = x.float().unflatten(-1, (-1, block))
     s = pow2_ceil(v.abs().amax(-1, keepdim=True).clamp(min=1e-4) * (1 / 448))
-    q = (v / s).clamp(-448, 448).to(E4M3).float()
-    return (q * s).flatten(-2).to(BF16)
+    return (v / s).clamp(-448, 448).to(E4M3).float().flatten(-2), s.squeeze(-1)
+
+
+def act_quant(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """fp8 e4m3 round trip with power-of-two (ue8m0) block scales."""
+    q, s = act_quant_scaled(x, block)
+    return (q.unflatten(-1, (-1, block)) * s.unsqueeze(-1)).flatten(-2).to(BF16)
+
+
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """reference.md "fp8 linears": act_quant(x) (block 32), then per K block in order an
+    exact block dot (float64 holds any 32 e4m3 products) rounded once to f32, times
+    xs * ws in f32, added to an f32 accumulator; bf16 at the end."""
+    q, xs = act_quant_scaled(x)
+    n, k = w.shape
+    ws = w_scale.float().repeat_interleave(32, dim=0)[:n]  # [n, k/32]
+    acc = torch.zeros(*x.shape[:-1], n, dtype=F32)
+    for kb in range(k // 32):
+        cols = slice(32 * kb, 32 * kb + 32)
+        dot = (q[..., cols].double() @ w[:, cols].double().T).float()
+        acc = acc + dot * (xs[..., kb:kb + 1] * ws[:, kb])
+    return acc.to(BF16)
 
 
 E2M1_GRID = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=F32)
@@ -190,7 +212,9 @@ def layer_roles(args: dict[str, Any]) -> list[dict[str, Any]]:
     return roles
 
 
-def parameter_dtype(name: str, ratio: int) -> torch.dtype:
+def parameter_dtype(name: str, ratio: int, fp8: bool = False) -> torch.dtype:
+    if fp8 and name.removesuffix(".weight").removesuffix(".scale") in FP8_LINEARS:
+        return E8M0 if name.endswith(".scale") else E4M3
     f32 = name == "attn_sink" or (ratio > 1 and name in ("compressor.wkv.weight",
                                                         "compressor.wgate.weight"))
     return F32 if f32 else BF16
@@ -260,7 +284,10 @@ class Attention:
         self.owns_k = role.get("indexer_owns_k", False)
         self.candidate_source = role.get("is_candidate_source", False)
         self.uses_candidates = role.get("uses_candidates", False)
-        self.w = {k: v.to(parameter_dtype(k, self.ratio)) for k, v in weights.items()}
+        fp8 = args.get("dtype") == "fp8"
+        # e8m0 scales are kept as their (exact) f32 values
+        self.w = {k: v.float() if k.endswith(".scale") else
+                  v.to(parameter_dtype(k, self.ratio, fp8)) for k, v in weights.items()}
         self.freqs_cis = layer_freqs_cis(args, self.ratio)
         b, hd, r = a["max_batch_size"], a["head_dim"], self.ratio
         self.window_kv = torch.zeros(b, a["window_size"], hd, dtype=BF16)
@@ -272,6 +299,8 @@ class Attention:
             self.index_k = torch.zeros(b, a["max_seq_len"] // r, a["index_head_dim"], dtype=BF16)
 
     def linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        if f"{name}.scale" in self.w:  # an fp8 checkpoint's linear
+            return fp8_linear(x, self.w[f"{name}.weight"].float(), self.w[f"{name}.scale"])
         return F.linear(x, self.w[f"{name}.weight"])
 
     def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
@@ -506,7 +535,8 @@ def check_case(folder: Path, name: str, verbose: bool = True, rule: str = "same_
     for key, dtype in case.meta["parameter_dtypes"].items():
         layer, param = key.split(".", 1)
         ratio = case.model_args["compress_ratios"][int(layer[1:])]
-        assert str(parameter_dtype(param, ratio)) == f"torch.{dtype}", (key, dtype)
+        fp8 = case.model_args.get("dtype") == "fp8"
+        assert str(parameter_dtype(param, ratio, fp8)) == f"torch.{dtype}", (key, dtype)
     return compare_arrays(run_case(case.meta, case.arrays), case.arrays, name, verbose, rule)
 
 
