@@ -10,14 +10,17 @@ rounding, and the flip travels downstream. Against a golden from another class (
 1. Selections, masks and every integer array: EXACT (the classes agree on them).
 2. inf/NaN where the golden has them, and nowhere else.
 3. How far: every element within its envelope.
-   - bf16 tensors: |a - g| <= 2^-5 |g| + 2^-6 max|g| (a few bf16 steps of a flip that went
-     through a few layers; near-cancelling elements get the array-scale term).
+   - bf16 tensors before any quantiser (qr, q, window KV before fp8, latents):
+     |a - g| <= 2^-5 |g| + 2^-6 max|g| (a few bf16 steps of a flip that went through a few
+     linears; near-cancelling elements get the array-scale term).
    - quantised tensors move in whole quantisation steps: at most one step of their block's
      grid, bounded by the block's largest step: fp8 e4m3 (window KV, block 32) 2^-3 of the
      block max, fp4 e2m1 (compressed KV block 16, index keys and queries block 32) 1/3 of
      the block max (the 4 -> 6 step of a block whose max is 6 scale units).
-   - scores computed from fp4 operands (index scores, top-k values, candidate block
-     scores): one fp4 step of a query moves a whole score row, so 2^-3 max|g| + 2^-5 |g|.
+   - tensors computed from quantised operands (attention output and the layer output,
+     which average fp8/fp4 KV rows; index scores, top-k values and candidate block scores,
+     dot products of fp4 queries and keys): one quantisation step of an operand moves them
+     in proportion, so 2^-3 max|g| + 2^-5 |g|.
 4. How many: in each group (array name x prefill / decode / final state, over every step
    and layer of the case) at most 1/8 of the elements may differ from the golden as bf16.
    A flip moves the rows that read it, not everything: measured across classes the worst
@@ -50,8 +53,8 @@ FP4_ARRAYS = {
     "attn_kv": 16,  # window rows (fp8, block 32) then compressed rows (fp4, block 16)
     "index_k_rope_quant": 32, "index_k_rows": 32, "index_q_rope_quant": 32,
 }
-DERIVED_ARRAYS = frozenset({"index_score", "index_topk_values", "cand_block_scores",
-                            "cand_block_topk_values"})
+DERIVED_ARRAYS = frozenset({"attn_o", "out", "index_score", "index_topk_values",
+                            "cand_block_scores", "cand_block_topk_values"})
 
 
 def cpu_class(machine: dict[str, Any] | None) -> str:
