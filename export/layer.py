@@ -12,7 +12,6 @@ from typing import Literal
 
 import onnx_ir as ir
 from onnxscript import OpBuilder, nn
-from onnxscript._internal.builder import make_value
 
 from csa2onnx.export.plan import LayerPlan, StackPlan
 from csa2onnx.export.weights import LayerWeights
@@ -193,10 +192,10 @@ def _if(op: OpBuilder, condition: ir.Value, then: Callable[[OpBuilder], ir.Value
     """If(condition) then the `then` subgraph else `otherwise`: the candidate caches differ
     in rows, so Where cannot choose between them; only the chosen rows are copied."""
     builder = op.builder
-    then_graph = builder.subgraph(then, inputs=[], outputs=[make_value("k_rows")],
+    then_graph = builder.subgraph(then, inputs=[], outputs=[ir.Value(name="k_rows")],
                                   name="slot_is_this_owner")
     else_graph = builder.subgraph(lambda o: o.Identity(otherwise), inputs=[],
-                                  outputs=[make_value("k_rows")], name="slot_is_another")
+                                  outputs=[ir.Value(name="k_rows")], name="slot_is_another")
     result = op.If(op.Squeeze(condition, [0]), then_branch=then_graph, else_branch=else_graph)
     result.type = ir.TensorType(FLOAT)
     return result
