@@ -48,13 +48,12 @@ namespace {
 constexpr int64_t kBlock = Fp8::kBlock;   // K block of the scales, and panel width
 constexpr int64_t kChunkRows = 128;       // rows quantised and multiplied per pass over W
 constexpr int64_t kParallelWork = int64_t{1} << 17;  // M*N*K below which one thread runs it
-// Exact power-of-two scalings: quantised rows are stored as xq * 2^1000; tiles hold w / 256
-// (the f16 trick), so a tile sum is dot * 2^992; the AVX-512 code path builds doubles
-// holding w * 2^-1016 straight from the codes, so its sum is dot * 2^-16. Every product
-// stays a normal double (>= 2^-34), every sum below 2^1015.
+// Exact power-of-two scalings: quantised rows are stored as xq * 2^1000 and tiles as
+// w * 2^-1000 (the f16 trick gives w / 256, times 2^-992), so a tile sum is the dot itself;
+// the AVX-512 code path builds doubles holding w * 2^-1016 straight from the codes, so its
+// sum is dot * 2^-16. Every weight, product and sum stays a normal double.
 constexpr double kXScale = 0x1p1000;
-constexpr double kTileScale = 256.0;
-constexpr double kTileDot = 0x1p-992;
+constexpr double kTileFromF16 = 0x1p-992;
 constexpr double kCodeDot = 0x1p16;
 
 // Checks shapes and returns (M, N, K); everything is checked before any memory is touched.
@@ -120,7 +119,8 @@ struct PackedW {
 struct Lut {
   double v[256];
   Lut() {
-    for (int c = 0; c < 256; ++c) v[c] = static_cast<double>(Fp8::e4m3_value(uint8_t(c))) / kTileScale;
+    for (int c = 0; c < 256; ++c)
+      v[c] = static_cast<double>(Fp8::e4m3_value(uint8_t(c))) * 0x1p-1000;
   }
 };
 const Lut kLut;
@@ -144,10 +144,11 @@ CSA_TARGET_AVX512 void convert_tile_avx512(const uint8_t* src, double* dst) {
     const __m512 f0 = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
     const __m512 f1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
     double* out = dst + k * kBlock;
-    _mm512_storeu_pd(out, _mm512_cvtps_pd(_mm512_castps512_ps256(f0)));
-    _mm512_storeu_pd(out + 8, _mm512_cvtps_pd(_mm512_extractf32x8_ps(f0, 1)));
-    _mm512_storeu_pd(out + 16, _mm512_cvtps_pd(_mm512_castps512_ps256(f1)));
-    _mm512_storeu_pd(out + 24, _mm512_cvtps_pd(_mm512_extractf32x8_ps(f1, 1)));
+    const __m512d fold = _mm512_set1_pd(kTileFromF16);
+    _mm512_storeu_pd(out, _mm512_mul_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(f0)), fold));
+    _mm512_storeu_pd(out + 8, _mm512_mul_pd(_mm512_cvtps_pd(_mm512_extractf32x8_ps(f0, 1)), fold));
+    _mm512_storeu_pd(out + 16, _mm512_mul_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(f1)), fold));
+    _mm512_storeu_pd(out + 24, _mm512_mul_pd(_mm512_cvtps_pd(_mm512_extractf32x8_ps(f1, 1)), fold));
   }
 }
 
@@ -161,10 +162,11 @@ CSA_TARGET_AVX2 void convert_tile_avx2(const uint8_t* src, double* dst) {
       const __m256 f0 = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
       const __m256 f1 = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
       double* out = dst + k * kBlock + half * 16;
-      _mm256_storeu_pd(out, _mm256_cvtps_pd(_mm256_castps256_ps128(f0)));
-      _mm256_storeu_pd(out + 4, _mm256_cvtps_pd(_mm256_extractf128_ps(f0, 1)));
-      _mm256_storeu_pd(out + 8, _mm256_cvtps_pd(_mm256_castps256_ps128(f1)));
-      _mm256_storeu_pd(out + 12, _mm256_cvtps_pd(_mm256_extractf128_ps(f1, 1)));
+      const __m256d fold = _mm256_set1_pd(kTileFromF16);
+      _mm256_storeu_pd(out, _mm256_mul_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(f0)), fold));
+      _mm256_storeu_pd(out + 4, _mm256_mul_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(f0, 1)), fold));
+      _mm256_storeu_pd(out + 8, _mm256_mul_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(f1)), fold));
+      _mm256_storeu_pd(out + 12, _mm256_mul_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(f1, 1)), fold));
     }
   }
 }
@@ -210,7 +212,7 @@ CSA_INLINE void rows_tile(const double* x, int64_t ldx, const double* tile, int6
     float* o = out + m * kBlock + c;
 #pragma GCC ivdep
     for (int j = 0; j < NT; ++j) {
-      const float dot = static_cast<float>(acc[m][j] * kTileDot);  // exact, then one rounding
+      const float dot = static_cast<float>(acc[m][j]);  // the exact sum, rounded once
       const float term = dot * scale;
       o[j] = o[j] + term;
     }
@@ -257,10 +259,11 @@ CSA_TARGET_AVX512 CSA_INLINE void codes_to_doubles_avx512(const uint8_t* src, __
                                      _mm512_set1_epi16(static_cast<short>(0xBF80)));
   const __m512 f0 = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
   const __m512 f1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
-  w[0] = _mm512_cvtps_pd(_mm512_castps512_ps256(f0));
-  w[1] = _mm512_cvtps_pd(_mm512_extractf32x8_ps(f0, 1));
-  w[2] = _mm512_cvtps_pd(_mm512_castps512_ps256(f1));
-  w[3] = _mm512_cvtps_pd(_mm512_extractf32x8_ps(f1, 1));
+  const __m512d fold = _mm512_set1_pd(kTileFromF16);  // w * 2^-1000, as in the tiles
+  w[0] = _mm512_mul_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(f0)), fold);
+  w[1] = _mm512_mul_pd(_mm512_cvtps_pd(_mm512_extractf32x8_ps(f0, 1)), fold);
+  w[2] = _mm512_mul_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(f1)), fold);
+  w[3] = _mm512_mul_pd(_mm512_cvtps_pd(_mm512_extractf32x8_ps(f1, 1)), fold);
 }
 
 // e4m3fn codes -> doubles holding w * 2^-1016 with integer operations only: the code's
@@ -277,18 +280,22 @@ CSA_TARGET_AVX512 CSA_INLINE void codes_to_scaled_doubles_avx512(const uint8_t* 
   }
 }
 
-// out[m][0..32) = out + float(acc[m] * dot_scale) * (xs[m] * ws), rows m < MR.
-template <int MR>
+// out[m][0..32) = out + float(acc[m] (* kCodeDot)) * (xs[m] * ws), rows m < MR.
+template <int MR, bool kScaled>
 CSA_TARGET_AVX512 CSA_INLINE void finish_avx512(const __m512d (&acc)[MR][4], const float* xs,
-                                                int64_t ldxs, float ws, double dot_scale,
-                                                float* out) {
-  const __m512d tile_scale = _mm512_set1_pd(dot_scale);
+                                                int64_t ldxs, float ws, float* out) {
+  const __m512d code_dot = _mm512_set1_pd(kCodeDot);
   for (int m = 0; m < MR; ++m) {
     const float scale_f = xs[m * ldxs] * ws;
     const __m512 scale = _mm512_set1_ps(scale_f);
     for (int h = 0; h < 2; ++h) {
-      const __m256 lo = _mm512_cvtpd_ps(_mm512_mul_pd(acc[m][2 * h], tile_scale));
-      const __m256 hi = _mm512_cvtpd_ps(_mm512_mul_pd(acc[m][2 * h + 1], tile_scale));
+      __m512d a_lo = acc[m][2 * h], a_hi = acc[m][2 * h + 1];
+      if (kScaled) {
+        a_lo = _mm512_mul_pd(a_lo, code_dot);
+        a_hi = _mm512_mul_pd(a_hi, code_dot);
+      }
+      const __m256 lo = _mm512_cvtpd_ps(a_lo);
+      const __m256 hi = _mm512_cvtpd_ps(a_hi);
       const __m512 dot = _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
       float* o = out + m * kBlock + 16 * h;
       _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), _mm512_mul_ps(dot, scale)));
@@ -312,7 +319,7 @@ CSA_TARGET_AVX512 CSA_INLINE void tile_rows_avx512(const double* x, int64_t ldx,
       for (int q = 0; q < 4; ++q) acc[m][q] = _mm512_fmadd_pd(xv, w[q], acc[m][q]);
     }
   }
-  finish_avx512<MR>(acc, xs, ldxs, ws, kTileDot, out);
+  finish_avx512<MR, false>(acc, xs, ldxs, ws, out);
 }
 
 // MR rows straight from the codes (decode, and rows left over from the tiles).
@@ -347,7 +354,7 @@ CSA_TARGET_AVX512 CSA_INLINE void code_rows_avx512(const double* x, int64_t ldx,
     for (int q = 0; q < 4; ++q)
       acc[m][q] = kSplit == 2 ? _mm512_add_pd(part[0][m][q], part[kSplit - 1][m][q])
                               : part[0][m][q];
-  finish_avx512<MR>(acc, xs, ldxs, ws, kIntegerCodes ? kCodeDot : kTileDot, out);
+  finish_avx512<MR, kIntegerCodes>(acc, xs, ldxs, ws, out);
 }
 
 template <bool kIntegerCodes>
@@ -394,6 +401,34 @@ CSA_TARGET_AVX2 void task_avx2(const Job& j, size_t t) {
   run_task<convert_tile_avx2, 2, 16, true>(j, t);
 }
 #pragma GCC diagnostic pop
+#endif
+
+// act_quant of one row (xq stored as double times kXScale), compiled once per instruction
+// set: the same exact operations, the wider sets inline the rounding and vectorise.
+struct Quant {
+  const float* x;
+  double* xq;
+  float* xs;
+  int64_t K, KB;
+};
+
+CSA_INLINE void quantize_row_body(void* data, size_t row) {
+  const Quant& q = *static_cast<const Quant*>(data);
+  const int64_t r = static_cast<int64_t>(row);
+  for (int64_t kb = 0; kb < q.KB; ++kb) {
+    float v[kBlock];
+    q.xs[r * q.KB + kb] = Fp8::quantize_block(q.x + r * q.K + kb * kBlock, v);
+    for (int64_t i = 0; i < kBlock; ++i)
+      q.xq[r * q.K + kb * kBlock + i] = static_cast<double>(v[i]) * kXScale;
+  }
+}
+
+void quantize_row_scalar(void* data, size_t row) { quantize_row_body(data, row); }
+#ifdef CSA_X86
+CSA_TARGET_AVX512 void quantize_row_avx512(void* data, size_t row) {
+  quantize_row_body(data, row);
+}
+CSA_TARGET_AVX2 void quantize_row_avx2(void* data, size_t row) { quantize_row_body(data, row); }
 #endif
 
 enum class Isa { kScalar, kAvx2, kAvx512 };
@@ -500,22 +535,12 @@ struct Fp8LinearKernel {
     const bool parallel = d.M * d.N * d.K >= kParallelWork;
     for (int64_t m0 = 0; m0 < d.M; m0 += chunk) {
       const int64_t rows = d.M - m0 < chunk ? d.M - m0 : chunk;
-      struct Quant {
-        const float* x;
-        double* xq;
-        float* xs;
-        int64_t K, KB;
-      } quant{xd + m0 * d.K, xq.data(), xs.data(), d.K, d.KB};
-      auto quantize_row = [](void* data, size_t row) {
-        const Quant& q = *static_cast<const Quant*>(data);
-        const int64_t r = static_cast<int64_t>(row);
-        for (int64_t kb = 0; kb < q.KB; ++kb) {
-          float v[kBlock];
-          q.xs[r * q.KB + kb] = Fp8::quantize_block(q.x + r * q.K + kb * kBlock, v);
-          for (int64_t i = 0; i < kBlock; ++i)
-            q.xq[r * q.K + kb * kBlock + i] = static_cast<double>(v[i]) * kXScale;
-        }
-      };
+      Quant quant{xd + m0 * d.K, xq.data(), xs.data(), d.K, d.KB};
+      void (*quantize_row)(void*, size_t) = quantize_row_scalar;
+#ifdef CSA_X86
+      if (isa == Isa::kAvx512) quantize_row = quantize_row_avx512;
+      if (isa == Isa::kAvx2) quantize_row = quantize_row_avx2;
+#endif
       if (rows * d.K >= (int64_t{1} << 16)) {
         context.ParallelFor(quantize_row, static_cast<size_t>(rows), 0, &quant);
       } else {
