@@ -130,9 +130,10 @@ void convert_tile_scalar(const uint8_t* src, double* dst) {
 }
 
 #ifdef CSA_X86
-// GCC 12 flags the intrinsics' own _mm*_undefined_* placeholders as maybe-uninitialized.
+// GCC 12 flags the intrinsics' own _mm*_undefined_* placeholders as (maybe-)uninitialized.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 // e4m3fn code c -> f16 bits (sext(c) << 7) & 0xBF80: sign to bit 15, exponent and mantissa
 // into the f16 fields (bias 15 instead of 7), so the f16 value is w / 256, subnormals
 // included; NaN codes give 1.875 and are overwritten at the end.
@@ -357,7 +358,79 @@ CSA_TARGET_AVX512 CSA_INLINE void code_rows_avx512(const double* x, int64_t ldx,
   finish_avx512<MR, kIntegerCodes>(acc, xs, ldxs, ws, out);
 }
 
-template <bool kIntegerCodes>
+// AVX512-VBMI (Zen 4, Ice Lake and later): the same doubles as the integer path, built
+// with byte permutes, 64 codes (two k) at a time: byte 7 of each double is the code's sign
+// (code & 0x80), byte 6 its exponent and mantissa shifted up one (code + code), the rest 0.
+#define CSA_TARGET_AVX512_VBMI \
+  __attribute__((target("arch=x86-64-v4,avx512vbmi,prefer-vector-width=512")))
+
+bool cpu_has_vbmi() {
+#ifdef CSA_X86
+  return cpu_has_x86_64_v4() && __builtin_cpu_supports("avx512vbmi");
+#else
+  return false;
+#endif
+}
+
+struct VbmiIndex {  // for group q of 8 codes: their bytes 6 (from code + code) and 7 (sign)
+  alignas(64) uint8_t idx[8][64];
+  VbmiIndex() {
+    for (int q = 0; q < 8; ++q)
+      for (int j = 0; j < 64; ++j)
+        idx[q][j] = j % 8 == 6 ? uint8_t(8 * q + j / 8) : j % 8 == 7 ? uint8_t(64 + 8 * q + j / 8) : 0;
+  }
+};
+const VbmiIndex kVbmiIndex;
+
+template <int MR>
+CSA_TARGET_AVX512_VBMI __attribute__((noinline)) void code_rows_vbmi(
+    const double* x, int64_t ldx, const uint8_t* codes, const float* xs, int64_t ldxs, float ws,
+    float* out) {
+  constexpr int kSplit = MR <= 2 ? 2 : 1;  // as in code_rows_avx512
+  constexpr __mmask64 kTopBytes = 0xC0C0C0C0C0C0C0C0ull;
+  __m512d part[kSplit][MR][4];
+  for (int h = 0; h < kSplit; ++h)
+    for (int m = 0; m < MR; ++m)
+      for (int q = 0; q < 4; ++q) part[h][m][q] = _mm512_setzero_pd();
+  for (int64_t k0 = 0; k0 < kBlock; k0 += 2) {
+    const __m512i c = _mm512_loadu_si512(codes + k0 * kBlock);
+    const __m512i body = _mm512_add_epi8(c, c);
+    const __m512i sign = _mm512_and_si512(c, _mm512_set1_epi8(static_cast<char>(0x80)));
+    for (int h = 0; h < 2; ++h) {
+      __m512d w[4];
+      for (int q = 0; q < 4; ++q) {
+        const __m512i idx = _mm512_load_si512(kVbmiIndex.idx[4 * h + q]);
+        w[q] = _mm512_castsi512_pd(_mm512_maskz_permutex2var_epi8(kTopBytes, body, idx, sign));
+      }
+      for (int m = 0; m < MR; ++m) {
+        const __m512d xv = _mm512_set1_pd(x[m * ldx + k0 + h]);
+        for (int q = 0; q < 4; ++q)
+          part[h % kSplit][m][q] = _mm512_fmadd_pd(xv, w[q], part[h % kSplit][m][q]);
+      }
+    }
+  }
+  __m512d acc[MR][4];
+  for (int m = 0; m < MR; ++m)
+    for (int q = 0; q < 4; ++q)
+      acc[m][q] = kSplit == 2 ? _mm512_add_pd(part[0][m][q], part[kSplit - 1][m][q])
+                              : part[0][m][q];
+  finish_avx512<MR, true>(acc, xs, ldxs, ws, out);
+}
+
+enum class Conv { kF16, kInt, kVbmi };  // how the code path turns e4m3 codes into doubles
+
+template <int MR, Conv kConv>
+CSA_TARGET_AVX512 CSA_INLINE void code_rows(const double* x, int64_t ldx, const uint8_t* codes,
+                                            const float* xs, int64_t ldxs, float ws,
+                                            float* out) {
+  if (kConv == Conv::kVbmi) {
+    code_rows_vbmi<MR>(x, ldx, codes, xs, ldxs, ws, out);
+  } else {
+    code_rows_avx512<MR, kConv == Conv::kInt>(x, ldx, codes, xs, ldxs, ws, out);
+  }
+}
+
+template <Conv kConv>
 CSA_TARGET_AVX512 CSA_INLINE void task_avx512(const Job& j, size_t task) {
   constexpr int kTileRows = 6, kCodeRows = 4;
   const int64_t p = static_cast<int64_t>(task);
@@ -378,15 +451,14 @@ CSA_TARGET_AVX512 CSA_INLINE void task_avx512(const Job& j, size_t task) {
         tile_rows_avx512<kTileRows>(x + r * j.K, j.K, tile, xs + r * j.KB, j.KB, ws,
                                     buf + r * kBlock);
     }
-    constexpr bool I = kIntegerCodes;
+    constexpr Conv C = kConv;
     for (; r + kCodeRows <= j.rows; r += kCodeRows)
-      code_rows_avx512<kCodeRows, I>(x + r * j.K, j.K, codes, xs + r * j.KB, j.KB, ws,
-                                     buf + r * kBlock);
+      code_rows<kCodeRows, C>(x + r * j.K, j.K, codes, xs + r * j.KB, j.KB, ws, buf + r * kBlock);
     float* o = buf + r * kBlock;
     switch (j.rows - r) {
-      case 3: code_rows_avx512<3, I>(x + r * j.K, j.K, codes, xs + r * j.KB, j.KB, ws, o); break;
-      case 2: code_rows_avx512<2, I>(x + r * j.K, j.K, codes, xs + r * j.KB, j.KB, ws, o); break;
-      case 1: code_rows_avx512<1, I>(x + r * j.K, j.K, codes, xs + r * j.KB, j.KB, ws, o); break;
+      case 3: code_rows<3, C>(x + r * j.K, j.K, codes, xs + r * j.KB, j.KB, ws, o); break;
+      case 2: code_rows<2, C>(x + r * j.K, j.K, codes, xs + r * j.KB, j.KB, ws, o); break;
+      case 1: code_rows<1, C>(x + r * j.K, j.K, codes, xs + r * j.KB, j.KB, ws, o); break;
       default: break;
     }
   }
@@ -395,8 +467,9 @@ CSA_TARGET_AVX512 CSA_INLINE void task_avx512(const Job& j, size_t task) {
   for (int64_t r = 0; r < j.rows; ++r)
     for (int64_t c = 0; c < cols; ++c) j.y[r * j.N + n0 + c] = buf[r * kBlock + c];
 }
-CSA_TARGET_AVX512 void task_avx512_int(const Job& j, size_t t) { task_avx512<true>(j, t); }
-CSA_TARGET_AVX512 void task_avx512_f16(const Job& j, size_t t) { task_avx512<false>(j, t); }
+CSA_TARGET_AVX512 void task_avx512_vbmi(const Job& j, size_t t) { task_avx512<Conv::kVbmi>(j, t); }
+CSA_TARGET_AVX512 void task_avx512_int(const Job& j, size_t t) { task_avx512<Conv::kInt>(j, t); }
+CSA_TARGET_AVX512 void task_avx512_f16(const Job& j, size_t t) { task_avx512<Conv::kF16>(j, t); }
 CSA_TARGET_AVX2 void task_avx2(const Job& j, size_t t) {
   run_task<convert_tile_avx2, 2, 16, true>(j, t);
 }
@@ -431,11 +504,11 @@ CSA_TARGET_AVX512 void quantize_row_avx512(void* data, size_t row) {
 CSA_TARGET_AVX2 void quantize_row_avx2(void* data, size_t row) { quantize_row_body(data, row); }
 #endif
 
-enum class Isa { kScalar, kAvx2, kAvx512 };
+enum class Isa { kScalar, kAvx2, kAvx512, kAvx512NoVbmi };
 
 bool cpu_has(Isa isa) {
   if (isa == Isa::kAvx2) return cpu_has_x86_64_v3();
-  if (isa == Isa::kAvx512) return cpu_has_x86_64_v4();
+  if (isa == Isa::kAvx512 || isa == Isa::kAvx512NoVbmi) return cpu_has_x86_64_v4();
   return true;
 }
 
@@ -447,6 +520,7 @@ Isa select_isa() {
     if (name == "scalar") isa = Isa::kScalar;
     else if (name == "avx2") isa = Isa::kAvx2;
     else if (name == "avx512") isa = Isa::kAvx512;
+    else if (name == "avx512-novbmi") isa = Isa::kAvx512NoVbmi;  // tests: the non-VBMI code
     else fail("CSA_FP8_LINEAR_ISA=\"" + name + "\" (expected avx512, avx2 or scalar)");
     if (!cpu_has(isa)) fail("CSA_FP8_LINEAR_ISA=" + name + " but this CPU does not support it");
     return isa;
@@ -523,8 +597,11 @@ struct Fp8LinearKernel {
 #ifdef CSA_X86
     // Subnormal doubles as inputs need denormals honoured (MXCSR DAZ clear, the default);
     // under DAZ the weights go through the f16 conversion, whose results are all normal.
-    if (isa == Isa::kAvx512)
-      call.task = (_mm_getcsr() & 0x40u) ? task_avx512_f16 : task_avx512_int;
+    if (isa == Isa::kAvx512 || isa == Isa::kAvx512NoVbmi) {
+      call.task = (_mm_getcsr() & 0x40u)                        ? task_avx512_f16
+                  : isa == Isa::kAvx512 && cpu_has_vbmi()       ? task_avx512_vbmi
+                                                                : task_avx512_int;
+    }
     if (isa == Isa::kAvx2) call.task = task_avx2;
 #endif
     const int64_t chunk = d.M < kChunkRows ? d.M : kChunkRows;
@@ -538,7 +615,7 @@ struct Fp8LinearKernel {
       Quant quant{xd + m0 * d.K, xq.data(), xs.data(), d.K, d.KB};
       void (*quantize_row)(void*, size_t) = quantize_row_scalar;
 #ifdef CSA_X86
-      if (isa == Isa::kAvx512) quantize_row = quantize_row_avx512;
+      if (isa == Isa::kAvx512 || isa == Isa::kAvx512NoVbmi) quantize_row = quantize_row_avx512;
       if (isa == Isa::kAvx2) quantize_row = quantize_row_avx2;
 #endif
       if (rows * d.K >= (int64_t{1} << 16)) {
