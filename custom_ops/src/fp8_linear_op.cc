@@ -6,17 +6,19 @@
 //
 // W is repacked into panels of 32 columns ([K][32] bytes, zero-padded), once when it is a
 // constant initializer, else on every call; a panel's columns share one WScale row. X is
-// quantised a chunk of rows at a time (xq as double). For each panel and K block the
-// 32x32 weight tile is converted to double once (e4m3 -> f16 bits -> float -> double,
-// all exact, values / 256) and reused by every row; rows x 32 columns accumulate the
-// block's 32 products in double, which is exact in any order (e4m3 products are multiples
-// of 2^-18 below 2^18, 32 of them need < 45 bits), so fused multiply-adds are exact too.
-// The block sum is rounded once to float and scaled in float, blocks in order: every
-// instruction-set path and every thread count gives the same bits. This file is compiled
-// with -ffp-contract=off: the float scaling must stay multiply, multiply, add.
+// quantised a chunk of rows at a time (xq kept as double). Per panel and K block, rows x 32
+// columns accumulate the block's 32 products in double, exact in any order (e4m3 products
+// are multiples of 2^-18 below 2^18, 32 of them need < 45 bits), so fused multiply-adds
+// are exact too; the sum is rounded once to float, then scaled and added in float, blocks
+// in order. Weights become doubles exactly: for groups of 6 rows the 32x32 tile is
+// converted once (e4m3 -> f16 bits -> float -> double) and shared; fewer rows (decode)
+// convert in registers (AVX512-VBMI byte permutes, or integer shifts, building the double's
+// bits directly). Every instruction-set path and thread count gives the same bits. This
+// file is compiled with -ffp-contract=off: the float scaling must stay multiply, multiply,
+// add.
 //
 // CSA_FP8_LINEAR_ISA (read when a session creates the kernel) forces a path for tests:
-// "avx512", "avx2" or "scalar".
+// "avx512", "avx2" or "scalar" ("avx512-novbmi": AVX-512 without the VBMI conversion).
 #include "ort_api.h"
 
 #include <cstdlib>
