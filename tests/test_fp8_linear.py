@@ -25,7 +25,7 @@ from csa2onnx.custom_ops.portable import portable_functions
 from csa2onnx.custom_ops.reference import act_quant_e4m3, fp8_linear, round_bf16
 from csa2onnx.graphs.standalone import build_model
 
-ISAS = ("avx512", "avx2", "scalar")
+ISAS = ("avx512", "avx512-novbmi", "avx2", "scalar")  # avx512-novbmi: tests only
 REFERENCE_DIR = Path("/work/shared/reference")
 E4M3 = ml_dtypes.float8_e4m3fn
 NAN_CODES = (0x7F, 0xFF)
@@ -241,6 +241,23 @@ def test_nan_and_inf(fed_sessions) -> None:
     for isa, session in fed_sessions.items():
         assert_same(run(session, x, codes, w_scale), want, f"isa={isa}")
         assert_same(run(session_for(fp8_model(codes, w_scale), isa), x), want, f"isa={isa}")
+
+
+def test_denormals_as_zero_sessions_give_the_same_bits() -> None:
+    """With onnxruntime's denormals-as-zero option the AVX-512 path converts the weights
+    through f16 (all normal values) instead of integer bit moves, whose subnormal e4m3
+    codes are subnormal doubles; both give the definition's bits (outputs here are all
+    normal floats, which flush-to-zero leaves alone)."""
+    rng = np.random.default_rng(41)
+    x, codes, w_scale = random_case(rng, 9, 70, 256)
+    codes[:, :4] = [0x01, 0x83, 0x07, 0x00]  # subnormal weights in every column
+    want = fp8_linear(x, values(codes), w_scale)
+    assert (np.abs(want[want != 0]) >= np.finfo(np.float32).tiny).all()
+    for threads in (1, 2):
+        options = session_options(threads)
+        options.add_session_config_entry("session.set_denormal_as_zero", "1")
+        session = make_session(fp8_model(codes, w_scale), options=options)
+        assert_same(run(session, x), want, f"threads={threads}")
 
 
 def test_ranks_and_empty_shapes(fed_sessions) -> None:

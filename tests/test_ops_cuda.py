@@ -1,7 +1,8 @@
 """The custom ops in CUDA sessions (needs an NVIDIA GPU and onnxruntime-gpu; see
 tools/gpu_op_tests.sh): Fp4QuantDequant's CUDA kernel bit-exact against the CPU kernel and the
 unit goldens, float32 and bfloat16, plain runs and IOBinding on the device; TorchTopK (a CPU
-kernel) inside a CUDA session, behind a CUDA Fp4QuantDequant, giving the CPU results.
+kernel) inside a CUDA session, behind a CUDA Fp4QuantDequant, giving the CPU results;
+Fp8Linear's CUDA kernel bit-exact against its CPU kernel.
 
 Skips without a CUDA execution provider or without CUDA kernels in the library, unless
 CSA2ONNX_REQUIRE_GPU=1 (set by tools/gpu_op_tests.sh), which turns those skips into failures.
@@ -187,3 +188,35 @@ def test_torch_topk_runs_on_the_cpu_inside_a_cuda_session() -> None:
         want_v, want_i = cpu.run(None, feeds)
         np.testing.assert_array_equal(got_i, want_i)
         np.testing.assert_array_equal(got_v.view(np.uint32), want_v.view(np.uint32))
+
+
+def fp8_linear_model() -> bytes:
+    node = helper.make_node("Fp8Linear", ["X", "W", "WScale"], ["Y"], domain="csa2onnx")
+    graph = helper.make_graph(
+        [node], "fp8",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, None),
+         helper.make_tensor_value_info("W", TensorProto.FLOAT8E4M3FN, None),
+         helper.make_tensor_value_info("WScale", TensorProto.FLOAT, None)],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)])
+    return helper.make_model(graph, opset_imports=OPSETS).SerializeToString()
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 40, 32), (3, 1000, 1280), (70, 300, 2048),
+                                           (2, 33, 0), (0, 5, 64)])
+def test_fp8_linear_cuda_kernel_matches_cpu_kernel(m: int, n: int, k: int) -> None:
+    """Every bit (NaN for NaN), NaN rows and columns and every e4m3 code included."""
+    rng = np.random.default_rng(m * 7 + n + k)
+    x = (rng.standard_normal((m, k)) * np.exp2(rng.integers(-20, 20, (m, 1)))).astype(np.float32)
+    codes = rng.integers(0, 256, (n, k), dtype=np.uint8)
+    if m > 2 and k:
+        x[1, 0], x[2, k - 1] = np.nan, np.inf
+        codes[5, 3] = 0x7F
+    w_scale = np.exp2(rng.integers(-20, 4, (-(-n // 32), k // 32))).astype(np.float32)
+    feeds = {"X": ort.OrtValue.ortvalue_from_numpy(x),
+             "W": ort.OrtValue.ortvalue_from_numpy_with_onnx_type(codes,
+                                                                  TensorProto.FLOAT8E4M3FN),
+             "WScale": ort.OrtValue.ortvalue_from_numpy(w_scale)}
+    model = fp8_linear_model()
+    cpu = make_session(model).run_with_ort_values(["Y"], feeds)[0].numpy()
+    cuda = cuda_only_session(model).run_with_ort_values(["Y"], feeds)[0].numpy()
+    assert same(cuda, cpu)

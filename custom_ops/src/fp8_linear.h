@@ -60,7 +60,9 @@ struct Fp8 {
     const float a = fabsf(v);
     float q;
     if (a < 0x1p-6f) {
-      q = rintf(a * 512.0f) * 0x1p-9f;  // subnormal grid: multiples of 2^-9 (exact scaling)
+      // subnormal grid, multiples of 2^-9: a * 512 < 8, and adding then subtracting 2^23
+      // rounds it to an integer, nearest even (no libm call, vectorisable)
+      q = ((a * 512.0f + 0x1p23f) - 0x1p23f) * 0x1p-9f;
     } else {
       uint32_t b = bits_of(a);  // keep 3 mantissa bits, ties to even
       b = (b + 0x7FFFFu + ((b >> 20) & 1u)) & 0xFFF00000u;

@@ -6,17 +6,19 @@
 //
 // W is repacked into panels of 32 columns ([K][32] bytes, zero-padded), once when it is a
 // constant initializer, else on every call; a panel's columns share one WScale row. X is
-// quantised a chunk of rows at a time (xq as double). For each panel and K block the
-// 32x32 weight tile is converted to double once (e4m3 -> f16 bits -> float -> double,
-// all exact, values / 256) and reused by every row; rows x 32 columns accumulate the
-// block's 32 products in double, which is exact in any order (e4m3 products are multiples
-// of 2^-18 below 2^18, 32 of them need < 45 bits), so fused multiply-adds are exact too.
-// The block sum is rounded once to float and scaled in float, blocks in order: every
-// instruction-set path and every thread count gives the same bits. This file is compiled
-// with -ffp-contract=off: the float scaling must stay multiply, multiply, add.
+// quantised a chunk of rows at a time (xq kept as double). Per panel and K block, rows x 32
+// columns accumulate the block's 32 products in double, exact in any order (e4m3 products
+// are multiples of 2^-18 below 2^18, 32 of them need < 45 bits), so fused multiply-adds
+// are exact too; the sum is rounded once to float, then scaled and added in float, blocks
+// in order. Weights become doubles exactly: for groups of 6 rows the 32x32 tile is
+// converted once (e4m3 -> f16 bits -> float -> double) and shared; fewer rows (decode)
+// convert in registers (AVX512-VBMI byte permutes, or integer shifts, building the double's
+// bits directly). Every instruction-set path and thread count gives the same bits. This
+// file is compiled with -ffp-contract=off: the float scaling must stay multiply, multiply,
+// add.
 //
 // CSA_FP8_LINEAR_ISA (read when a session creates the kernel) forces a path for tests:
-// "avx512", "avx2" or "scalar".
+// "avx512", "avx2" or "scalar" ("avx512-novbmi": AVX-512 without the VBMI conversion).
 #include "ort_api.h"
 
 #include <cstdlib>
@@ -48,13 +50,12 @@ namespace {
 constexpr int64_t kBlock = Fp8::kBlock;   // K block of the scales, and panel width
 constexpr int64_t kChunkRows = 128;       // rows quantised and multiplied per pass over W
 constexpr int64_t kParallelWork = int64_t{1} << 17;  // M*N*K below which one thread runs it
-// Exact power-of-two scalings: quantised rows are stored as xq * 2^1000; tiles hold w / 256
-// (the f16 trick), so a tile sum is dot * 2^992; the AVX-512 code path builds doubles
-// holding w * 2^-1016 straight from the codes, so its sum is dot * 2^-16. Every product
-// stays a normal double (>= 2^-34), every sum below 2^1015.
+// Exact power-of-two scalings: quantised rows are stored as xq * 2^1000 and tiles as
+// w * 2^-1000 (the f16 trick gives w / 256, times 2^-992), so a tile sum is the dot itself;
+// the AVX-512 code path builds doubles holding w * 2^-1016 straight from the codes, so its
+// sum is dot * 2^-16. Every weight, product and sum stays a normal double.
 constexpr double kXScale = 0x1p1000;
-constexpr double kTileScale = 256.0;
-constexpr double kTileDot = 0x1p-992;
+constexpr double kTileFromF16 = 0x1p-992;
 constexpr double kCodeDot = 0x1p16;
 
 // Checks shapes and returns (M, N, K); everything is checked before any memory is touched.
@@ -120,7 +121,8 @@ struct PackedW {
 struct Lut {
   double v[256];
   Lut() {
-    for (int c = 0; c < 256; ++c) v[c] = static_cast<double>(Fp8::e4m3_value(uint8_t(c))) / kTileScale;
+    for (int c = 0; c < 256; ++c)
+      v[c] = static_cast<double>(Fp8::e4m3_value(uint8_t(c))) * 0x1p-1000;
   }
 };
 const Lut kLut;
@@ -130,9 +132,10 @@ void convert_tile_scalar(const uint8_t* src, double* dst) {
 }
 
 #ifdef CSA_X86
-// GCC 12 flags the intrinsics' own _mm*_undefined_* placeholders as maybe-uninitialized.
+// GCC 12 flags the intrinsics' own _mm*_undefined_* placeholders as (maybe-)uninitialized.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 // e4m3fn code c -> f16 bits (sext(c) << 7) & 0xBF80: sign to bit 15, exponent and mantissa
 // into the f16 fields (bias 15 instead of 7), so the f16 value is w / 256, subnormals
 // included; NaN codes give 1.875 and are overwritten at the end.
@@ -144,10 +147,11 @@ CSA_TARGET_AVX512 void convert_tile_avx512(const uint8_t* src, double* dst) {
     const __m512 f0 = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
     const __m512 f1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
     double* out = dst + k * kBlock;
-    _mm512_storeu_pd(out, _mm512_cvtps_pd(_mm512_castps512_ps256(f0)));
-    _mm512_storeu_pd(out + 8, _mm512_cvtps_pd(_mm512_extractf32x8_ps(f0, 1)));
-    _mm512_storeu_pd(out + 16, _mm512_cvtps_pd(_mm512_castps512_ps256(f1)));
-    _mm512_storeu_pd(out + 24, _mm512_cvtps_pd(_mm512_extractf32x8_ps(f1, 1)));
+    const __m512d fold = _mm512_set1_pd(kTileFromF16);
+    _mm512_storeu_pd(out, _mm512_mul_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(f0)), fold));
+    _mm512_storeu_pd(out + 8, _mm512_mul_pd(_mm512_cvtps_pd(_mm512_extractf32x8_ps(f0, 1)), fold));
+    _mm512_storeu_pd(out + 16, _mm512_mul_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(f1)), fold));
+    _mm512_storeu_pd(out + 24, _mm512_mul_pd(_mm512_cvtps_pd(_mm512_extractf32x8_ps(f1, 1)), fold));
   }
 }
 
@@ -161,10 +165,11 @@ CSA_TARGET_AVX2 void convert_tile_avx2(const uint8_t* src, double* dst) {
       const __m256 f0 = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
       const __m256 f1 = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
       double* out = dst + k * kBlock + half * 16;
-      _mm256_storeu_pd(out, _mm256_cvtps_pd(_mm256_castps256_ps128(f0)));
-      _mm256_storeu_pd(out + 4, _mm256_cvtps_pd(_mm256_extractf128_ps(f0, 1)));
-      _mm256_storeu_pd(out + 8, _mm256_cvtps_pd(_mm256_castps256_ps128(f1)));
-      _mm256_storeu_pd(out + 12, _mm256_cvtps_pd(_mm256_extractf128_ps(f1, 1)));
+      const __m256d fold = _mm256_set1_pd(kTileFromF16);
+      _mm256_storeu_pd(out, _mm256_mul_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(f0)), fold));
+      _mm256_storeu_pd(out + 4, _mm256_mul_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(f0, 1)), fold));
+      _mm256_storeu_pd(out + 8, _mm256_mul_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(f1)), fold));
+      _mm256_storeu_pd(out + 12, _mm256_mul_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(f1, 1)), fold));
     }
   }
 }
@@ -210,7 +215,7 @@ CSA_INLINE void rows_tile(const double* x, int64_t ldx, const double* tile, int6
     float* o = out + m * kBlock + c;
 #pragma GCC ivdep
     for (int j = 0; j < NT; ++j) {
-      const float dot = static_cast<float>(acc[m][j] * kTileDot);  // exact, then one rounding
+      const float dot = static_cast<float>(acc[m][j]);  // the exact sum, rounded once
       const float term = dot * scale;
       o[j] = o[j] + term;
     }
@@ -257,10 +262,11 @@ CSA_TARGET_AVX512 CSA_INLINE void codes_to_doubles_avx512(const uint8_t* src, __
                                      _mm512_set1_epi16(static_cast<short>(0xBF80)));
   const __m512 f0 = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
   const __m512 f1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
-  w[0] = _mm512_cvtps_pd(_mm512_castps512_ps256(f0));
-  w[1] = _mm512_cvtps_pd(_mm512_extractf32x8_ps(f0, 1));
-  w[2] = _mm512_cvtps_pd(_mm512_castps512_ps256(f1));
-  w[3] = _mm512_cvtps_pd(_mm512_extractf32x8_ps(f1, 1));
+  const __m512d fold = _mm512_set1_pd(kTileFromF16);  // w * 2^-1000, as in the tiles
+  w[0] = _mm512_mul_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(f0)), fold);
+  w[1] = _mm512_mul_pd(_mm512_cvtps_pd(_mm512_extractf32x8_ps(f0, 1)), fold);
+  w[2] = _mm512_mul_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(f1)), fold);
+  w[3] = _mm512_mul_pd(_mm512_cvtps_pd(_mm512_extractf32x8_ps(f1, 1)), fold);
 }
 
 // e4m3fn codes -> doubles holding w * 2^-1016 with integer operations only: the code's
@@ -277,18 +283,22 @@ CSA_TARGET_AVX512 CSA_INLINE void codes_to_scaled_doubles_avx512(const uint8_t* 
   }
 }
 
-// out[m][0..32) = out + float(acc[m] * dot_scale) * (xs[m] * ws), rows m < MR.
-template <int MR>
+// out[m][0..32) = out + float(acc[m] (* kCodeDot)) * (xs[m] * ws), rows m < MR.
+template <int MR, bool kScaled>
 CSA_TARGET_AVX512 CSA_INLINE void finish_avx512(const __m512d (&acc)[MR][4], const float* xs,
-                                                int64_t ldxs, float ws, double dot_scale,
-                                                float* out) {
-  const __m512d tile_scale = _mm512_set1_pd(dot_scale);
+                                                int64_t ldxs, float ws, float* out) {
+  const __m512d code_dot = _mm512_set1_pd(kCodeDot);
   for (int m = 0; m < MR; ++m) {
     const float scale_f = xs[m * ldxs] * ws;
     const __m512 scale = _mm512_set1_ps(scale_f);
     for (int h = 0; h < 2; ++h) {
-      const __m256 lo = _mm512_cvtpd_ps(_mm512_mul_pd(acc[m][2 * h], tile_scale));
-      const __m256 hi = _mm512_cvtpd_ps(_mm512_mul_pd(acc[m][2 * h + 1], tile_scale));
+      __m512d a_lo = acc[m][2 * h], a_hi = acc[m][2 * h + 1];
+      if (kScaled) {
+        a_lo = _mm512_mul_pd(a_lo, code_dot);
+        a_hi = _mm512_mul_pd(a_hi, code_dot);
+      }
+      const __m256 lo = _mm512_cvtpd_ps(a_lo);
+      const __m256 hi = _mm512_cvtpd_ps(a_hi);
       const __m512 dot = _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
       float* o = out + m * kBlock + 16 * h;
       _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), _mm512_mul_ps(dot, scale)));
@@ -312,7 +322,7 @@ CSA_TARGET_AVX512 CSA_INLINE void tile_rows_avx512(const double* x, int64_t ldx,
       for (int q = 0; q < 4; ++q) acc[m][q] = _mm512_fmadd_pd(xv, w[q], acc[m][q]);
     }
   }
-  finish_avx512<MR>(acc, xs, ldxs, ws, kTileDot, out);
+  finish_avx512<MR, false>(acc, xs, ldxs, ws, out);
 }
 
 // MR rows straight from the codes (decode, and rows left over from the tiles).
@@ -347,10 +357,82 @@ CSA_TARGET_AVX512 CSA_INLINE void code_rows_avx512(const double* x, int64_t ldx,
     for (int q = 0; q < 4; ++q)
       acc[m][q] = kSplit == 2 ? _mm512_add_pd(part[0][m][q], part[kSplit - 1][m][q])
                               : part[0][m][q];
-  finish_avx512<MR>(acc, xs, ldxs, ws, kIntegerCodes ? kCodeDot : kTileDot, out);
+  finish_avx512<MR, kIntegerCodes>(acc, xs, ldxs, ws, out);
 }
 
-template <bool kIntegerCodes>
+// AVX512-VBMI (Zen 4, Ice Lake and later): the same doubles as the integer path, built
+// with byte permutes, 64 codes (two k) at a time: byte 7 of each double is the code's sign
+// (code & 0x80), byte 6 its exponent and mantissa shifted up one (code + code), the rest 0.
+#define CSA_TARGET_AVX512_VBMI \
+  __attribute__((target("arch=x86-64-v4,avx512vbmi,prefer-vector-width=512")))
+
+bool cpu_has_vbmi() {
+#ifdef CSA_X86
+  return cpu_has_x86_64_v4() && __builtin_cpu_supports("avx512vbmi");
+#else
+  return false;
+#endif
+}
+
+struct VbmiIndex {  // for group q of 8 codes: their bytes 6 (from code + code) and 7 (sign)
+  alignas(64) uint8_t idx[8][64];
+  VbmiIndex() {
+    for (int q = 0; q < 8; ++q)
+      for (int j = 0; j < 64; ++j)
+        idx[q][j] = j % 8 == 6 ? uint8_t(8 * q + j / 8) : j % 8 == 7 ? uint8_t(64 + 8 * q + j / 8) : 0;
+  }
+};
+const VbmiIndex kVbmiIndex;
+
+template <int MR>
+CSA_TARGET_AVX512_VBMI __attribute__((noinline)) void code_rows_vbmi(
+    const double* x, int64_t ldx, const uint8_t* codes, const float* xs, int64_t ldxs, float ws,
+    float* out) {
+  constexpr int kSplit = MR <= 2 ? 2 : 1;  // as in code_rows_avx512
+  constexpr __mmask64 kTopBytes = 0xC0C0C0C0C0C0C0C0ull;
+  __m512d part[kSplit][MR][4];
+  for (int h = 0; h < kSplit; ++h)
+    for (int m = 0; m < MR; ++m)
+      for (int q = 0; q < 4; ++q) part[h][m][q] = _mm512_setzero_pd();
+  for (int64_t k0 = 0; k0 < kBlock; k0 += 2) {
+    const __m512i c = _mm512_loadu_si512(codes + k0 * kBlock);
+    const __m512i body = _mm512_add_epi8(c, c);
+    const __m512i sign = _mm512_and_si512(c, _mm512_set1_epi8(static_cast<char>(0x80)));
+    for (int h = 0; h < 2; ++h) {
+      __m512d w[4];
+      for (int q = 0; q < 4; ++q) {
+        const __m512i idx = _mm512_load_si512(kVbmiIndex.idx[4 * h + q]);
+        w[q] = _mm512_castsi512_pd(_mm512_maskz_permutex2var_epi8(kTopBytes, body, idx, sign));
+      }
+      for (int m = 0; m < MR; ++m) {
+        const __m512d xv = _mm512_set1_pd(x[m * ldx + k0 + h]);
+        for (int q = 0; q < 4; ++q)
+          part[h % kSplit][m][q] = _mm512_fmadd_pd(xv, w[q], part[h % kSplit][m][q]);
+      }
+    }
+  }
+  __m512d acc[MR][4];
+  for (int m = 0; m < MR; ++m)
+    for (int q = 0; q < 4; ++q)
+      acc[m][q] = kSplit == 2 ? _mm512_add_pd(part[0][m][q], part[kSplit - 1][m][q])
+                              : part[0][m][q];
+  finish_avx512<MR, true>(acc, xs, ldxs, ws, out);
+}
+
+enum class Conv { kF16, kInt, kVbmi };  // how the code path turns e4m3 codes into doubles
+
+template <int MR, Conv kConv>
+CSA_TARGET_AVX512 CSA_INLINE void code_rows(const double* x, int64_t ldx, const uint8_t* codes,
+                                            const float* xs, int64_t ldxs, float ws,
+                                            float* out) {
+  if (kConv == Conv::kVbmi) {
+    code_rows_vbmi<MR>(x, ldx, codes, xs, ldxs, ws, out);
+  } else {
+    code_rows_avx512<MR, kConv == Conv::kInt>(x, ldx, codes, xs, ldxs, ws, out);
+  }
+}
+
+template <Conv kConv>
 CSA_TARGET_AVX512 CSA_INLINE void task_avx512(const Job& j, size_t task) {
   constexpr int kTileRows = 6, kCodeRows = 4;
   const int64_t p = static_cast<int64_t>(task);
@@ -371,15 +453,14 @@ CSA_TARGET_AVX512 CSA_INLINE void task_avx512(const Job& j, size_t task) {
         tile_rows_avx512<kTileRows>(x + r * j.K, j.K, tile, xs + r * j.KB, j.KB, ws,
                                     buf + r * kBlock);
     }
-    constexpr bool I = kIntegerCodes;
+    constexpr Conv C = kConv;
     for (; r + kCodeRows <= j.rows; r += kCodeRows)
-      code_rows_avx512<kCodeRows, I>(x + r * j.K, j.K, codes, xs + r * j.KB, j.KB, ws,
-                                     buf + r * kBlock);
+      code_rows<kCodeRows, C>(x + r * j.K, j.K, codes, xs + r * j.KB, j.KB, ws, buf + r * kBlock);
     float* o = buf + r * kBlock;
     switch (j.rows - r) {
-      case 3: code_rows_avx512<3, I>(x + r * j.K, j.K, codes, xs + r * j.KB, j.KB, ws, o); break;
-      case 2: code_rows_avx512<2, I>(x + r * j.K, j.K, codes, xs + r * j.KB, j.KB, ws, o); break;
-      case 1: code_rows_avx512<1, I>(x + r * j.K, j.K, codes, xs + r * j.KB, j.KB, ws, o); break;
+      case 3: code_rows<3, C>(x + r * j.K, j.K, codes, xs + r * j.KB, j.KB, ws, o); break;
+      case 2: code_rows<2, C>(x + r * j.K, j.K, codes, xs + r * j.KB, j.KB, ws, o); break;
+      case 1: code_rows<1, C>(x + r * j.K, j.K, codes, xs + r * j.KB, j.KB, ws, o); break;
       default: break;
     }
   }
@@ -388,19 +469,48 @@ CSA_TARGET_AVX512 CSA_INLINE void task_avx512(const Job& j, size_t task) {
   for (int64_t r = 0; r < j.rows; ++r)
     for (int64_t c = 0; c < cols; ++c) j.y[r * j.N + n0 + c] = buf[r * kBlock + c];
 }
-CSA_TARGET_AVX512 void task_avx512_int(const Job& j, size_t t) { task_avx512<true>(j, t); }
-CSA_TARGET_AVX512 void task_avx512_f16(const Job& j, size_t t) { task_avx512<false>(j, t); }
+CSA_TARGET_AVX512 void task_avx512_vbmi(const Job& j, size_t t) { task_avx512<Conv::kVbmi>(j, t); }
+CSA_TARGET_AVX512 void task_avx512_int(const Job& j, size_t t) { task_avx512<Conv::kInt>(j, t); }
+CSA_TARGET_AVX512 void task_avx512_f16(const Job& j, size_t t) { task_avx512<Conv::kF16>(j, t); }
 CSA_TARGET_AVX2 void task_avx2(const Job& j, size_t t) {
   run_task<convert_tile_avx2, 2, 16, true>(j, t);
 }
 #pragma GCC diagnostic pop
 #endif
 
-enum class Isa { kScalar, kAvx2, kAvx512 };
+// act_quant of one row (xq stored as double times kXScale), compiled once per instruction
+// set: the same exact operations, the wider sets inline the rounding and vectorise.
+struct Quant {
+  const float* x;
+  double* xq;
+  float* xs;
+  int64_t K, KB;
+};
+
+CSA_INLINE void quantize_row_body(void* data, size_t row) {
+  const Quant& q = *static_cast<const Quant*>(data);
+  const int64_t r = static_cast<int64_t>(row);
+  for (int64_t kb = 0; kb < q.KB; ++kb) {
+    float v[kBlock];
+    q.xs[r * q.KB + kb] = Fp8::quantize_block(q.x + r * q.K + kb * kBlock, v);
+    for (int64_t i = 0; i < kBlock; ++i)
+      q.xq[r * q.K + kb * kBlock + i] = static_cast<double>(v[i]) * kXScale;
+  }
+}
+
+void quantize_row_scalar(void* data, size_t row) { quantize_row_body(data, row); }
+#ifdef CSA_X86
+CSA_TARGET_AVX512 void quantize_row_avx512(void* data, size_t row) {
+  quantize_row_body(data, row);
+}
+CSA_TARGET_AVX2 void quantize_row_avx2(void* data, size_t row) { quantize_row_body(data, row); }
+#endif
+
+enum class Isa { kScalar, kAvx2, kAvx512, kAvx512NoVbmi };
 
 bool cpu_has(Isa isa) {
   if (isa == Isa::kAvx2) return cpu_has_x86_64_v3();
-  if (isa == Isa::kAvx512) return cpu_has_x86_64_v4();
+  if (isa == Isa::kAvx512 || isa == Isa::kAvx512NoVbmi) return cpu_has_x86_64_v4();
   return true;
 }
 
@@ -412,6 +522,7 @@ Isa select_isa() {
     if (name == "scalar") isa = Isa::kScalar;
     else if (name == "avx2") isa = Isa::kAvx2;
     else if (name == "avx512") isa = Isa::kAvx512;
+    else if (name == "avx512-novbmi") isa = Isa::kAvx512NoVbmi;  // tests: the non-VBMI code
     else fail("CSA_FP8_LINEAR_ISA=\"" + name + "\" (expected avx512, avx2 or scalar)");
     if (!cpu_has(isa)) fail("CSA_FP8_LINEAR_ISA=" + name + " but this CPU does not support it");
     return isa;
@@ -488,8 +599,11 @@ struct Fp8LinearKernel {
 #ifdef CSA_X86
     // Subnormal doubles as inputs need denormals honoured (MXCSR DAZ clear, the default);
     // under DAZ the weights go through the f16 conversion, whose results are all normal.
-    if (isa == Isa::kAvx512)
-      call.task = (_mm_getcsr() & 0x40u) ? task_avx512_f16 : task_avx512_int;
+    if (isa == Isa::kAvx512 || isa == Isa::kAvx512NoVbmi) {
+      call.task = (_mm_getcsr() & 0x40u)                        ? task_avx512_f16
+                  : isa == Isa::kAvx512 && cpu_has_vbmi()       ? task_avx512_vbmi
+                                                                : task_avx512_int;
+    }
     if (isa == Isa::kAvx2) call.task = task_avx2;
 #endif
     const int64_t chunk = d.M < kChunkRows ? d.M : kChunkRows;
@@ -500,22 +614,12 @@ struct Fp8LinearKernel {
     const bool parallel = d.M * d.N * d.K >= kParallelWork;
     for (int64_t m0 = 0; m0 < d.M; m0 += chunk) {
       const int64_t rows = d.M - m0 < chunk ? d.M - m0 : chunk;
-      struct Quant {
-        const float* x;
-        double* xq;
-        float* xs;
-        int64_t K, KB;
-      } quant{xd + m0 * d.K, xq.data(), xs.data(), d.K, d.KB};
-      auto quantize_row = [](void* data, size_t row) {
-        const Quant& q = *static_cast<const Quant*>(data);
-        const int64_t r = static_cast<int64_t>(row);
-        for (int64_t kb = 0; kb < q.KB; ++kb) {
-          float v[kBlock];
-          q.xs[r * q.KB + kb] = Fp8::quantize_block(q.x + r * q.K + kb * kBlock, v);
-          for (int64_t i = 0; i < kBlock; ++i)
-            q.xq[r * q.K + kb * kBlock + i] = static_cast<double>(v[i]) * kXScale;
-        }
-      };
+      Quant quant{xd + m0 * d.K, xq.data(), xs.data(), d.K, d.KB};
+      void (*quantize_row)(void*, size_t) = quantize_row_scalar;
+#ifdef CSA_X86
+      if (isa == Isa::kAvx512 || isa == Isa::kAvx512NoVbmi) quantize_row = quantize_row_avx512;
+      if (isa == Isa::kAvx2) quantize_row = quantize_row_avx2;
+#endif
       if (rows * d.K >= (int64_t{1} << 16)) {
         context.ParallelFor(quantize_row, static_cast<size_t>(rows), 0, &quant);
       } else {
