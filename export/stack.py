@@ -21,7 +21,7 @@ from csa2onnx.export.artifacts import manifest_for, write_manifest
 from csa2onnx.export.config import AttentionConfig
 from csa2onnx.export.layer import AttentionLayer, Mode, Slots
 from csa2onnx.export.plan import StackPlan
-from csa2onnx.export.weights import LayerWeights, as_float32, check_layer
+from csa2onnx.export.weights import LayerWeights, check_layer
 from csa2onnx.graphs.numerics import Fp8Weight
 from csa2onnx.graphs.standalone import IR_VERSION, OPSET, check_parameter_names
 
@@ -109,13 +109,13 @@ def build_stack_model(plan: StackPlan, weights: dict[int, LayerWeights], mode: M
 
 def graph_weights(config: AttentionConfig, layer: int, weights: LayerWeights
                   ) -> dict[str, np.ndarray | Fp8Weight]:
-    """A layer's checked weights as the graphs take them: float32 arrays of the stored
-    values, except fp8 linears, which stay e4m3 with their block scales (Fp8Weight)."""
+    """A layer's checked weights as the graphs take them: in their stored dtypes (bf16
+    stays bf16, never an f32 copy), fp8 linears as e4m3 values with their block scales."""
     checked = check_layer(config, layer, weights)
     scales = {name.removesuffix(".scale") for name in checked if name.endswith(".scale")}
-    graph: dict[str, np.ndarray | Fp8Weight] = dict(as_float32(
-        {k: v for k, v in checked.items()
-         if not (k.endswith(".scale") or k.removesuffix(".weight") in scales)}))
+    graph: dict[str, np.ndarray | Fp8Weight] = {
+        k: v for k, v in checked.items()
+        if not (k.endswith(".scale") or k.removesuffix(".weight") in scales)}
     for base in scales:
         graph[f"{base}.weight"] = Fp8Weight(np.asarray(checked[f"{base}.weight"]),
                                             np.asarray(checked[f"{base}.scale"], np.float32))
@@ -138,7 +138,9 @@ def _share_identical_initializers(graph: ir.Graph) -> None:
     first: dict[tuple, ir.Value] = {}
     for name, value in list(graph.initializers.items()):
         tensor = value.const_value
-        key = (tensor.dtype, tuple(tensor.shape), hashlib.sha1(tensor.tobytes()).hexdigest())
+        data = tensor.numpy()  # hashed in place: no bytes copy of every weight
+        key = (tensor.dtype, tuple(tensor.shape),
+               hashlib.sha1(np.ascontiguousarray(data).view(np.uint8).data).hexdigest())
         keep = first.setdefault(key, value)
         if keep is not value:
             ir.convenience.replace_all_uses_with(value, keep)

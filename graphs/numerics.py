@@ -27,10 +27,11 @@ def round_bf16(op: OpBuilder, x: ir.Value) -> ir.Value:
 
 def weight(values: np.ndarray, dtype: ir.DataType) -> nn.Parameter:
     """A parameter stored as `dtype` (bf16 weights stay bf16 in the artifact)."""
-    if dtype == BFLOAT16:
-        data = np.asarray(values, np.float32).astype(ml_dtypes.bfloat16)
+    if dtype == BFLOAT16:  # stored bf16 arrays are taken as they are (no f32 detour)
+        data = (np.ascontiguousarray(values) if values.dtype == ml_dtypes.bfloat16
+                else np.asarray(values, np.float32).astype(ml_dtypes.bfloat16))
     else:
-        data = np.asarray(values, np.float32)
+        data = np.ascontiguousarray(values, np.float32)
     return nn.Parameter(data.shape, data=ir.tensor(data))
 
 
