@@ -25,6 +25,8 @@ from onnxscript import FLOAT, script
 from onnxscript import opset21 as op
 from onnxscript.values import Opset
 
+from csa2onnx.custom_ops.constants import SPARSE_ATTENTION_RUNNING_MAX_INIT
+
 csa2onnx = Opset("csa2onnx", 1)
 
 _E8M0_AMAX_FLOOR = 6.0 * 2.0**-126
@@ -115,7 +117,7 @@ def SparseAttention(Q: FLOAT, KV: FLOAT, Sink: FLOAT, Idx, softmax_scale: float)
                     op.Constant(value_float=0.0))
 
     neg_inf = op.Constant(value_float=float("-inf"))
-    init = op.Constant(value_float=-1e30)
+    init = op.Constant(value_float=SPARSE_ATTENTION_RUNNING_MAX_INIT)
     logits = op.MatMul(rows, op.Transpose(Q, perm=[0, 1, 3, 2]))
     logits = op.Mul(op.Transpose(logits, perm=[0, 1, 3, 2]),
                     op.Constant(value_float=softmax_scale))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
 
 import onnx_ir as ir
 from onnxscript import OpBuilder, nn
@@ -16,6 +15,7 @@ from onnxscript import OpBuilder, nn
 from csa2onnx.export.plan import LayerPlan, StackPlan
 from csa2onnx.export.weights import LayerWeights
 from csa2onnx.graphs.attention_q import QueryProjection, WindowKVProjection
+from csa2onnx.graphs.common import Mode
 from csa2onnx.graphs.compressor import Compressor
 from csa2onnx.graphs.indexer import CandidateConfig, Indexer
 from csa2onnx.graphs.kv_cache import cache_row_start, latent_to_cache_rows, write_rows
@@ -24,8 +24,6 @@ from csa2onnx.graphs.output import OutputProjection
 from csa2onnx.graphs.rope import RopeTables, layer_rope_params
 from csa2onnx.graphs.sparse_attn import sparse_attn
 from csa2onnx.graphs.window import window_decode, window_prefill
-
-Mode = Literal["prefill", "decode"]
 
 
 @dataclass

@@ -13,9 +13,9 @@ import onnx_ir as ir
 from onnxscript import OpBuilder
 
 from csa2onnx.custom_ops.ops import torch_topk
+from csa2onnx.graphs.common import NEG_INF
 from csa2onnx.graphs.numerics import FLOAT
 
-NEG_INF = float("-inf")
 POS_INF = float("inf")
 
 

@@ -10,15 +10,14 @@ RMSNorm'ed; RoPE and quantisation happen later (kv_cache.latent_to_cache_rows).
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import onnx_ir as ir
 from onnxscript import OpBuilder, nn
 
+from csa2onnx.graphs.common import Mode, scalar_i64
 from csa2onnx.graphs.numerics import INT64, Linear, LinearF32, RMSNorm, round_bf16
-
-Mode = Literal["prefill", "decode"]
 
 # What an empty state slot holds: kv 0 and a -inf score, so it gets zero softmax weight.
 KV_STATE_FILL = 0.0
@@ -33,11 +32,6 @@ class CompressorOutput(NamedTuple):
     positions: ir.Value
     kv_state: ir.Value | None
     score_state: ir.Value | None
-
-
-def scalar_i64(op: OpBuilder, value: ir.Value) -> ir.Value:
-    """An int64 scalar or [1] tensor as a [1] tensor (start_pos may arrive either way)."""
-    return op.Reshape(value, [1])
 
 
 class Compressor(nn.Module):

@@ -11,7 +11,7 @@ Two entry points, both through the module's __call__ (so parameter names get its
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import onnx_ir as ir
@@ -19,13 +19,10 @@ from onnxscript import OpBuilder, nn
 
 from csa2onnx.custom_ops.ops import torch_topk
 from csa2onnx.graphs.candidates import select_candidate_blocks
-from csa2onnx.graphs.compressor import scalar_i64
+from csa2onnx.graphs.common import NEG_INF, Mode, scalar_i64
 from csa2onnx.graphs.numerics import FLOAT, Linear, RMSNorm, Weight, linear, round_bf16, weight
 from csa2onnx.graphs.quant import fp4_e8m0
 from csa2onnx.graphs.rope import RopeParams, apply_rotary_emb, freqs_cis, rope_at
-
-Mode = Literal["prefill", "decode"]
-NEG_INF = float("-inf")
 
 
 @dataclass(frozen=True)
@@ -41,7 +38,7 @@ class CandidateConfig:
             raise ValueError(f"candidate topk_blocks and block_size must be > 0, got {self}")
 
 
-class IndexKeys(NamedTuple):
+class IndexKeyRows(NamedTuple):
     """An owner's new index keys [b, n, D]: after RoPE, and after the fp4 round trip (the
     rows written to its key cache)."""
 
@@ -62,6 +59,27 @@ class IndexerOutput(NamedTuple):
     q_rope_prequant: ir.Value
     q_rope: ir.Value
     raw_indices: ir.Value
+
+
+class IndexKeyProjection(nn.Module):
+    """An index-key owner's keys: k = RoPE(k_norm(wk(latent))) at the group positions, and
+    their fp4 (e8m0, block 32) round trip, the rows written to the index-key cache."""
+
+    def __init__(self, wk: np.ndarray, k_norm: np.ndarray, norm_eps: float,
+                 rope: RopeParams) -> None:
+        super().__init__()
+        self.wk = Linear(wk)
+        self.k_norm = RMSNorm(k_norm, norm_eps)
+        self.rope_head_dim = rope.rope_head_dim
+        cos, sin = freqs_cis(rope)
+        self.freqs_cos = weight(cos, FLOAT)
+        self.freqs_sin = weight(sin, FLOAT)
+
+    def forward(self, op: OpBuilder, latent: ir.Value, positions: ir.Value) -> IndexKeyRows:
+        cos, sin = rope_at(op, self.freqs_cos, self.freqs_sin, positions)
+        k = apply_rotary_emb(op, self.k_norm(op, self.wk(op, latent)), cos, sin,
+                             self.rope_head_dim)
+        return IndexKeyRows(k, fp4_e8m0(op, k))
 
 
 class Indexer(nn.Module):
@@ -113,19 +131,17 @@ class Indexer(nn.Module):
         self.wq_b = linear(wq_b)
         self.weights_proj = Linear(weights_proj)
         if wk is not None:
-            self.wk = Linear(wk)
-            self.k_norm = RMSNorm(k_norm, norm_eps)
+            self.key_projection = IndexKeyProjection(wk, k_norm, norm_eps, rope)
         self.owns_keys = wk is not None
         cos, sin = freqs_cis(rope)  # compress_rope_theta (+ YaRN) table of this layer
         self.freqs_cos = weight(cos, FLOAT)
         self.freqs_sin = weight(sin, FLOAT)
 
-    # Public entry points: route through __call__ so parameters are realised in scope.
-    def keys(self, op: OpBuilder, latent: ir.Value, positions: ir.Value) -> IndexKeys:
+    def keys(self, op: OpBuilder, latent: ir.Value, positions: ir.Value) -> IndexKeyRows:
         """latent [b, n, head_dim] (pre-RoPE, n may be 0), positions int64 [n]."""
         if not self.owns_keys:
             raise ValueError("keys() needs an index-key owner (built with wk and k_norm)")
-        return self(op, latent, positions, entry="keys")
+        return self.key_projection(op, latent, positions)
 
     def select(self, op: OpBuilder, x: ir.Value, qr: ir.Value, index_k: ir.Value, *,
                start_pos: ir.Value | None = None, candidates: ir.Value | None = None,
@@ -139,25 +155,16 @@ class Indexer(nn.Module):
             raise ValueError("start_pos is required in decode and not accepted in prefill")
         if self.uses_candidates != (candidates is not None):
             raise ValueError("candidates must be given exactly when uses_candidates is set")
-        return self(op, x, qr, index_k, start_pos, candidates, entry="select", mode=mode)
-
-    def forward(self, op: OpBuilder, *args: ir.Value | None, entry: str,
-                **kwargs: str) -> IndexKeys | IndexerOutput:
-        if entry == "keys":
-            return self._keys(op, *args)
-        return self._select(op, *args, **kwargs)
+        return self(op, x, qr, index_k, start_pos, candidates, mode=mode)
 
     def _rope(self, op: OpBuilder, x: ir.Value, positions: ir.Value) -> ir.Value:
         cos, sin = rope_at(op, self.freqs_cos, self.freqs_sin, positions)
         return apply_rotary_emb(op, x, cos, sin, self.rope_head_dim)
 
-    def _keys(self, op: OpBuilder, latent: ir.Value, positions: ir.Value) -> IndexKeys:
-        k = self._rope(op, self.k_norm(op, self.wk(op, latent)), positions)
-        return IndexKeys(k, fp4_e8m0(op, k))
-
-    def _select(self, op: OpBuilder, x: ir.Value, qr: ir.Value, index_k: ir.Value,
+    def forward(self, op: OpBuilder, x: ir.Value, qr: ir.Value, index_k: ir.Value,
                 start_pos: ir.Value | None, candidates: ir.Value | None, *,
                 mode: Mode) -> IndexerOutput:
+        """select(): called through __call__, so the parameters are realised in scope."""
         one = op.Constant(value_int=1)
         s = op.Slice(op.Shape(qr), [1], [2])
         start = op.Constant(value_ints=[0]) if mode == "prefill" else scalar_i64(op, start_pos)

@@ -6,10 +6,11 @@ from __future__ import annotations
 import onnx_ir as ir
 from onnxscript import OpBuilder
 
+from csa2onnx.custom_ops import constants
 from csa2onnx.custom_ops.ops import fp4_quant_dequant
 from csa2onnx.graphs.numerics import FLOAT, round_bf16
 
-FP8_BLOCK = 32
+FP8_BLOCK = constants.FP8_BLOCK
 FP8_MAX = 448.0
 FP4_INDEX_BLOCK = 32  # indexer q and k: e8m0 scales
 FP4_LATENT_BLOCK = 16  # compressed-KV latent: e4m3 scales

@@ -22,10 +22,11 @@ from __future__ import annotations
 import onnx_ir as ir
 from onnxscript import OpBuilder
 
+from csa2onnx.custom_ops.constants import SPARSE_ATTENTION_BLOCK, SPARSE_ATTENTION_RUNNING_MAX_INIT
 from csa2onnx.custom_ops.ops import sparse_attention
 
-BLOCK = 64  # the reference kernel's block of indices
-RUNNING_MAX_INIT = -1e30  # finite, so an all -1 row gives exp(sink + 1e30) = inf -> o = 0
+BLOCK = SPARSE_ATTENTION_BLOCK
+RUNNING_MAX_INIT = SPARSE_ATTENTION_RUNNING_MAX_INIT
 
 
 def sparse_attn(op: OpBuilder, q: ir.Value, kv: ir.Value, attn_sink: ir.Value,

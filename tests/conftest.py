@@ -1,68 +1,15 @@
-"""Shared fixtures: golden cases, onnxruntime sessions with the custom ops, and a report of
-golden comparisons (written to build/golden_report.json for closing notes)."""
+"""Shared fixtures: the golden comparison report and the upstream reference (helpers.py
+holds the plain helpers the test modules import)."""
 
 from __future__ import annotations
 
 import json
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 from types import ModuleType
 
-import numpy as np
-import onnx
 import pytest
-
-from csa2onnx.custom_ops import make_session
-from csa2onnx.export.goldens import Comparison, GoldenCase, compare, load_case
-
-ROOT = Path(__file__).resolve().parents[1]
-GOLDENS = ROOT / "goldens"
-REPORT = Path(__file__).resolve().parents[1] / "build" / "golden_report.json"
-CASES = ("case1_r2_r1", "case2_candidates", "case3_r4_r128")
-
-_cases: dict[str, GoldenCase] = {}
-
-
-def golden(name: str) -> GoldenCase:
-    """A golden case by name, loaded once per test session."""
-    if name not in _cases:
-        _cases[name] = load_case(GOLDENS / f"{name}.json")
-    return _cases[name]
-
-
-def every_step_and_layer(cases: tuple[str, ...] = CASES) -> list[tuple[str, str, int, int]]:
-    """(case, step, start_pos, layer) for every scheduled step and layer of the cases."""
-    params = []
-    for case in cases:
-        meta = json.loads((GOLDENS / f"{case}.json").read_text())
-        params += [(case, st["step"], st["start_pos"], layer) for st in meta["schedule"]
-                   for layer in range(len(meta["layer_roles"]))]
-    return params
-
-
-def run_model(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Run a model on the CPU with the custom ops registered; outputs by name."""
-    session = make_session(model.SerializeToString())
-    names = [o.name for o in session.get_outputs()]
-    return dict(zip(names, session.run(names, feeds), strict=True))
-
-
-class GoldenReport:
-    """Collects (case, component, array) -> comparison rows across the test session."""
-
-    def __init__(self) -> None:
-        self.rows: list[dict[str, object]] = []
-
-    def check(self, case: str, component: str, name: str, actual: np.ndarray,
-              expected: np.ndarray, *, exact: bool = False) -> Comparison:
-        result = compare(actual, expected, exact=exact)
-        self.rows.append({"case": case, "component": component, "array": name,
-                          "ok": result.ok, "exact": result.exact,
-                          "bit_identical": result.bit_identical,
-                          "max_abs_err": result.max_abs_err, "size": int(np.size(expected))})
-        assert result.ok, f"{case} {component} {name}: {result.detail}"
-        return result
+from helpers import REPORT, ROOT, GoldenReport
 
 
 @pytest.fixture(scope="session")

@@ -16,8 +16,8 @@ import ml_dtypes
 import numpy as np
 import onnx
 import pytest
+from helpers import CASES, GOLDENS, golden
 
-from conftest import CASES, GOLDENS, golden
 from csa2onnx.export.artifacts import read_manifest
 from csa2onnx.export.checkpoint import INDEX, SINGLE, CheckpointError, open_checkpoint
 from csa2onnx.export.cli import main

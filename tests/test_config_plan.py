@@ -8,8 +8,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from helpers import CASES, GOLDENS, golden
 
-from conftest import CASES, GOLDENS, golden
 from csa2onnx.export.config import AttentionConfig, ConfigError
 from csa2onnx.export.plan import plan_stack
 

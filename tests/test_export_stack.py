@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from helpers import GOLDENS, golden
 
-from conftest import GOLDENS, golden
 from csa2onnx.custom_ops import make_session
 from csa2onnx.export.cli import main as cli
 from csa2onnx.export.config import AttentionConfig

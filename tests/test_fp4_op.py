@@ -7,9 +7,9 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from helpers import GOLDENS
 from onnx import TensorProto, helper
 
-from conftest import GOLDENS
 from csa2onnx.custom_ops import make_session
 from csa2onnx.custom_ops.portable import fp4_function_proto
 from csa2onnx.custom_ops.reference import fp4_round_trip

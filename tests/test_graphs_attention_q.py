@@ -10,8 +10,8 @@ import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
+from helpers import every_step_and_layer, golden
 
-from conftest import every_step_and_layer, golden
 from csa2onnx.custom_ops import make_session
 from csa2onnx.graphs.attention_q import QueryProjection, WindowKVProjection
 from csa2onnx.graphs.rope import RopeParams, RopeTables, layer_rope_params, token_positions

@@ -9,8 +9,8 @@ from functools import cache
 import numpy as np
 import onnx
 import pytest
+from helpers import CASES, GOLDENS, golden, run_model
 
-from conftest import CASES, GOLDENS, golden, run_model
 from csa2onnx.graphs.candidates import select_candidate_blocks
 from csa2onnx.graphs.numerics import FLOAT, INT64
 from csa2onnx.graphs.standalone import build_model

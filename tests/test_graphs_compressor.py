@@ -10,8 +10,8 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
+from helpers import CASES, GOLDENS, golden, run_model
 
-from conftest import CASES, GOLDENS, golden, run_model
 from csa2onnx.graphs.compressor import Compressor
 from csa2onnx.graphs.kv_cache import cache_row_start, latent_to_cache_rows, write_rows
 from csa2onnx.graphs.numerics import FLOAT, INT64

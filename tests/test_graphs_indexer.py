@@ -11,8 +11,8 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
+from helpers import CASES, GOLDENS, golden, run_model
 
-from conftest import CASES, GOLDENS, golden, run_model
 from csa2onnx.export.goldens import GoldenCase, load_case
 from csa2onnx.graphs.indexer import CandidateConfig, Indexer
 from csa2onnx.graphs.numerics import FLOAT, INT64

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import CASES, GOLDENS, golden, run_model
 
-from conftest import CASES, GOLDENS, golden, run_model
 from csa2onnx.custom_ops.reference import fp8_act_quant, pow2_ceil
 from csa2onnx.graphs import numerics, quant, rope
 from csa2onnx.graphs.numerics import FLOAT

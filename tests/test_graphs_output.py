@@ -10,9 +10,9 @@ import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
+from helpers import every_step_and_layer, golden
 from test_graphs_attention_q import query_projection, window_kv_projection
 
-from conftest import every_step_and_layer, golden
 from csa2onnx.custom_ops import make_session
 from csa2onnx.graphs.numerics import INT64 as INT64_T
 from csa2onnx.graphs.output import OutputProjection

@@ -11,8 +11,8 @@ import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
+from helpers import CASES, GOLDENS, golden
 
-from conftest import CASES, GOLDENS, golden
 from csa2onnx.custom_ops import make_session
 from csa2onnx.export.goldens import compare
 from csa2onnx.graphs.sparse_attn import BLOCK, sparse_attn

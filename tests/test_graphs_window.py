@@ -10,8 +10,8 @@ import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
+from helpers import CASES, GOLDENS, golden
 
-from conftest import CASES, GOLDENS, golden
 from csa2onnx.custom_ops import make_session
 from csa2onnx.graphs.standalone import build_model
 from csa2onnx.graphs.window import window_decode, window_prefill
