@@ -20,7 +20,7 @@ from csa2onnx.custom_ops import make_session, session_options
 from csa2onnx.custom_ops.portable import portable_functions
 
 W_TYPES = {"bf16": TensorProto.BFLOAT16, "f32": TensorProto.FLOAT}
-ISAS = ("avx512", "avx2", "scalar", "reference")
+ISAS = ("avx512bf16", "avx512", "avx2", "scalar", "reference")
 Errors = (ort.capi.onnxruntime_pybind11_state.InvalidArgument,
           ort.capi.onnxruntime_pybind11_state.InvalidGraph,
           ort.capi.onnxruntime_pybind11_state.NotImplemented,
@@ -393,7 +393,7 @@ def test_unsupported_types_and_paths_are_clear_errors() -> None:
     with pytest.raises(Errors, match="TorchLinear"):  # no float16 kernel
         session_for(linear_model(TensorProto.FLOAT16))
     with pytest.raises(Errors, match=r"CSA_TORCH_LINEAR_ISA=\"sse9\" \(expected avx512, "
-                                     r"avx2, scalar or reference\)"):
+                                     r"avx2, scalar, reference or avx512bf16\)"):
         session_for(linear_model(TensorProto.FLOAT), "sse9")
 
 
