@@ -17,6 +17,7 @@
 // (reference_dot per output, single-threaded).
 #include "ort_api.h"
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
@@ -50,6 +51,10 @@ constexpr int64_t kPanel = 64;     // columns per packed panel
 constexpr int64_t kMaxRows = 48;   // rows per task of the fmaf tiles (a multiple of 6 and 2)
 constexpr int64_t kDpRows = 96;    // rows per task of the vdpbf16ps tiles (a multiple of 6)
 constexpr int64_t kParallelWork = int64_t{1} << 17;  // M*N*K below which one thread runs it
+
+// Calls that ran on vdpbf16ps: the tests read it (csa2onnx_torch_linear_dp_calls) to know
+// that a case they mean for that path did not quietly fall back to the fmaf tiles.
+std::atomic<uint64_t> dp_calls{0};
 
 // float32 W packed as ceil(N/64) panels of [K][64] (zero-padded columns).
 struct PackedF32 {
@@ -548,6 +553,7 @@ struct TorchLinearKernel {
           job.rows_per_task = kDpRows;
           job.row_blocks = (M + kDpRows - 1) / kDpRows;
           call.task = task_avx512bf16;
+          dp_calls.fetch_add(1, std::memory_order_relaxed);
         }
       }
     }
@@ -577,3 +583,7 @@ void AppendTorchLinearOps(std::vector<std::unique_ptr<Ort::Custom::OrtLiteCustom
 }
 
 }  // namespace csa
+
+extern "C" __attribute__((visibility("default"))) uint64_t csa2onnx_torch_linear_dp_calls() {
+  return csa::dp_calls.load(std::memory_order_relaxed);
+}
