@@ -4,16 +4,28 @@
 // Inputs X (float, [..., K], rank >= 1) and W (float or bfloat16, [N, K]); output Y (float,
 // [..., N]); no rounding to bf16 inside (the graph rounds where the reference does).
 //
-// W is packed into panels of 64 columns ([K][64], zero-padded, bf16 kept as bf16) once when
-// it is a constant initializer, else on every call. A tile of a few rows x 64 (AVX-512) or
-// 32 (AVX2) columns walks k in the order's sequence with the accumulators in registers,
-// vectorised over the columns: the order per output is the same whatever the tile or the
-// instruction set, so every path gives the same bits (fmaf is exact everywhere; the
-// default build calls libm's). This file is compiled with -ffp-contract=off: the compiler
-// must never fuse a multiply and an add that the order keeps apart.
+// W is packed into panels of 64 columns once when it is a constant initializer, else on
+// every call: float W as [K][64], bf16 W as [ceil(K/2)][64] k-pairs (w[k] | w[k+1] << 16,
+// the layout vdpbf16ps reads; the fmaf tiles widen a pair with a mask and a shift). That
+// packed copy is the only one the kernel keeps: 2 bytes a bf16 weight, 4 a float32 one,
+// plus the padding to 64 columns (and to an even K for bf16).
+//
+// Two kinds of tiles, every one giving the same bits:
+// - fmaf tiles (avx512: 6 rows x 64 columns, avx2: 2 x 32, scalar: 1 x 64): walk k in the
+//   order's sequence with float32 accumulators in registers, vectorised over the columns;
+//   the order per output is the same whatever the tile or the instruction set (fmaf is
+//   exact everywhere; the scalar build calls libm's).
+// - vdpbf16ps tiles (avx512bf16, bf16 W only; 6 rows x 64 columns, 96 rows a task): X is
+//   converted to bf16 k-pairs once per call, and one vdpbf16ps per 16 outputs does a
+//   kOneDnnPairs pair step. Exact only under a precondition checked per call (X bf16-exact,
+//   no denormal, inf or NaN, exponents that keep every product and partial sum normal and
+//   finite; see dp_is_exact); a call that fails it runs on the avx512 fmaf tiles.
+// This file is compiled with -ffp-contract=off: the compiler must never fuse a multiply and
+// an add that the order keeps apart.
 //
 // CSA_TORCH_LINEAR_ISA (or CSA2ONNX_ISA; read when a session creates the kernel) forces a
-// path for tests: "avx512", "avx2", "scalar" (the tiles without SIMD) or "reference"
+// path for tests: "avx512bf16" (the default where the CPU has AVX512_BF16; float W runs on
+// the avx512 tiles), "avx512", "avx2", "scalar" (the tiles without SIMD) or "reference"
 // (reference_dot per output, single-threaded).
 #include "ort_api.h"
 
