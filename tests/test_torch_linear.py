@@ -607,6 +607,14 @@ def test_avx512bf16_falls_back_where_vdpbf16ps_would_differ(dp_and_reference) ->
     w = bf16_values(rng, (n, k), (40, 57))
     x[:, 0], w[:, 0] = 1.5 * 2.0**56, 1.5 * 2.0**58  # one past the largest accepted
     case("exponent sum past the overflow bound", x, w)
+    # X is converted in groups of 32 rows, in parallel: a value in a late group counts too.
+    many = bf16_round(rng.standard_normal((300, k)).astype(np.float32))
+    assert_dp_matches_reference(dp_and_reference, many, w0, dp=True, msg="300 rows")
+    for row, value, msg in ((290, np.float32(1 + 2.0**-20), "row 290 not bf16"),
+                            (200, np.float32(2.0**-130), "denormal in row 200")):
+        x = many.copy()
+        x[row, 5] = value
+        case(msg, x)
 
 
 @needs_avx512bf16

@@ -419,6 +419,43 @@ CSA_TARGET_AVX512BF16 bool convert_x(const float* x, int64_t M, int64_t K, uint3
 }
 #pragma GCC diagnostic pop
 
+// convert_x over groups of rows in parallel: converting is M*K work against the product's
+// M*N*K, yet a few percent of a prefill call if one thread did it while the others wait.
+ExponentRange convert_rows(OrtKernelContext* ctx, const float* x, int64_t M, int64_t K,
+                           uint32_t* xb, bool& bf16_exact) {
+  constexpr int64_t kGroupRows = 32;
+  struct Part {
+    ExponentRange range;
+    bool exact = true;
+  };
+  struct Convert {
+    const float* x;
+    uint32_t* xb;
+    int64_t M, K;
+    std::vector<Part> parts;
+  } c{x, xb, M, K, std::vector<Part>(static_cast<size_t>((M + kGroupRows - 1) / kGroupRows))};
+  auto run = [](void* data, size_t g) {
+    Convert& c = *static_cast<Convert*>(data);
+    const int64_t m0 = static_cast<int64_t>(g) * kGroupRows;
+    const int64_t rows = c.M - m0 < kGroupRows ? c.M - m0 : kGroupRows;
+    Part& part = c.parts[g];
+    part.exact = convert_x(c.x + m0 * c.K, rows, c.K, c.xb + m0 * ((c.K + 1) / 2), part.range);
+  };
+  if (c.parts.size() > 1 && M * K >= (int64_t{1} << 18)) {
+    Ort::KernelContext(ctx).ParallelFor(run, c.parts.size(), 0, &c);
+  } else {
+    for (size_t g = 0; g < c.parts.size(); ++g) run(&c, g);
+  }
+  ExponentRange range;
+  for (const Part& part : c.parts) {
+    bf16_exact = bf16_exact && part.exact;
+    range.min = part.range.min < range.min ? part.range.min : range.min;
+    range.max = part.range.max > range.max ? part.range.max : range.max;
+    range.denormal = range.denormal || part.range.denormal;
+  }
+  return range;
+}
+
 // One chunk (pairs [p0, p1)) for MR rows x 64 columns: 4 x MR zmm accumulators from 0, one
 // vdpbf16ps per (row, 16 columns) and pair, then out += the chunk's sum (one vaddps, the
 // same rounding as the reference's out + acc). An odd last k has a zero partner in X and W:
@@ -558,9 +595,9 @@ struct TorchLinearKernel {
     if constexpr (kBf16) {
       if (isa == Isa::kAvx512Bf16) {
         xb.reset(new uint32_t[static_cast<size_t>(M * job.pairs)]);
-        ExponentRange x_range;
-        if (convert_x(xd, M, K, xb.get(), x_range) &&
-            dp_is_exact(x_range, packed->range, K)) {
+        bool bf16_exact = true;
+        const ExponentRange x_range = convert_rows(ctx, xd, M, K, xb.get(), bf16_exact);
+        if (bf16_exact && dp_is_exact(x_range, packed->range, K)) {
           job.xb = xb.get();
           job.rows_per_task = kDpRows;
           job.row_blocks = (M + kDpRows - 1) / kDpRows;
