@@ -38,7 +38,7 @@
 #include <type_traits>
 #include <vector>
 
-#ifdef __x86_64__
+#if defined(__x86_64__) || defined(__i386__)  // as CSA_X86 in simd.h
 #include <immintrin.h>
 #endif
 
