@@ -1,7 +1,8 @@
 """Benchmark the custom-op kernels against NumPy and torch (a script, not a test).
 
     python tools/bench_ops.py [--repeat 5] [--min-time 1.0] [--only linear|fp4|topk]
-        [--linear-m 1 256 1024] [--threads 2] [--baseline-library OLD.so]
+        [--linear-m 1 256 1024] [--linear-layers wq_a ...] [--threads 2]
+        [--baseline-library OLD.so]
 
 TorchLinear (bf16 weights, the released model's projections, X bf16-valued): GFLOP/s of the
 kernel's default path (vdpbf16ps where the CPU has AVX512_BF16), of its fmaf tiles
@@ -148,7 +149,7 @@ def interleaved_times(fns: dict[str, Callable[[], Any]], rounds: int,
 
 
 def bench_linear(ms: list[int], threads: int, rounds: int, min_time: float,
-                 baseline: str | None) -> None:
+                 baseline: str | None, layers: list[str] | None = None) -> None:
     """TorchLinear bf16 at the released model's shapes; prints one table."""
     import torch_reference  # tools/: whether torch here sums like the goldens' CPU
 
@@ -161,6 +162,8 @@ def bench_linear(ms: list[int], threads: int, rounds: int, min_time: float,
           f"{'GFLOP/s':>8} {'speed-up':>9}   {'best':>11} {'GFLOP/s':>8} {'speed-up':>9}")
     print(f"{'':<69}(speed-up: of the default path over this implementation)")
     for name, k, n in LINEAR_SHAPES:
+        if layers is not None and name not in layers:
+            continue
         w = rng.standard_normal((n, k)).astype(np.float32) * 0.02
         w_bf16 = torch.from_numpy(w).bfloat16()
         w_bits = w_bf16.view(torch.int16).numpy().view(np.uint16)
@@ -231,6 +234,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="run only these sections (repeatable; default: all)")
     parser.add_argument("--linear-m", type=int, nargs="+", default=[1, 256, 1024],
                         help="TorchLinear row counts (M)")
+    parser.add_argument("--linear-layers", nargs="+", default=None,
+                        choices=[name for name, _, _ in LINEAR_SHAPES], metavar="LAYER",
+                        help="TorchLinear layers to time (default: all of "
+                             f"{', '.join(name for name, _, _ in LINEAR_SHAPES)})")
     parser.add_argument("--threads", type=int, default=0,
                         help="threads for onnxruntime and torch (default: torch's count)")
     parser.add_argument("--baseline-library", default=None,
@@ -242,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
     if "linear" in sections:
-        bench_linear(args.linear_m, threads, args.repeat, args.min_time, args.baseline_library)
+        bench_linear(args.linear_m, threads, args.repeat, args.min_time, args.baseline_library,
+                     args.linear_layers)
         print()
     if not sections & {"fp4", "topk"}:
         return 0
