@@ -619,13 +619,14 @@ def test_avx512bf16_falls_back_where_vdpbf16ps_would_differ(dp_and_reference) ->
 
 @needs_avx512bf16
 def test_avx512bf16_thread_count_and_constant_weights(dp_and_reference) -> None:
-    """The default path on this CPU: 1 or 2 threads, fed or constant W, the same bits as the
-    reference; all on vdpbf16ps."""
+    """1 or 2 threads, constant W (packed once), the same bits as the reference; all on
+    vdpbf16ps."""
     rng = np.random.default_rng(23)
     w = bf16_round(rng.standard_normal((300, 1100)).astype(np.float32))
     ref = dp_and_reference[1]
     for threads in (1, 2):
-        const = session_for(linear_model(TensorProto.BFLOAT16, w), threads=threads)
+        const = session_for(linear_model(TensorProto.BFLOAT16, w), "avx512bf16",
+                            threads=threads)
         for m in (1, 4, 97, 250):
             x = bf16_round(rng.standard_normal((m, 1100)).astype(np.float32))
             before = dp_calls()

@@ -239,7 +239,7 @@ struct Job {
   int64_t rows_per_task, row_blocks, n_panels;
 };
 
-// A task's rows and output buffer; the buffer goes to Y once its panel is done.
+// A task's panel and rows; its tile writes them to a buffer that goes to Y at the end.
 struct TaskRows {
   int64_t panel, m0, rows;
 };
@@ -351,7 +351,7 @@ CSA_INLINE uint32_t ceil_log2(int64_t v) {
   return b;
 }
 
-bool dp_is_exact(const ExponentRange& x, const ExponentRange& w, int64_t K) {
+inline bool dp_is_exact(const ExponentRange& x, const ExponentRange& w, int64_t K) {
   if (x.denormal || w.denormal || x.max == 255 || w.max == 255) return false;
   if (K >= (int64_t{1} << 22)) return false;
   if (x.min + w.min < 254 - 112) return false;  // (ex_min-127) + (ew_min-127) >= -112
