@@ -78,9 +78,19 @@ def libm_cos_sin(angles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return cos, sin
 
 
+def torch_linear_dp_calls() -> int:
+    """How many TorchLinear calls in this process ran on the vdpbf16ps path (the tests check
+    that a case meant for it did not fall back to the fmaf tiles)."""
+    fn = ctypes.CDLL(str(library_path())).csa2onnx_torch_linear_dp_calls
+    fn.restype = ctypes.c_uint64
+    fn.argtypes = []
+    return int(fn())
+
+
 def cpu_isas() -> list[str]:
-    """The kernels' instruction-set paths this CPU runs ("avx512", "avx2", "scalar"): values
-    for CSA2ONNX_ISA, which forces every kernel onto one (all give the same bits)."""
+    """The kernels' instruction-set paths this CPU runs ("avx512bf16", "avx512", "avx2",
+    "scalar"): values for CSA2ONNX_ISA, which forces every kernel onto one (all give the same
+    bits; "avx512bf16" is TorchLinear's vdpbf16ps path, the other kernels' avx512 one)."""
     flags: set[str] = set()
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file():
@@ -90,4 +100,5 @@ def cpu_isas() -> list[str]:
                 break
     v3 = {"avx2", "fma", "bmi1", "bmi2", "f16c", "movbe"} <= flags
     v4 = v3 and {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"} <= flags
-    return ["avx512"] * v4 + ["avx2"] * v3 + ["scalar"]
+    bf16 = v4 and "avx512_bf16" in flags
+    return ["avx512bf16"] * bf16 + ["avx512"] * v4 + ["avx2"] * v3 + ["scalar"]

@@ -20,7 +20,7 @@ from csa2onnx.custom_ops import make_session, session_options
 from csa2onnx.custom_ops.portable import portable_functions
 
 W_TYPES = {"bf16": TensorProto.BFLOAT16, "f32": TensorProto.FLOAT}
-ISAS = ("avx512", "avx2", "scalar", "reference")
+ISAS = ("avx512bf16", "avx512", "avx2", "scalar", "reference")
 Errors = (ort.capi.onnxruntime_pybind11_state.InvalidArgument,
           ort.capi.onnxruntime_pybind11_state.InvalidGraph,
           ort.capi.onnxruntime_pybind11_state.NotImplemented,
@@ -393,7 +393,7 @@ def test_unsupported_types_and_paths_are_clear_errors() -> None:
     with pytest.raises(Errors, match="TorchLinear"):  # no float16 kernel
         session_for(linear_model(TensorProto.FLOAT16))
     with pytest.raises(Errors, match=r"CSA_TORCH_LINEAR_ISA=\"sse9\" \(expected avx512, "
-                                     r"avx2, scalar or reference\)"):
+                                     r"avx2, scalar, reference or avx512bf16\)"):
         session_for(linear_model(TensorProto.FLOAT), "sse9")
 
 
@@ -422,3 +422,224 @@ LARGE_K_SHAPES = [(2, 128, 5120), (7, 512, 1280), (64, 1024, 4096), (256, 128, 8
 def test_large_k_matches_torch_bit_for_bit(w_type: str) -> None:
     """K of the released model (1280, 4096, 5120, 8192)."""
     assert_matches_torch(w_type, LARGE_K_SHAPES, seed=14)
+
+
+# ------------------------------------------- the vdpbf16ps path (avx512bf16, bf16 weights)
+def has_avx512bf16() -> bool:
+    from csa2onnx.custom_ops.library import cpu_isas
+
+    return "avx512bf16" in cpu_isas()
+
+
+needs_avx512bf16 = pytest.mark.skipif(not has_avx512bf16(),
+                                      reason="this CPU has no AVX512_BF16")
+
+
+def dp_calls() -> int:
+    from csa2onnx.custom_ops.library import torch_linear_dp_calls
+
+    return torch_linear_dp_calls()
+
+
+def bf16_values(rng: np.random.Generator, shape: tuple[int, ...], exponents: tuple[int, int],
+                zeros: float = 0.0) -> np.ndarray:
+    """Random bf16 values (as float32): random sign and 7-bit mantissa, exponent uniform in
+    [lo, hi], a fraction `zeros` of them +0 or -0."""
+    lo, hi = exponents
+    sign = rng.integers(0, 2, shape).astype(np.uint32) << 31
+    exponent = (rng.integers(lo, hi + 1, shape) + 127).astype(np.uint32) << 23
+    mantissa = rng.integers(0, 128, shape).astype(np.uint32) << 16
+    v = (sign | exponent | mantissa).view(np.float32)
+    return np.where(rng.random(shape) < zeros, np.copysign(np.float32(0), v), v)
+
+
+def bf16_denormals(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    """Random nonzero bf16 denormals (m * 2^-133, m in 1..127, random sign) as float32."""
+    sign = rng.integers(0, 2, shape).astype(np.uint32) << 31
+    return (sign | (rng.integers(1, 128, shape).astype(np.uint32) << 16)).view(np.float32)
+
+
+@pytest.fixture(scope="module")
+def dp_and_reference() -> tuple[ort.InferenceSession, ort.InferenceSession]:
+    """(avx512bf16, reference) sessions with bf16 W fed as an input."""
+    if not has_avx512bf16():
+        pytest.skip("this CPU has no AVX512_BF16")
+    model = linear_model(TensorProto.BFLOAT16)
+    return session_for(model, "avx512bf16"), session_for(model, "reference")
+
+
+def assert_dp_matches_reference(sessions: tuple[ort.InferenceSession, ort.InferenceSession],
+                                x: np.ndarray, w: np.ndarray, *, dp: bool, msg: str) -> None:
+    """Bit for bit against the reference; `dp`: whether the call must run on vdpbf16ps (else
+    it must fall back to the fmaf tiles). NaN compares equal to NaN."""
+    fast, reference = sessions
+    before = dp_calls()
+    got = run(fast, x, w, "bf16")
+    assert dp_calls() - before == int(dp), f"{msg}: vdpbf16ps path {'not ' * dp}taken"
+    want = run(reference, x, w, "bf16")
+    nan = np.isnan(want)
+    np.testing.assert_array_equal(np.isnan(got), nan, err_msg=msg)
+    np.testing.assert_array_equal(bits(np.where(nan, 0, got)), bits(np.where(nan, 0, want)),
+                                  err_msg=msg)
+
+
+DP_SHAPES = [(m, n, k) for m in (1, 2, 3, 4, 5, 6, 7, 64, 65) for n, k in
+             ((17, 511), (65, 512), (63, 513), (130, 1023), (1, 1024), (64, 1025))] + [
+    (2, 70, 2047), (3, 129, 2048), (1, 40, 2049), (13, 65, 3001), (100, 200, 96), (97, 30, 33),
+    (12, 350, 1), (200, 5, 2), (49, 64, 4096)]  # (M, N, K): tiles, chunk edges, odd K
+
+
+@pytest.mark.parametrize(("m", "n", "k"), DP_SHAPES)
+def test_avx512bf16_matches_the_reference_bit_for_bit(dp_and_reference, m: int, n: int,
+                                                      k: int) -> None:
+    """bf16-valued X (the case the path is for): normals, and a wide exponent spread with
+    signed zeros (exponents -50..50 in X and W, every tenth value +-0)."""
+    rng = np.random.default_rng(m * 7919 + n * 31 + k)
+    x = bf16_round(rng.standard_normal((m, k)).astype(np.float32))
+    w = bf16_round(rng.standard_normal((n, k)).astype(np.float32))
+    dp = m * n * k > 4096  # smaller problems are torch's dot product: the reference runs them
+    assert_dp_matches_reference(dp_and_reference, x, w, dp=dp, msg=f"normal M={m} N={n} K={k}")
+    x = bf16_values(rng, (m, k), (-50, 50), zeros=0.1)
+    w = bf16_values(rng, (n, k), (-50, 50), zeros=0.1)
+    assert_dp_matches_reference(dp_and_reference, x, w, dp=dp, msg=f"wide M={m} N={n} K={k}")
+
+
+@needs_avx512bf16
+def test_avx512bf16_on_adversarial_sums(dp_and_reference) -> None:
+    """Cancellation down to the last bits (huge terms of both signs among small ones, as
+    torch's summation-tree probes), sums that land on float32 and bf16 ties, rows of -0 and
+    +0, and the tiniest exponents the path accepts (products 2^-112, partial sums down to
+    2^-126 by cancellation): all on vdpbf16ps, all bit for bit."""
+    rng = np.random.default_rng(21)
+    m, n, k = 7, 70, 1100
+    for trial in range(6):
+        x = bf16_round(rng.standard_normal((m, k)).astype(np.float32))
+        w = bf16_round(rng.standard_normal((n, k)).astype(np.float32))
+        big = rng.integers(0, k, (4,))
+        x[:, big] = np.float32(2.0**40) * np.sign(rng.standard_normal((m, 4))).astype(np.float32)
+        w[:, big] = np.float32(2.0**20)  # +-2^60 terms: the small ones survive only in order
+        assert_dp_matches_reference(dp_and_reference, x, w, dp=True, msg=f"probe {trial}")
+    # Ties: 1 + 2^-24 (+ 2^-24 ...) rounds to even at every step, and bf16-boundary sums.
+    x = np.ones((3, 1024), np.float32)
+    w = np.full((65, 1024), 2.0**-24, np.float32)
+    w[:, 0] = 1.0
+    w[1::2, 1::3] = 2.0**-8
+    assert_dp_matches_reference(dp_and_reference, x, w, dp=True, msg="ties")
+    # Signed zeros: rows of -0 times anything, +0 times -0, exact cancellations to 0.
+    x = np.full((5, 600), -0.0, np.float32)
+    x[1] = 0.0
+    x[2, :2] = (1.0, -1.0)
+    x[3] = bf16_values(rng, (600,), (-3, 3))
+    x[4] = -x[3]
+    w = bf16_values(rng, (66, 600), (-3, 3), zeros=0.3)
+    w[:3] = np.copysign(np.float32(0), w[:3])
+    w[3, :2] = (1.0, 1.0)
+    assert_dp_matches_reference(dp_and_reference, x, w, dp=True, msg="signed zeros")
+    # The smallest exponents accepted: ex_min + ew_min = -112.
+    x = bf16_values(rng, (6, 1030), (-56, -40))
+    w = bf16_values(rng, (64, 1030), (-56, -50))
+    x[:, 0], w[:, 0] = 2.0**-56, 2.0**-56
+    assert_dp_matches_reference(dp_and_reference, x, w, dp=True, msg="tiny exponents")
+    # The largest accepted: ex_max + ew_max + 3 + ceil(log2 K) = 127 (K = 1030: 11).
+    x = bf16_values(rng, (6, 1030), (40, 56))
+    w = bf16_values(rng, (64, 1030), (40, 57))
+    x[:, 0], w[:, 0] = 1.5 * 2.0**56, 1.5 * 2.0**57
+    assert_dp_matches_reference(dp_and_reference, x, w, dp=True, msg="huge exponents")
+
+
+@needs_avx512bf16
+def test_avx512bf16_falls_back_where_vdpbf16ps_would_differ(dp_and_reference) -> None:
+    """vdpbf16ps reads X as bf16 and flushes denormal inputs and results to zero (and an
+    overflowing product may be rounded before it is added); fmaf does none of that. Each such
+    call runs on the fmaf tiles instead, with the reference's bits. Forcing the path on them
+    changes the bits of the non-bf16 X, denormal and underflow cases (checked once by hand);
+    the exponent-bound cases are the precondition's edges, conservative on purpose."""
+    rng = np.random.default_rng(22)
+    m, n, k = 6, 80, 1030
+    x0 = bf16_round(rng.standard_normal((m, k)).astype(np.float32))
+    w0 = bf16_round(rng.standard_normal((n, k)).astype(np.float32))
+    assert_dp_matches_reference(dp_and_reference, x0, w0, dp=True, msg="control")
+
+    def case(msg: str, x: np.ndarray | None = None, w: np.ndarray | None = None) -> None:
+        assert_dp_matches_reference(dp_and_reference, x0 if x is None else x,
+                                    w0 if w is None else w, dp=False, msg=msg)
+
+    x = x0.copy()
+    x[3, 100] = np.nextafter(x[3, 100], np.float32(np.inf))  # one value not bf16-exact
+    case("one X value not bf16", x)
+    x = rng.standard_normal((m, k)).astype(np.float32)  # products need more than 16 bits
+    case("X not bf16", x)
+    x = x0.copy()
+    x[2] = bf16_denormals(rng, (k,))  # DAZ would read them as 0
+    case("denormal X", x)
+    w = w0.copy()
+    w[5] = bf16_denormals(rng, (k,))
+    case("denormal W", w=w)
+    # Products below 2^-126 (2^-64 * 2^-64): vdpbf16ps would flush them, fmaf keeps them.
+    case("underflowing products", bf16_values(rng, (m, k), (-64, -60)),
+         bf16_values(rng, (n, k), (-64, -60)))
+    # Normal products whose sum is a denormal: (1 + 2^-7) 2^-126 - 2^-126 = 2^-133.
+    x = np.zeros((m, k), np.float32)
+    w = np.zeros((n, k), np.float32)
+    x[:, 0], x[:, 1], w[:, :2] = (1 + 2.0**-7) * 2.0**-63, -(2.0**-63), 2.0**-63
+    case("denormal partial sum", x, w)
+    # One step past the smallest accepted exponent sum: ex_min + ew_min = -113.
+    x = bf16_values(rng, (m, k), (-56, -40))
+    w = bf16_values(rng, (n, k), (-56, -50))
+    x[0, 0], w[0, 0] = 2.0**-57, 2.0**-56
+    case("exponent sum -113", x, w)
+    # 2^64 * 2^64 overflows as a float32 product, while fmaf adds it exactly to the partial
+    # sum -2^127 (k = 1 comes first in the pair) and stays finite: 2^127. (This CPU's
+    # vdpbf16ps keeps the product exact too; the path does not rely on it.)
+    x = x0.copy()
+    w = w0.copy()
+    x[:, 0], w[:, 0] = 2.0**64, 2.0**64
+    x[:, 1], w[:, 1] = -(2.0**127), 1.0
+    case("overflowing product", x, w)
+    x = x0.copy()
+    x[1, 1] = np.inf
+    x[4, 2] = np.nan
+    case("inf and NaN in X", x)
+    w = w0.copy()
+    w[7, 3] = -np.inf
+    case("inf in W", w=w)
+    x = bf16_values(rng, (m, k), (40, 56))
+    w = bf16_values(rng, (n, k), (40, 57))
+    x[:, 0], w[:, 0] = 1.5 * 2.0**56, 1.5 * 2.0**58  # one past the largest accepted
+    case("exponent sum past the overflow bound", x, w)
+    # X is converted in groups of 32 rows, in parallel: a value in a late group counts too.
+    many = bf16_round(rng.standard_normal((300, k)).astype(np.float32))
+    assert_dp_matches_reference(dp_and_reference, many, w0, dp=True, msg="300 rows")
+    for row, value, msg in ((290, np.float32(1 + 2.0**-20), "row 290 not bf16"),
+                            (200, np.float32(2.0**-130), "denormal in row 200")):
+        x = many.copy()
+        x[row, 5] = value
+        case(msg, x)
+
+
+@needs_avx512bf16
+def test_avx512bf16_thread_count_and_constant_weights(dp_and_reference) -> None:
+    """1 or 2 threads, constant W (packed once), the same bits as the reference; all on
+    vdpbf16ps."""
+    rng = np.random.default_rng(23)
+    w = bf16_round(rng.standard_normal((300, 1100)).astype(np.float32))
+    ref = dp_and_reference[1]
+    for threads in (1, 2):
+        const = session_for(linear_model(TensorProto.BFLOAT16, w), "avx512bf16",
+                            threads=threads)
+        for m in (1, 4, 97, 250):
+            x = bf16_round(rng.standard_normal((m, 1100)).astype(np.float32))
+            before = dp_calls()
+            got = run(const, x)
+            assert dp_calls() == before + 1
+            np.testing.assert_array_equal(bits(got), bits(run(ref, x, w, "bf16")),
+                                          err_msg=f"threads={threads} M={m}")
+
+
+def test_avx512bf16_is_a_clear_error_where_the_cpu_lacks_it() -> None:
+    if has_avx512bf16():
+        session_for(linear_model(TensorProto.FLOAT), "avx512bf16")  # f32 W: the avx512 tiles
+        return
+    with pytest.raises(Errors, match="CSA_TORCH_LINEAR_ISA=avx512bf16 but this CPU does not "
+                                     "support it"):
+        session_for(linear_model(TensorProto.BFLOAT16), "avx512bf16")

@@ -1,6 +1,17 @@
 """Benchmark the custom-op kernels against NumPy and torch (a script, not a test).
 
-    python tools/bench_ops.py [--repeat 5] [--min-time 1.0]
+    python tools/bench_ops.py [--repeat 5] [--min-time 1.0] [--only linear|fp4|topk]
+        [--linear-m 1 256 1024] [--linear-layers wq_a ...] [--threads 2]
+        [--baseline-library OLD.so]
+
+TorchLinear (bf16 weights, the released model's projections, X bf16-valued): GFLOP/s of the
+kernel's default path (vdpbf16ps where the CPU has AVX512_BF16), of its fmaf tiles
+(CSA_TORCH_LINEAR_ISA=avx512, the path every CPU without AVX512_BF16 takes), of an older
+build of the library if --baseline-library names one, and of torch's F.linear on bf16
+tensors; every implementation's output is checked against the default path's (bit for bit;
+torch's bf16 result against the kernel's rounded to bf16, where torch sums like the goldens'
+CPU). The implementations are timed in turns, round after round, in one process (a shared
+machine's load then hits them alike), and each time is the median over the rounds.
 
     python tools/bench_ops.py --only fp8 [--fp8-rows 1,4,256,1024]   # Fp8Linear section only
 
@@ -38,6 +49,10 @@ from csa2onnx.custom_ops import make_session, session_options
 from csa2onnx.custom_ops.reference import fp4_round_trip, fp8_linear, round_bf16
 
 OPSETS = [helper.make_opsetid("", 21), helper.make_opsetid("csa2onnx", 1)]
+
+# The released model's bf16 projections, (name, K, N).
+LINEAR_SHAPES = [("wq_a", 5120, 1280), ("wq_b", 1280, 32768), ("wkv", 5120, 512),
+                 ("wo_b", 8192, 5120), ("wo_a group", 4096, 1024), ("indexer wq_b", 1280, 4096)]
 
 
 # ---------------------------------------------------------------- torch fp4 round trip
@@ -142,6 +157,113 @@ def bench_fp8_linear(rows: list[int], repeat: int, min_time: float, threads: int
                   flush=True)
 
 
+def linear_model(w_bits: np.ndarray) -> bytes:
+    """Y = TorchLinear(X, W) with W a constant bf16 initializer ([N, K] bf16 bits)."""
+    w = helper.make_tensor("W", TensorProto.BFLOAT16, w_bits.shape, w_bits.tobytes(), raw=True)
+    node = helper.make_node("TorchLinear", ["X", "W"], ["Y"], domain="csa2onnx")
+    graph = helper.make_graph(
+        [node], "linear", [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["m", "k"])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["m", "n"])], [w])
+    return helper.make_model(graph, opset_imports=OPSETS).SerializeToString()
+
+
+def linear_session(model: bytes, threads: int, isa: str | None = None,
+                   library: str | None = None) -> ort.InferenceSession:
+    """A session on `model`; `isa` forces TorchLinear's path (read when the kernel is made),
+    `library` registers another build of the custom-op library instead of this one."""
+    if library is None:
+        options = session_options(threads)
+    else:
+        options = ort.SessionOptions()
+        options.register_custom_ops_library(library)
+        options.intra_op_num_threads = threads
+    old = os.environ.pop("CSA_TORCH_LINEAR_ISA", None)
+    if isa is not None:
+        os.environ["CSA_TORCH_LINEAR_ISA"] = isa
+    try:
+        return make_session(model, options=options)
+    finally:
+        os.environ.pop("CSA_TORCH_LINEAR_ISA", None)
+        if old is not None:
+            os.environ["CSA_TORCH_LINEAR_ISA"] = old
+
+
+def interleaved_times(fns: dict[str, Callable[[], Any]], rounds: int,
+                      min_time: float) -> dict[str, tuple[float, float]]:
+    """(median, best) seconds per call of each function, timed in turns: every round calls
+    each function `calls` times (enough for about min_time / rounds seconds of the first
+    one). The best round is what the code does when the machine's other load leaves it
+    alone; the median, what it did."""
+    for fn in fns.values():
+        fn()  # warm-up
+    first = next(iter(fns.values()))
+    t0 = time.perf_counter()
+    first()
+    calls = max(1, int(min_time / rounds / max(time.perf_counter() - t0, 1e-6)))
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times[name].append((time.perf_counter() - t0) / calls)
+    return {name: (statistics.median(t), min(t)) for name, t in times.items()}
+
+
+def bench_linear(ms: list[int], threads: int, rounds: int, min_time: float,
+                 baseline: str | None, layers: list[str] | None = None) -> None:
+    """TorchLinear bf16 at the released model's shapes; prints one table."""
+    import torch_reference  # tools/: whether torch here sums like the goldens' CPU
+
+    exact_torch = torch_reference.torch_sums_like_goldens()
+    rng = np.random.default_rng(1)
+    print(f"TorchLinear, bf16 W, X bf16-valued; onnxruntime intra_op_num_threads={threads}, "
+          f"torch.set_num_threads({threads}); {os.cpu_count()} CPUs; median of {rounds} "
+          f"interleaved rounds; GFLOP/s = 2*M*N*K / time")
+    print(f"{'layer':<13} {'K':>5} {'N':>6} {'M':>5} {'implementation':<26} {'median':>11} "
+          f"{'GFLOP/s':>8} {'speed-up':>9}   {'best':>11} {'GFLOP/s':>8} {'speed-up':>9}")
+    print(f"{'':<69}(speed-up: of the default path over this implementation)")
+    for name, k, n in LINEAR_SHAPES:
+        if layers is not None and name not in layers:
+            continue
+        w = rng.standard_normal((n, k)).astype(np.float32) * 0.02
+        w_bf16 = torch.from_numpy(w).bfloat16()
+        w_bits = w_bf16.view(torch.int16).numpy().view(np.uint16)
+        model = linear_model(w_bits)
+        sessions = {"kernel (default path)": linear_session(model, threads),
+                    "kernel avx512 fmaf tiles": linear_session(model, threads, "avx512")}
+        if baseline:
+            sessions["kernel, baseline build"] = linear_session(model, threads, None, baseline)
+        for m in ms:
+            x_bf16 = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)).bfloat16()
+            x = x_bf16.float().numpy()
+            fns: dict[str, Callable[[], Any]] = {
+                impl: (lambda s=s_, feed=x: s.run(["Y"], {"X": feed}))
+                for impl, s_ in sessions.items()}
+            fns["torch F.linear bf16"] = (
+                lambda xb=x_bf16, wb=w_bf16: torch.nn.functional.linear(xb, wb))
+            want = sessions["kernel (default path)"].run(["Y"], {"X": x})[0]
+            for impl, s_ in sessions.items():
+                if not same_bits(s_.run(["Y"], {"X": x})[0], want):
+                    print(f"warning: {impl} differs from the default path", file=sys.stderr)
+            got_torch = torch.nn.functional.linear(x_bf16, w_bf16).float().numpy()
+            rounded = torch.from_numpy(want).bfloat16().float().numpy()
+            if exact_torch and not same_bits(got_torch, rounded):
+                print(f"warning: torch differs from the kernel ({name}, M={m})", file=sys.stderr)
+            times = interleaved_times(fns, rounds, min_time)
+            flops = 2.0 * m * n * k
+            default = times["kernel (default path)"]
+            for impl, (median, best) in times.items():
+                cells = []
+                for seconds, reference in ((median, default[0]), (best, default[1])):
+                    ratio = "" if impl == "kernel (default path)" else (
+                        f"x{seconds / reference:.2f}")
+                    cells.append(f"{seconds * 1e3:8.3f} ms {flops / seconds / 1e9:8.1f} "
+                                 f"{ratio:>9}")
+                print(f"{name:<13} {k:>5} {n:>6} {m:>5} {impl:<26} {cells[0]}   {cells[1]}",
+                      flush=True)
+
+
 def median_time(fn: Callable[[], Any], repeat: int, min_time: float) -> float:
     """Median seconds per call, after one warm-up call; at least `repeat` calls and
     `min_time` seconds in all."""
@@ -170,66 +292,85 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--min-time", type=float, default=1.0, help="seconds per measurement")
-    parser.add_argument("--only", choices=["all", "fp8"], default="all",
-                        help="fp8: only the Fp8Linear section")
+    parser.add_argument("--only", choices=["linear", "fp8", "fp4", "topk"], action="append",
+                        help="run only these sections (repeatable; default: all)")
+    parser.add_argument("--linear-m", type=int, nargs="+", default=[1, 256, 1024],
+                        help="TorchLinear row counts (M)")
+    parser.add_argument("--linear-layers", nargs="+", default=None,
+                        choices=[name for name, _, _ in LINEAR_SHAPES], metavar="LAYER",
+                        help="TorchLinear layers to time (default: all of "
+                             f"{', '.join(name for name, _, _ in LINEAR_SHAPES)})")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="threads for onnxruntime and torch (default: torch's count)")
+    parser.add_argument("--baseline-library", default=None,
+                        help="an older libcsa2onnx_ops.so to time TorchLinear against")
     parser.add_argument("--fp8-rows", default="1,4,256,1024",
                         help="comma-separated M for the Fp8Linear section")
     args = parser.parse_args(argv)
-    fp8_rows = [int(r) for r in args.fp8_rows.split(",")]
-    if args.only == "fp8":
-        bench_fp8_linear(fp8_rows, args.repeat, args.min_time)
-        return 0
+    sections = set(args.only or ["linear", "fp8", "fp4", "topk"])
+    if "fp8" in sections:
+        bench_fp8_linear([int(r) for r in args.fp8_rows.split(",")], args.repeat, args.min_time)
+        print()
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
+    if "linear" in sections:
+        bench_linear(args.linear_m, threads, args.repeat, args.min_time, args.baseline_library,
+                     args.linear_layers)
+        print()
+    if not sections & {"fp4", "topk"}:
+        return 0
     options = session_options(threads)
     rng = np.random.default_rng(0)
     rows: list[tuple[str, str, str, float, float, str]] = []
 
-    # Fp4QuantDequant: normals over several binades, as activations are.
-    x = (rng.standard_normal((4096, 4096)) *
-         np.exp2(rng.integers(-8, 8, (4096, 1)))).astype(np.float32)
-    xt = torch.from_numpy(x)
-    for block, fmt in ((32, "e8m0"), (16, "e4m3")):
-        session = make_session(fp4_model(block, fmt), options=options)
-        y, scale = session.run(None, {"X": x})
-        ref_y, ref_scale = fp4_round_trip(x, block, fmt)
-        t_y, t_scale = torch_fp4_round_trip(xt, block, fmt)
-        for name, (oy, os_) in (("numpy", (ref_y, ref_scale)),
-                                ("torch", (t_y.numpy(), t_scale.numpy()))):
-            if not (same_bits(oy, y) and same_bits(os_, scale)):
-                print(f"warning: {name} fp4 {fmt} differs from the kernel", file=sys.stderr)
-        label = f"Fp4QuantDequant {fmt} b{block}"
-        kernel = median_time(lambda s=session: s.run(None, {"X": x}), args.repeat, args.min_time)
-        impls = {
-            "onnxruntime kernel": kernel,
-            "numpy reference": median_time(lambda b=block, f=fmt: fp4_round_trip(x, b, f),
-                                           max(args.repeat // 2, 2), args.min_time),
-            "torch ops": median_time(lambda b=block, f=fmt: torch_fp4_round_trip(xt, b, f),
-                                     args.repeat, args.min_time),
-        }
-        for impl, seconds in impls.items():
-            rows.append((label, "[4096, 4096]", impl, seconds, x.size / seconds,
-                         "values/s"))
+    if "fp4" in sections:  # Fp4QuantDequant: normals over several binades, as activations are
+        x = (rng.standard_normal((4096, 4096)) *
+             np.exp2(rng.integers(-8, 8, (4096, 1)))).astype(np.float32)
+        xt = torch.from_numpy(x)
+        for block, fmt in ((32, "e8m0"), (16, "e4m3")):
+            session = make_session(fp4_model(block, fmt), options=options)
+            y, scale = session.run(None, {"X": x})
+            ref_y, ref_scale = fp4_round_trip(x, block, fmt)
+            t_y, t_scale = torch_fp4_round_trip(xt, block, fmt)
+            for name, (oy, os_) in (("numpy", (ref_y, ref_scale)),
+                                    ("torch", (t_y.numpy(), t_scale.numpy()))):
+                if not (same_bits(oy, y) and same_bits(os_, scale)):
+                    print(f"warning: {name} fp4 {fmt} differs from the kernel", file=sys.stderr)
+            label = f"Fp4QuantDequant {fmt} b{block}"
+            kernel = median_time(lambda s=session: s.run(None, {"X": x}), args.repeat,
+                                 args.min_time)
+            impls = {
+                "onnxruntime kernel": kernel,
+                "numpy reference": median_time(lambda b=block, f=fmt: fp4_round_trip(x, b, f),
+                                               max(args.repeat // 2, 2), args.min_time),
+                "torch ops": median_time(lambda b=block, f=fmt: torch_fp4_round_trip(xt, b, f),
+                                         args.repeat, args.min_time),
+            }
+            for impl, seconds in impls.items():
+                rows.append((label, "[4096, 4096]", impl, seconds, x.size / seconds,
+                             "values/s"))
 
-    # TorchTopK: plain float32 normals.
-    session = make_session(topk_model(), options=options)
-    for n_rows, n, k in ((1024, 4096, 512), (1, 1 << 20, 512)):
-        s = rng.standard_normal((n_rows, n)).astype(np.float32)
-        st = torch.from_numpy(s)
-        feeds = {"X": s, "K": np.array([k], np.int64)}
-        values, indices = session.run(None, feeds)
-        want_v, want_i = torch.topk(st, k, dim=-1, largest=True, sorted=True)
-        if not (np.array_equal(indices, want_i.numpy()) and same_bits(values, want_v.numpy())):
-            print("warning: TorchTopK differs from torch.topk", file=sys.stderr)
-        shape = f"[{n_rows}, {n}] k={k}"
-        impls = {
-            "onnxruntime kernel": median_time(lambda f=feeds: session.run(None, f), args.repeat,
-                                              args.min_time),
-            "torch.topk": median_time(lambda t=st, kk=k: torch.topk(t, kk, dim=-1), args.repeat,
-                                      args.min_time),
-        }
-        for impl, seconds in impls.items():
-            rows.append(("TorchTopK f32", shape, impl, seconds, n_rows / seconds, "rows/s"))
+    if "topk" in sections:  # TorchTopK: plain float32 normals
+        session = make_session(topk_model(), options=options)
+        for n_rows, n, k in ((1024, 4096, 512), (1, 1 << 20, 512)):
+            s = rng.standard_normal((n_rows, n)).astype(np.float32)
+            st = torch.from_numpy(s)
+            feeds = {"X": s, "K": np.array([k], np.int64)}
+            values, indices = session.run(None, feeds)
+            want_v, want_i = torch.topk(st, k, dim=-1, largest=True, sorted=True)
+            if not (np.array_equal(indices, want_i.numpy()) and same_bits(values, want_v.numpy())):
+                print("warning: TorchTopK differs from torch.topk", file=sys.stderr)
+            shape = f"[{n_rows}, {n}] k={k}"
+            impls = {
+                "onnxruntime kernel": median_time(lambda f=feeds: session.run(None, f), args.repeat,
+                                                  args.min_time),
+                "torch.topk": median_time(lambda t=st, kk=k: torch.topk(t, kk, dim=-1), args.repeat,
+                                          args.min_time),
+            }
+            for impl, seconds in impls.items():
+                rows.append(("TorchTopK f32", shape, impl, seconds, n_rows / seconds, "rows/s"))
 
     print(f"threads: onnxruntime intra_op_num_threads={threads} (= torch.get_num_threads()), "
           f"numpy single-threaded; {os.cpu_count()} CPUs; onnxruntime {ort.__version__}, "
@@ -245,8 +386,6 @@ def main(argv: list[str] | None = None) -> int:
             ratio = f"x{kernel_rate[op, shape] / per_s:7.2f}"
         print(f"{op:<28} {shape:<22} {impl:<20} {seconds * 1e3:8.2f} ms "
               f"{rate(per_s)}{unit:<9} {ratio}")
-    print()
-    bench_fp8_linear(fp8_rows, args.repeat, args.min_time)
     return 0
 
 

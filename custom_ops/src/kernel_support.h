@@ -51,37 +51,52 @@ inline std::string shape_string(const std::vector<int64_t>& shape) {
   return s + "]";
 }
 
-enum class Isa { kReference, kScalar, kAvx2, kAvx512 };
+// kAvx512Bf16: the AVX-512 path plus vdpbf16ps where the op has one (TorchLinear).
+enum class Isa { kReference, kScalar, kAvx2, kAvx512, kAvx512Bf16 };
 
 inline bool cpu_has(Isa isa) {
   if (isa == Isa::kAvx2) return cpu_has_x86_64_v3();
   if (isa == Isa::kAvx512) return cpu_has_x86_64_v4();
+  if (isa == Isa::kAvx512Bf16) return cpu_has_avx512bf16();
   return true;  // the reference and scalar paths run anywhere
 }
 
 // The instruction-set path a kernel takes, chosen when a session creates it: the op's own
 // variable (e.g. CSA_TORCH_LINEAR_ISA), else CSA2ONNX_ISA (every kernel), else the widest
 // this CPU has. Forcing a path is for tests: every path computes the same bits, which is
-// how csa2onnx gives the same outputs on every CPU. `reference` only where the op has one.
-inline Isa select_isa(const char* op_variable, bool has_reference = false) {
+// how csa2onnx gives the same outputs on every CPU. `reference` only where the op has one;
+// `avx512bf16` names the op's own variable only where the op has such a path, while
+// CSA2ONNX_ISA=avx512bf16 puts the ops without one on their avx512 path (one setting for a
+// whole model).
+inline Isa select_isa(const char* op_variable, bool has_reference = false,
+                      bool has_bf16 = false) {
   for (const char* variable : {op_variable, "CSA2ONNX_ISA"}) {
     const char* forced = std::getenv(variable);
     if (forced == nullptr || *forced == '\0') continue;
     const std::string name = forced;
-    const std::string choices = has_reference ? "avx512, avx2, scalar or reference"
-                                              : "avx512, avx2 or scalar";
+    const bool global = variable != op_variable;
+    std::string choices = "avx512, avx2";
+    choices += has_reference ? ", scalar, reference" : ", scalar";
+    choices += has_bf16 ? " or avx512bf16" : "";
+    if (!has_bf16) {
+      const size_t last_comma = choices.rfind(", ");
+      choices.replace(last_comma, 2, " or ");
+    }
     Isa isa;
     if (name == "reference" && has_reference) isa = Isa::kReference;
     else if (name == "scalar") isa = Isa::kScalar;
     else if (name == "avx2") isa = Isa::kAvx2;
     else if (name == "avx512") isa = Isa::kAvx512;
+    else if (name == "avx512bf16" && (has_bf16 || global))
+      isa = has_bf16 ? Isa::kAvx512Bf16 : Isa::kAvx512;
     else ORT_CXX_API_THROW(std::string(variable) + "=\"" + name + "\" (expected " + choices + ")",
                            ORT_INVALID_ARGUMENT);
-    if (!cpu_has(isa))
+    if (!cpu_has(isa) || (name == "avx512bf16" && !cpu_has(Isa::kAvx512Bf16)))
       ORT_CXX_API_THROW(std::string(variable) + "=" + name + " but this CPU does not support it",
                         ORT_INVALID_ARGUMENT);
     return isa;
   }
+  if (has_bf16 && cpu_has(Isa::kAvx512Bf16)) return Isa::kAvx512Bf16;
   if (cpu_has(Isa::kAvx512)) return Isa::kAvx512;
   if (cpu_has(Isa::kAvx2)) return Isa::kAvx2;
   return Isa::kScalar;

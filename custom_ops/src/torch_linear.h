@@ -31,7 +31,9 @@
 //
 // Both kinds are exact for float inputs: products of bf16 values are exact in float32,
 // and everything else is fmaf or a single float addition or multiplication. Not modelled:
-// vdpbf16ps flushes denormal inputs and results to zero (values below 2^-126).
+// vdpbf16ps flushes denormal inputs and results to zero (values below 2^-126). The op's
+// own vdpbf16ps path (torch_linear_op.cc) follows this definition, not torch, there: it
+// runs only on calls where no denormal can arise, the others go to the fmaf tiles.
 // This file is the definition: plain scalar C++, compiled with -ffp-contract=off (a fused
 // multiply-add where the order says multiply, then add, would change the result).
 #pragma once

@@ -4,23 +4,43 @@
 // Inputs X (float, [..., K], rank >= 1) and W (float or bfloat16, [N, K]); output Y (float,
 // [..., N]); no rounding to bf16 inside (the graph rounds where the reference does).
 //
-// W is packed into panels of 64 columns ([K][64], zero-padded, bf16 kept as bf16) once when
-// it is a constant initializer, else on every call. A tile of a few rows x 64 (AVX-512) or
-// 32 (AVX2) columns walks k in the order's sequence with the accumulators in registers,
-// vectorised over the columns: the order per output is the same whatever the tile or the
-// instruction set, so every path gives the same bits (fmaf is exact everywhere; the
-// default build calls libm's). This file is compiled with -ffp-contract=off: the compiler
-// must never fuse a multiply and an add that the order keeps apart.
+// W is packed into panels of 64 columns once when it is a constant initializer, else on
+// every call: float W as [K][64], bf16 W as [ceil(K/2)][64] k-pairs (w[k] | w[k+1] << 16,
+// the layout vdpbf16ps reads; the fmaf tiles widen a pair with a mask and a shift). That
+// packed copy is the only one the kernel keeps: 2 bytes a bf16 weight, 4 a float32 one,
+// plus the padding to 64 columns (and to an even K for bf16).
+//
+// Two kinds of tiles, every one giving the same bits:
+// - fmaf tiles (avx512: 6 rows x 64 columns, avx2: 2 x 32, scalar: 1 x 64): walk k in the
+//   order's sequence with float32 accumulators in registers, vectorised over the columns;
+//   the order per output is the same whatever the tile or the instruction set (fmaf is
+//   exact everywhere; the scalar build calls libm's).
+// - vdpbf16ps tiles (avx512bf16, bf16 W only; 6 rows x 64 columns, 96 rows a task): X is
+//   converted to bf16 k-pairs once per call, and one vdpbf16ps per 16 outputs does a
+//   kOneDnnPairs pair step. Exact only under a precondition checked per call (X bf16-exact,
+//   no denormal, inf or NaN, exponents that keep every product and partial sum normal and
+//   finite; see dp_is_exact); a call that fails it runs on the avx512 fmaf tiles.
+// This file is compiled with -ffp-contract=off: the compiler must never fuse a multiply and
+// an add that the order keeps apart.
 //
 // CSA_TORCH_LINEAR_ISA (or CSA2ONNX_ISA; read when a session creates the kernel) forces a
-// path for tests: "avx512", "avx2", "scalar" (the tiles without SIMD) or "reference"
+// path for tests: "avx512bf16" (the default where the CPU has AVX512_BF16; float W runs on
+// the avx512 tiles), "avx512", "avx2", "scalar" (the tiles without SIMD) or "reference"
 // (reference_dot per output, single-threaded).
 #include "ort_api.h"
 
+#include <atomic>
 #include <cstdlib>
+#include <cstring>
 #include <exception>
+#include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
+
+#if defined(__x86_64__) || defined(__i386__)  // as CSA_X86 in simd.h
+#include <immintrin.h>
+#endif
 
 #include "kernel_support.h"
 #include "torch_linear.h"
@@ -40,29 +60,82 @@ using torch_linear::Plan;
 }
 
 constexpr int64_t kPanel = 64;     // columns per packed panel
-constexpr int64_t kMaxRows = 48;   // rows per task (a multiple of every tile height)
+constexpr int64_t kMaxRows = 48;   // rows per task of the fmaf tiles (a multiple of 6 and 2)
+constexpr int64_t kDpRows = 96;    // rows per task of the vdpbf16ps tiles (a multiple of 6)
 constexpr int64_t kParallelWork = int64_t{1} << 17;  // M*N*K below which one thread runs it
 
-// W packed as ceil(N/64) panels of [K][64] (storage S: uint16_t bf16 bits, or float).
-template <typename S>
-struct PackedW {
-  int64_t n = -1, k = -1;
-  std::vector<S> data;
+// Calls that ran on vdpbf16ps: the tests read it (csa2onnx_torch_linear_dp_calls) to know
+// that a case they mean for that path did not quietly fall back to the fmaf tiles.
+std::atomic<uint64_t> dp_calls{0};
 
-  void pack(const S* w, int64_t N, int64_t K) {
+// float32 W packed as ceil(N/64) panels of [K][64] (zero-padded columns).
+struct PackedF32 {
+  int64_t n = -1, k = -1;
+  std::vector<float> data;
+
+  void pack(const float* w, int64_t N, int64_t K) {
     n = N;
     k = K;
     const int64_t panels = (N + kPanel - 1) / kPanel;
-    data.assign(static_cast<size_t>(panels * K * kPanel), S{});
+    data.assign(static_cast<size_t>(panels * K * kPanel), 0.0f);
     for (int64_t col = 0; col < N; ++col) {
-      S* dst = data.data() + (col / kPanel) * K * kPanel + col % kPanel;
-      const S* src = w + col * K;
+      float* dst = data.data() + (col / kPanel) * K * kPanel + col % kPanel;
+      const float* src = w + col * K;
       for (int64_t kk = 0; kk < K; ++kk) dst[kk * kPanel] = src[kk];
     }
   }
 };
 
-// ---- tiles: plain loops, inlined into each instruction-set wrapper and vectorised there ----
+// The exponents of a set of float32 or bf16 values, for the vdpbf16ps path's precondition
+// (dp_is_exact): the smallest and largest biased exponent of the nonzero values (no nonzero
+// value: min 255, max 0; inf and NaN have 255) and whether one is a denormal.
+struct ExponentRange {
+  uint32_t min = 255, max = 0;
+  bool denormal = false;
+};
+
+// bf16 W packed as ceil(N/64) panels of [ceil(K/2)][64] pairs: one uint32 per column and
+// k-pair, w[k] in the low half and w[k+1] in the high half (zero when K is odd). That is the
+// layout vdpbf16ps multiplies, and the fmaf tiles read it too (a mask and a shift widen a
+// pair), so the kernel keeps one copy of the weights: 2 bytes a weight plus the padding.
+struct PackedBf16 {
+  int64_t n = -1, k = -1;
+  std::vector<uint32_t> data;
+  ExponentRange range;
+
+  void pack(const uint16_t* w, int64_t N, int64_t K) {
+    n = N;
+    k = K;
+    const int64_t panels = (N + kPanel - 1) / kPanel, pairs = (K + 1) / 2;
+    data.assign(static_cast<size_t>(panels * pairs * kPanel), 0u);
+    range = ExponentRange{};
+    for (int64_t col = 0; col < N; ++col) {
+      uint32_t* dst = data.data() + (col / kPanel) * pairs * kPanel + col % kPanel;
+      const uint16_t* src = w + col * K;
+      for (int64_t kk = 0; kk < K; ++kk) {
+        const uint32_t e = (src[kk] >> 7) & 0xFFu;
+        if (src[kk] & 0x7FFFu) {
+          range.min = e < range.min ? e : range.min;
+          range.max = e > range.max ? e : range.max;
+          range.denormal |= e == 0;
+        }
+        dst[(kk / 2) * kPanel] |= static_cast<uint32_t>(src[kk]) << (16 * (kk % 2));
+      }
+    }
+  }
+};
+
+template <typename S> struct PackedFor;
+template <> struct PackedFor<float> { using Type = PackedF32; };
+template <> struct PackedFor<uint16_t> { using Type = PackedBf16; };
+
+// ---- fmaf tiles: plain loops, inlined into each instruction-set wrapper and vectorised there
+
+CSA_INLINE float float_of_bits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
 
 template <int MR, int NT>
 CSA_INLINE void seq_step(float (&acc)[MR][NT], const float* x, int64_t ldx, const float* wk,
@@ -74,35 +147,53 @@ CSA_INLINE void seq_step(float (&acc)[MR][NT], const float* x, int64_t ldx, cons
   }
 }
 
-// bf16 weights: widened once per k (a shift), then shared by the tile's rows.
 template <int MR, int NT>
-CSA_INLINE void seq_step(float (&acc)[MR][NT], const float* x, int64_t ldx, const uint16_t* wk,
-                         int64_t k) {
-  float wf[NT];
-#pragma GCC ivdep
-  for (int j = 0; j < NT; ++j) wf[j] = torch_linear::bf16_to_float(wk[j]);
-  seq_step<MR, NT>(acc, x, ldx, wf, k);
-}
-
-// One chunk [k0, k1) of kOneDnnPairs / kMklBlocked for rows [0, MR) x columns [0, NT):
-// fmaf chains from 0 in the order's sequence, then out += chunk sum.
-template <typename S, bool kPairs, int MR, int NT>
-CSA_INLINE void seq_tile(const float* x, int64_t ldx, const S* panel, int64_t k0, int64_t k1,
-                         float* out) {
-  float acc[MR][NT];
-  for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < NT; ++j) acc[m][j] = 0.0f;
-  int64_t k = k0;
-  if (kPairs) {
-    for (; k + 1 < k1; k += 2) {
-      seq_step<MR, NT>(acc, x, ldx, panel + (k + 1) * kPanel, k + 1);
-      seq_step<MR, NT>(acc, x, ldx, panel + k * kPanel, k);
-    }
-  }
-  for (; k < k1; ++k) seq_step<MR, NT>(acc, x, ldx, panel + k * kPanel, k);
+CSA_INLINE void add_tile(const float (&acc)[MR][NT], float* out) {
   for (int m = 0; m < MR; ++m)
 #pragma GCC ivdep
     for (int j = 0; j < NT; ++j) out[m * kPanel + j] = out[m * kPanel + j] + acc[m][j];
+}
+
+// One chunk [k0, k1) of kMklBlocked (float W, [K][64] panel) for rows [0, MR) x columns
+// [0, NT): a fmaf chain from 0 in k order, then out += the chunk's sum.
+template <int MR, int NT>
+CSA_INLINE void chain_tile(const float* x, int64_t ldx, const float* panel, int64_t k0,
+                           int64_t k1, float* out) {
+  float acc[MR][NT];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NT; ++j) acc[m][j] = 0.0f;
+  for (int64_t k = k0; k < k1; ++k) seq_step<MR, NT>(acc, x, ldx, panel + k * kPanel, k);
+  add_tile<MR, NT>(acc, out);
+}
+
+// One chunk [k0, k1) of kOneDnnPairs (bf16 W, pair panel; k0 even) for rows [0, MR) x
+// columns [0, NT): per pair the product of k+1 first, then that of k (each widened once from
+// the packed pair and shared by the rows), a last single k when k1 is odd; then out += sum.
+template <int MR, int NT>
+CSA_INLINE void pair_tile(const float* x, int64_t ldx, const uint32_t* panel, int64_t k0,
+                          int64_t k1, float* out) {
+  float acc[MR][NT];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NT; ++j) acc[m][j] = 0.0f;
+  float w0[NT], w1[NT];
+  int64_t k = k0;
+  for (; k + 1 < k1; k += 2) {
+    const uint32_t* wp = panel + (k / 2) * kPanel;
+#pragma GCC ivdep
+    for (int j = 0; j < NT; ++j) {
+      w1[j] = float_of_bits(wp[j] & 0xFFFF0000u);
+      w0[j] = float_of_bits(wp[j] << 16);
+    }
+    seq_step<MR, NT>(acc, x, ldx, w1, k + 1);
+    seq_step<MR, NT>(acc, x, ldx, w0, k);
+  }
+  if (k < k1) {
+    const uint32_t* wp = panel + (k / 2) * kPanel;
+#pragma GCC ivdep
+    for (int j = 0; j < NT; ++j) w0[j] = float_of_bits(wp[j] << 16);
+    seq_step<MR, NT>(acc, x, ldx, w0, k);
+  }
+  add_tile<MR, NT>(acc, out);
 }
 
 // kMklLanes for one row x columns [0, NT): separate multiply and add.
@@ -136,60 +227,83 @@ CSA_INLINE void lanes_tile(const float* x, const float* panel, int64_t K, int64_
   for (int j = 0; j < NT; ++j) out[j] = (l0[j] + l2[j]) + (l1[j] + l3[j]);
 }
 
-// ---- tasks: a block of up to kMaxRows rows x one panel ----
+// ---- tasks: a block of rows x one panel ----
 
 struct Job {
   Plan plan;
   const float* x;
-  const void* panels;  // PackedW data
+  const uint32_t* xb;  // the vdpbf16ps path: X as bf16 pairs, [M][pairs]
+  const void* panels;  // PackedF32 / PackedBf16 data
   float* y;
-  int64_t M, N, K;
-  int64_t row_blocks, n_panels;
+  int64_t M, N, K, pairs;
+  int64_t rows_per_task, row_blocks, n_panels;
 };
 
-template <typename S, bool kPairs, int MR, int NT>
-CSA_INLINE void seq_rows(const Job& j, const S* panel, int64_t m0, int64_t rows, float* buf) {
+// A task's panel and rows; its tile writes them to a buffer that goes to Y at the end.
+struct TaskRows {
+  int64_t panel, m0, rows;
+};
+
+CSA_INLINE TaskRows task_rows(const Job& j, size_t task) {
+  const int64_t t = static_cast<int64_t>(task);
+  const int64_t m0 = (t % j.row_blocks) * j.rows_per_task;
+  return {t / j.row_blocks, m0, j.M - m0 < j.rows_per_task ? j.M - m0 : j.rows_per_task};
+}
+
+CSA_INLINE void store_rows(const Job& j, const TaskRows& tr, const float* buf) {
+  const int64_t n0 = tr.panel * kPanel;
+  const int64_t cols = j.N - n0 < kPanel ? j.N - n0 : kPanel;
+  for (int64_t r = 0; r < tr.rows; ++r)
+    std::memcpy(j.y + (tr.m0 + r) * j.N + n0, buf + r * kPanel,
+                static_cast<size_t>(cols) * sizeof(float));
+}
+
+template <bool kPairs, int MR, int NT>
+CSA_INLINE void seq_rows(const Job& j, const void* panel_data, int64_t m0, int64_t rows,
+                         float* buf) {
   for (int64_t k0 = 0; k0 < j.K; k0 += j.plan.chunk) {
     const int64_t k1 = k0 + j.plan.chunk < j.K ? k0 + j.plan.chunk : j.K;
     for (int64_t c = 0; c < kPanel; c += NT) {
+      auto tile = [&](auto mr, int64_t r) {
+        constexpr int R = decltype(mr)::value;
+        const float* x = j.x + (m0 + r) * j.K;
+        if constexpr (kPairs)
+          pair_tile<R, NT>(x, j.K, static_cast<const uint32_t*>(panel_data) + c, k0, k1,
+                           buf + r * kPanel + c);
+        else
+          chain_tile<R, NT>(x, j.K, static_cast<const float*>(panel_data) + c, k0, k1,
+                            buf + r * kPanel + c);
+      };
       int64_t r = 0;
-      for (; r + MR <= rows; r += MR)
-        seq_tile<S, kPairs, MR, NT>(j.x + (m0 + r) * j.K, j.K, panel + c, k0, k1,
-                                    buf + r * kPanel + c);
-      for (; r < rows; ++r)  // leftover rows, one at a time
-        seq_tile<S, kPairs, 1, NT>(j.x + (m0 + r) * j.K, j.K, panel + c, k0, k1,
-                                   buf + r * kPanel + c);
+      for (; r + MR <= rows; r += MR) tile(std::integral_constant<int, MR>{}, r);
+      for (; r < rows; ++r) tile(std::integral_constant<int, 1>{}, r);  // leftover rows
     }
   }
 }
 
 template <int MR, int NT, int LANES_NT>
 CSA_INLINE void run_task(const Job& j, size_t task, bool w_bf16) {
-  const int64_t p = static_cast<int64_t>(task) / j.row_blocks;
-  const int64_t m0 = (static_cast<int64_t>(task) % j.row_blocks) * kMaxRows;
-  const int64_t rows = j.M - m0 < kMaxRows ? j.M - m0 : kMaxRows;
+  const TaskRows tr = task_rows(j, task);
   alignas(64) float buf[kMaxRows * kPanel];
-  for (int64_t i = 0; i < rows * kPanel; ++i) buf[i] = 0.0f;
-  const int64_t offset = p * j.K * kPanel;
+  for (int64_t i = 0; i < tr.rows * kPanel; ++i) buf[i] = 0.0f;
   // plan_linear gives bf16 weights kOneDnnPairs (kTorchDot runs elsewhere) and float
   // weights kMklBlocked or kMklLanes.
   if (w_bf16) {
-    seq_rows<uint16_t, true, MR, NT>(j, static_cast<const uint16_t*>(j.panels) + offset, m0,
-                                     rows, buf);
+    const int64_t offset = tr.panel * j.pairs * kPanel;
+    seq_rows<true, MR, NT>(j, static_cast<const uint32_t*>(j.panels) + offset, tr.m0, tr.rows,
+                           buf);
   } else if (j.plan.order == Order::kMklBlocked) {
-    seq_rows<float, false, MR, NT>(j, static_cast<const float*>(j.panels) + offset, m0, rows,
-                                   buf);
+    const int64_t offset = tr.panel * j.K * kPanel;
+    seq_rows<false, MR, NT>(j, static_cast<const float*>(j.panels) + offset, tr.m0, tr.rows,
+                            buf);
   } else {
-    const float* panel = static_cast<const float*>(j.panels) + offset;
-    for (int64_t r = 0; r < rows; ++r)
+    const float* panel = static_cast<const float*>(j.panels) + tr.panel * j.K * kPanel;
+    for (int64_t r = 0; r < tr.rows; ++r)
       for (int64_t c = 0; c < kPanel; c += LANES_NT)
-        lanes_tile<LANES_NT>(j.x + (m0 + r) * j.K, panel + c, j.K, j.plan.head,
+        lanes_tile<LANES_NT>(j.x + (tr.m0 + r) * j.K, panel + c, j.K, j.plan.head,
                              buf + r * kPanel + c);
   }
-  const int64_t n0 = p * kPanel;
-  const int64_t cols = j.N - n0 < kPanel ? j.N - n0 : kPanel;
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) j.y[(m0 + r) * j.N + n0 + c] = buf[r * kPanel + c];
+  store_rows(j, tr, buf);
 }
 
 // Instruction-set wrappers (tiles sized so the accumulators stay in registers: AVX-512
@@ -204,14 +318,209 @@ CSA_TARGET_AVX2 void task_avx2(const Job& j, size_t task, bool w_bf16) {
 }
 #endif
 
-Isa select_isa() { return csa::select_isa("CSA_TORCH_LINEAR_ISA", /*has_reference=*/true); }
+// ---- the vdpbf16ps path (bf16 W, kOneDnnPairs) ----
+//
+// vdpbf16ps adds to each float32 lane i the product of bf16 elements 2i+1, then that of
+// elements 2i, rounding after each addition (round to nearest even, whatever MXCSR says):
+// with k = 2i that is kOneDnnPairs' pair step, two fmafs, because a product of two bf16
+// values is exact in float32. Checked bit for bit on an AMD EPYC (Zen 4) for random and
+// adversarial operands (signed zeros, cancellations, ties), and by the tests against the
+// reference path. It differs from fmaf in three ways, all ruled out by dp_is_exact before the
+// path runs: it reads denormal inputs as zero and flushes denormal results to zero; a
+// product that overflows (or underflows) is rounded before it is added, where fmaf keeps it
+// exact; and it takes X as bf16, where the op's X is float32.
+//
+// dp_is_exact(X, W, K): every X value is bf16-exact (checked while converting), and
+//   - no input is a denormal, inf or NaN;
+//   - no nonzero product or partial sum can fall below 2^-126: a bf16 value with exponent e
+//     is a multiple of 2^(e-7), so every product is a multiple of 2^(ex_min + ew_min - 14),
+//     and so is every sum of them rounded to float32 (rounding a multiple of 2^q gives a
+//     multiple of the result's ulp, which is >= 2^q when the value is not exact); hence
+//     ex_min + ew_min - 14 >= -126 keeps every nonzero intermediate normal;
+//   - nothing can overflow: |product| < 2^(ex_max + ew_max + 2), each partial sum is at
+//     most sum |products| * (1 + 2^-24)^(K + K/512) < 2 * K * that bound (K < 2^22), so
+//     ex_max + ew_max + 3 + ceil(log2 K) <= 127 keeps every value below 2^127.
+// Then every operation of both paths is exact or one correctly rounded float32 result of
+// the same operands, and the bits agree. Real activations and weights pass by far (the
+// exponent sums they need are beyond 2^-100 and 2^100); when a call fails the test it runs
+// on the fmaf tiles (avx512), same bits, only slower.
+
+CSA_INLINE uint32_t ceil_log2(int64_t v) {
+  uint32_t b = 0;
+  while ((int64_t{1} << b) < v) ++b;
+  return b;
+}
+
+inline bool dp_is_exact(const ExponentRange& x, const ExponentRange& w, int64_t K) {
+  if (x.denormal || w.denormal || x.max == 255 || w.max == 255) return false;
+  if (K >= (int64_t{1} << 22)) return false;
+  if (x.min + w.min < 254 - 112) return false;  // (ex_min-127) + (ew_min-127) >= -112
+  return x.max + w.max + 3 + ceil_log2(K) <= 254 + 127;
+}
+
+#ifdef CSA_X86
+// GCC 12's AVX-512 headers fill unused operands with a self-initialised _mm512_undefined_*,
+// which -Wuninitialized reports once inlined here (a known false positive).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+// Accumulates what convert_x checks of 16 float32 values (a lambda would not inherit the
+// function's target, so the intrinsics could not inline). Lanes a masked load left out are
+// 0 and change nothing.
+CSA_TARGET_AVX512BF16 CSA_INLINE void scan_x(__m512i u, __m512i& any_bits, __m512i& emin,
+                                             __m512i& emax) {
+  const __m512i magnitude = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF));
+  const __m512i e = _mm512_srli_epi32(magnitude, 23);
+  any_bits = _mm512_or_si512(any_bits, u);
+  emin = _mm512_mask_min_epu32(emin, _mm512_test_epi32_mask(magnitude, magnitude), emin, e);
+  emax = _mm512_max_epu32(emax, e);
+}
+
+// X ([M][K] float32) to bf16 pairs ([M][pairs], x[k] low, x[k+1] high, zero-padded) with the
+// exponent range of its nonzero values; false when a value is not bf16-exact (its low 16 bits
+// are not zero). 32 values a step: the pairs are the odd 16-bit words of two zmm.
+CSA_TARGET_AVX512BF16 bool convert_x(const float* x, int64_t M, int64_t K, uint32_t* xb,
+                                     ExponentRange& range) {
+  const int64_t pairs = (K + 1) / 2;
+  alignas(64) uint16_t odd[32];
+  for (int i = 0; i < 32; ++i) odd[i] = static_cast<uint16_t>(2 * i + 1);
+  const __m512i odd_words = _mm512_load_si512(odd);
+  __m512i any_bits = _mm512_setzero_si512(), emin = _mm512_set1_epi32(255),
+          emax = _mm512_setzero_si512();
+  for (int64_t m = 0; m < M; ++m) {
+    const float* row = x + m * K;
+    uint32_t* dst = xb + m * pairs;
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+      const __m512i a = _mm512_loadu_si512(row + k), b = _mm512_loadu_si512(row + k + 16);
+      scan_x(a, any_bits, emin, emax);
+      scan_x(b, any_bits, emin, emax);
+      _mm512_storeu_si512(dst + k / 2, _mm512_permutex2var_epi16(a, odd_words, b));
+    }
+    if (k < K) {
+      const int64_t rest = K - k;  // 1..31; an odd rest leaves a zero partner in the last pair
+      const __mmask16 in_a = rest >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << rest) - 1);
+      const __mmask16 in_b =
+          rest > 16 ? static_cast<__mmask16>((1u << (rest - 16)) - 1) : __mmask16{0};
+      const __m512i a = _mm512_maskz_loadu_epi32(in_a, row + k);
+      const __m512i b = _mm512_maskz_loadu_epi32(in_b, row + k + 16);
+      scan_x(a, any_bits, emin, emax);
+      scan_x(b, any_bits, emin, emax);
+      _mm512_mask_storeu_epi32(dst + k / 2, static_cast<__mmask16>((1u << ((rest + 1) / 2)) - 1),
+                               _mm512_permutex2var_epi16(a, odd_words, b));
+    }
+  }
+  range.min = _mm512_reduce_min_epu32(emin);
+  range.max = _mm512_reduce_max_epu32(emax);
+  range.denormal = range.min == 0;  // a nonzero value with exponent field 0
+  const __m512i low = _mm512_and_si512(any_bits, _mm512_set1_epi32(0xFFFF));
+  return _mm512_test_epi32_mask(low, low) == 0;
+}
+#pragma GCC diagnostic pop
+
+// convert_x over groups of rows in parallel: converting is M*K work against the product's
+// M*N*K, yet a few percent of a prefill call if one thread did it while the others wait.
+ExponentRange convert_rows(OrtKernelContext* ctx, const float* x, int64_t M, int64_t K,
+                           uint32_t* xb, bool& bf16_exact) {
+  constexpr int64_t kGroupRows = 32;
+  struct Part {
+    ExponentRange range;
+    bool exact = true;
+  };
+  struct Convert {
+    const float* x;
+    uint32_t* xb;
+    int64_t M, K;
+    std::vector<Part> parts;
+  } c{x, xb, M, K, std::vector<Part>(static_cast<size_t>((M + kGroupRows - 1) / kGroupRows))};
+  auto run = [](void* data, size_t g) {
+    Convert& c = *static_cast<Convert*>(data);
+    const int64_t m0 = static_cast<int64_t>(g) * kGroupRows;
+    const int64_t rows = c.M - m0 < kGroupRows ? c.M - m0 : kGroupRows;
+    Part& part = c.parts[g];
+    part.exact = convert_x(c.x + m0 * c.K, rows, c.K, c.xb + m0 * ((c.K + 1) / 2), part.range);
+  };
+  if (c.parts.size() > 1 && M * K >= (int64_t{1} << 18)) {
+    Ort::KernelContext(ctx).ParallelFor(run, c.parts.size(), 0, &c);
+  } else {
+    for (size_t g = 0; g < c.parts.size(); ++g) run(&c, g);
+  }
+  ExponentRange range;
+  for (const Part& part : c.parts) {
+    bf16_exact = bf16_exact && part.exact;
+    range.min = part.range.min < range.min ? part.range.min : range.min;
+    range.max = part.range.max > range.max ? part.range.max : range.max;
+    range.denormal = range.denormal || part.range.denormal;
+  }
+  return range;
+}
+
+// One chunk (pairs [p0, p1)) for MR rows x 64 columns: 4 x MR zmm accumulators from 0, one
+// vdpbf16ps per (row, 16 columns) and pair, then out += the chunk's sum (one vaddps, the
+// same rounding as the reference's out + acc). An odd last k has a zero partner in X and W:
+// its +0 product is added first, and acc + 0 == acc because acc, starting at +0, is never -0.
+template <int MR>
+CSA_TARGET_AVX512BF16 CSA_INLINE void dp_tile(const uint32_t* xb, int64_t ldxb,
+                                              const uint32_t* panel, int64_t p0, int64_t p1,
+                                              float* out) {
+  __m512 acc[MR][4];
+  for (int m = 0; m < MR; ++m)
+    for (int c = 0; c < 4; ++c) acc[m][c] = _mm512_setzero_ps();
+  for (int64_t p = p0; p < p1; ++p) {
+    const uint32_t* wp = panel + p * kPanel;
+    __m512bh w[4];
+    for (int c = 0; c < 4; ++c) w[c] = (__m512bh)_mm512_loadu_si512(wp + 16 * c);
+    for (int m = 0; m < MR; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(xb[m * ldxb + p]));
+      for (int c = 0; c < 4; ++c) acc[m][c] = _mm512_dpbf16_ps(acc[m][c], xv, w[c]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int c = 0; c < 4; ++c) {
+      float* o = out + m * kPanel + 16 * c;
+      _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), acc[m][c]));
+    }
+}
+
+CSA_TARGET_AVX512BF16 void task_avx512bf16(const Job& j, size_t task, bool) {
+  const TaskRows tr = task_rows(j, task);
+  alignas(64) float buf[kDpRows * kPanel];
+  for (int64_t i = 0; i < tr.rows * kPanel; ++i) buf[i] = 0.0f;
+  const uint32_t* panel = static_cast<const uint32_t*>(j.panels) + tr.panel * j.pairs * kPanel;
+  const uint32_t* xb = j.xb + tr.m0 * j.pairs;
+  for (int64_t k0 = 0; k0 < j.K; k0 += j.plan.chunk) {  // chunks are even but the last
+    const int64_t k1 = k0 + j.plan.chunk < j.K ? k0 + j.plan.chunk : j.K;
+    const int64_t p0 = k0 / 2, p1 = (k1 + 1) / 2;
+    int64_t r = 0;
+    for (; r + 6 <= tr.rows; r += 6)
+      dp_tile<6>(xb + r * j.pairs, j.pairs, panel, p0, p1, buf + r * kPanel);
+    switch (tr.rows - r) {
+      case 5: dp_tile<5>(xb + r * j.pairs, j.pairs, panel, p0, p1, buf + r * kPanel); break;
+      case 4: dp_tile<4>(xb + r * j.pairs, j.pairs, panel, p0, p1, buf + r * kPanel); break;
+      case 3: dp_tile<3>(xb + r * j.pairs, j.pairs, panel, p0, p1, buf + r * kPanel); break;
+      case 2: dp_tile<2>(xb + r * j.pairs, j.pairs, panel, p0, p1, buf + r * kPanel); break;
+      case 1: dp_tile<1>(xb + r * j.pairs, j.pairs, panel, p0, p1, buf + r * kPanel); break;
+      default: break;
+    }
+  }
+  store_rows(j, tr, buf);
+}
+#endif
+
+// avx512bf16 (the default where the CPU has it) runs float W on the avx512 tiles: MKL's
+// orders have no pair step for vdpbf16ps.
+Isa select_isa() {
+  return csa::select_isa("CSA_TORCH_LINEAR_ISA", /*has_reference=*/true, /*has_bf16=*/true);
+}
 
 // OrtT: the onnxruntime type of W (float or BFloat16_t); S: its storage.
 template <typename OrtT, typename S>
 struct TorchLinearKernel {
   static constexpr bool kBf16 = sizeof(S) == 2;
+  using Packed = typename PackedFor<S>::Type;
   Isa isa;
-  PackedW<S> constant_w;  // packed once when W is a constant initializer
+  Packed constant_w;  // packed once when W is a constant initializer
 
   TorchLinearKernel(const OrtApi*, const OrtKernelInfo* info) : isa(select_isa()) {
     require_node_io(info, "TorchLinear", 2, 1);
@@ -267,21 +576,36 @@ struct TorchLinearKernel {
       return;
     }
 
-    PackedW<S> per_call;
-    const PackedW<S>* packed = &constant_w;
+    Packed per_call;
+    const Packed* packed = &constant_w;
     if (constant_w.n != N || constant_w.k != K) {
       per_call.pack(wd, N, K);
       packed = &per_call;
     }
-    Job job{plan, xd, packed->data.data(), out, M, N, K, (M + kMaxRows - 1) / kMaxRows,
-            (N + kPanel - 1) / kPanel};
+    Job job{plan, xd, nullptr, packed->data.data(), out, M, N, K, (K + 1) / 2,
+            kMaxRows, (M + kMaxRows - 1) / kMaxRows, (N + kPanel - 1) / kPanel};
     struct Call {
       const Job* job;
       void (*task)(const Job&, size_t, bool);
     } call{&job, task_scalar};
 #ifdef CSA_X86
-    if (isa == Isa::kAvx512) call.task = task_avx512;
+    if (isa == Isa::kAvx512 || isa == Isa::kAvx512Bf16) call.task = task_avx512;
     if (isa == Isa::kAvx2) call.task = task_avx2;
+    std::unique_ptr<uint32_t[]> xb;
+    if constexpr (kBf16) {
+      if (isa == Isa::kAvx512Bf16) {
+        xb.reset(new uint32_t[static_cast<size_t>(M * job.pairs)]);
+        bool bf16_exact = true;
+        const ExponentRange x_range = convert_rows(ctx, xd, M, K, xb.get(), bf16_exact);
+        if (bf16_exact && dp_is_exact(x_range, packed->range, K)) {
+          job.xb = xb.get();
+          job.rows_per_task = kDpRows;
+          job.row_blocks = (M + kDpRows - 1) / kDpRows;
+          call.task = task_avx512bf16;
+          dp_calls.fetch_add(1, std::memory_order_relaxed);
+        }
+      }
+    }
 #endif
     // Tasks only compute into memory that exists; nothing in them can throw.
     auto run = [](void* data, size_t t) {
@@ -308,3 +632,7 @@ void AppendTorchLinearOps(std::vector<std::unique_ptr<Ort::Custom::OrtLiteCustom
 }
 
 }  // namespace csa
+
+extern "C" __attribute__((visibility("default"))) uint64_t csa2onnx_torch_linear_dp_calls() {
+  return csa::dp_calls.load(std::memory_order_relaxed);
+}
