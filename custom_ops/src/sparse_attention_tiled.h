@@ -1,0 +1,358 @@
+// The SparseAttention kernel: sparse_attention.h's `row` (the definition) restructured so
+// that all heads of a query share the work on one block of 64 indices, with every output
+// summed in exactly the definition's order (same bits on every path):
+//   - The block's valid rows are gathered once into a contiguous tile [64][ldt]; entries
+//     that are -1 are left out of the tile (the definition skips them in P @ V and masks
+//     their logits to -inf, so what they would compute never matters).
+//   - Logits: one tile of GV heads x J entries keeps its accumulators in registers,
+//     vectorised across heads (Q is transposed once per task to [d][GP]); each logit is its
+//     own chain over d in the definition's order (h >= 4: mkl_chunk chunks, a fmaf chain
+//     from 0 per chunk, chunk sums added to 0 in order; h <= 3: the 4-lane order). The
+//     loops over heads and entries only interleave independent chains.
+//   - Softmax, exp and the torch_sum order per head: the definition's scalar code.
+//   - P @ V: a tile of HB heads x EC columns of d in registers, vectorised across d; each
+//     output element is the definition's chain over the block's valid entries in order,
+//     then acc * alpha + chain.
+// Padding (heads up to GP, entries up to a multiple of 16, columns up to dp) computes
+// values nobody reads: each output's chain involves only its own head, entry and column.
+// Tile shapes come from a Cfg per instruction set, sized so the accumulators fit the
+// register file; plain loops, vectorised by the compiler inside each target wrapper
+// (compiled with -ffp-contract=off: nothing is fused that the order keeps apart).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "simd.h"
+#include "sparse_attention.h"
+
+#ifdef CSA_X86
+#include <immintrin.h>
+#endif
+
+// The templates below pass __m512/__m256 between inline functions compiled without AVX;
+// GCC warns that such calls would change the ABI, but every one of them is inlined into a
+// flatten wrapper that has the target, so no such call exists.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+
+namespace csa::sparse_attention::tiled {
+
+// Vector types: V::T holds V::W floats. fma is one rounding (vfmadd, or libm's fmaf
+// without SIMD), mul and add one each: the same values on every path. The AVX types' members
+// carry their target; the target wrappers are `flatten`, so that everything below is
+// inlined into them (a plain always_inline chain would have to inline an AVX intrinsic
+// into a function compiled without AVX, which GCC refuses).
+#ifdef CSA_X86
+struct VAvx512 {
+  using T = __m512;
+  static constexpr int W = 16;
+  CSA_TARGET_AVX512 static inline T zero() { return _mm512_setzero_ps(); }
+  CSA_TARGET_AVX512 static inline T load(const float* p) { return _mm512_loadu_ps(p); }
+  CSA_TARGET_AVX512 static inline void store(float* p, T v) { _mm512_storeu_ps(p, v); }
+  CSA_TARGET_AVX512 static inline T bcast(float x) { return _mm512_set1_ps(x); }
+  CSA_TARGET_AVX512 static inline T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+  CSA_TARGET_AVX512 static inline T mul(T a, T b) { return _mm512_mul_ps(a, b); }
+  CSA_TARGET_AVX512 static inline T add(T a, T b) { return _mm512_add_ps(a, b); }
+};
+struct VAvx2 {
+  using T = __m256;
+  static constexpr int W = 8;
+  CSA_TARGET_AVX2 static inline T zero() { return _mm256_setzero_ps(); }
+  CSA_TARGET_AVX2 static inline T load(const float* p) { return _mm256_loadu_ps(p); }
+  CSA_TARGET_AVX2 static inline void store(float* p, T v) { _mm256_storeu_ps(p, v); }
+  CSA_TARGET_AVX2 static inline T bcast(float x) { return _mm256_set1_ps(x); }
+  CSA_TARGET_AVX2 static inline T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+  CSA_TARGET_AVX2 static inline T mul(T a, T b) { return _mm256_mul_ps(a, b); }
+  CSA_TARGET_AVX2 static inline T add(T a, T b) { return _mm256_add_ps(a, b); }
+};
+#endif
+struct VScalar {
+  using T = float;
+  static constexpr int W = 1;
+  static inline T zero() { return 0.0f; }
+  static inline T load(const float* p) { return *p; }
+  static inline void store(float* p, T v) { *p = v; }
+  static inline T bcast(float x) { return x; }
+  static inline T fma(T a, T b, T c) { return __builtin_fmaf(a, b, c); }
+  static inline T mul(T a, T b) { return a * b; }
+  static inline T add(T a, T b) { return a + b; }
+};
+
+// Tile shapes per instruction set (accumulators in registers).
+// AVX-512 (32 zmm): logits 64 heads x 4 entries, 32 x 8 or 16 x 12... (16 accumulators),
+// 4-lane logits 16 heads x 4 entries x 4 lanes; P @ V 4 heads x 64 columns.
+#ifdef CSA_X86
+struct CfgAvx512 {
+  using V = VAvx512;
+  static constexpr int kPad = 16;  // heads and columns are padded to a multiple of this
+  static constexpr int kG1 = 64, kJ1 = 4, kG2 = 32, kJ2 = 8, kG3 = 16, kJ3 = 16;
+  static constexpr int kLaneJ = 4;
+  static constexpr int kPvHeads = 4, kPvCols = 64;
+};
+// AVX2 (16 ymm): 8 accumulators per tile.
+struct CfgAvx2 {
+  using V = VAvx2;
+  static constexpr int kPad = 8;
+  static constexpr int kG1 = 32, kJ1 = 2, kG2 = 16, kJ2 = 4, kG3 = 8, kJ3 = 8;
+  static constexpr int kLaneJ = 2;
+  static constexpr int kPvHeads = 2, kPvCols = 32;
+};
+#endif
+// Without SIMD: small tiles (fmaf is a libm call there; this path is for checking).
+struct CfgScalar {
+  using V = VScalar;
+  static constexpr int kPad = 4;
+  static constexpr int kG1 = 4, kJ1 = 4, kG2 = 4, kJ2 = 4, kG3 = 4, kJ3 = 4;
+  static constexpr int kLaneJ = 1;
+  static constexpr int kPvHeads = 4, kPvCols = 4;
+};
+
+// Entries are computed in groups of J (every J above divides this); the tile's rows past
+// the valid ones are zero.
+constexpr int64_t kRowPad = 16;
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// The shapes one task works with: heads [h0, h0 + g) of one query row.
+struct Shape {
+  int64_t g, gp;  // heads, padded
+  int64_t d, dp;  // head dim, padded
+  int64_t ldt;    // tile row stride: dp + 16, so that a column slice of 64 rows spreads over
+                  // the L1 cache's sets instead of aliasing at a 2 KiB stride
+};
+
+template <typename Cfg>
+inline Shape shape_of(int64_t g, int64_t d) {
+  const int64_t gp = round_up(g, Cfg::kPad), dp = round_up(d, Cfg::kPad);
+  return {g, gp, d, dp, dp + 16};
+}
+
+// Scratch for one task, in floats.
+inline int64_t scratch_floats(const Shape& s) {
+  return s.d * s.gp            // qT
+         + kBlock * s.ldt      // tile
+         + kBlock * s.gp       // logit sums [entry][head]
+         + kBlock              // one head's logits / p
+         + s.gp * kBlock       // bf16(p) of the valid entries [head][entry]
+         + s.gp * s.dp         // acc
+         + 3 * s.gp;           // m, total, alpha
+}
+
+// One chunk [e0, e1) of the h >= 4 order for GV heads x J entries: fmaf chains from 0,
+// then sum += chain (sum: [J][ldl]).
+template <typename V, int GV, int J>
+inline void logit_chunk(const float* qt, int64_t ldq, const float* tile, int64_t ldt,
+                        int64_t e0, int64_t e1, float* sum, int64_t ldl) {
+  constexpr int NV = GV / V::W;
+  typename V::T acc[J][NV];
+  for (int j = 0; j < J; ++j)
+    for (int v = 0; v < NV; ++v) acc[j][v] = V::zero();
+  for (int64_t e = e0; e < e1; ++e) {
+    typename V::T qv[NV];
+    for (int v = 0; v < NV; ++v) qv[v] = V::load(qt + e * ldq + v * V::W);
+    for (int j = 0; j < J; ++j) {
+      const typename V::T kv = V::bcast(tile[j * ldt + e]);
+      for (int v = 0; v < NV; ++v) acc[j][v] = V::fma(qv[v], kv, acc[j][v]);
+    }
+  }
+  for (int j = 0; j < J; ++j)
+    for (int v = 0; v < NV; ++v) {
+      float* o = sum + j * ldl + v * V::W;
+      V::store(o, V::add(V::load(o), acc[j][v]));
+    }
+}
+
+// The h <= 3 order (kMklLanes) for GV heads x J entries over all of d: term e to lane 0
+// while e < head, then to lane (e - head) % 4, multiply then add; out = (l0 + l2) + (l1 + l3).
+template <typename V, int NV, int J>
+inline void lane_step(typename V::T (&lane)[J][NV], const float* qe, const float* tile,
+                      int64_t ldt, int64_t e) {
+  typename V::T qv[NV];
+  for (int v = 0; v < NV; ++v) qv[v] = V::load(qe + v * V::W);
+  for (int j = 0; j < J; ++j) {
+    const typename V::T kv = V::bcast(tile[j * ldt + e]);
+    for (int v = 0; v < NV; ++v) lane[j][v] = V::add(lane[j][v], V::mul(qv[v], kv));
+  }
+}
+
+template <typename V, int GV, int J>
+inline void logit_lanes(const float* qt, int64_t ldq, const float* tile, int64_t ldt,
+                        int64_t d, int64_t head, float* out, int64_t ldl) {
+  constexpr int NV = GV / V::W;
+  typename V::T l0[J][NV], l1[J][NV], l2[J][NV], l3[J][NV];
+  for (int j = 0; j < J; ++j)
+    for (int v = 0; v < NV; ++v) l0[j][v] = l1[j][v] = l2[j][v] = l3[j][v] = V::zero();
+  if (head > d) head = d;
+  int64_t e = 0;
+  for (; e < head; ++e) lane_step<V, NV, J>(l0, qt + e * ldq, tile, ldt, e);
+  for (; e + 4 <= d; e += 4) {
+    lane_step<V, NV, J>(l0, qt + e * ldq, tile, ldt, e);
+    lane_step<V, NV, J>(l1, qt + (e + 1) * ldq, tile, ldt, e + 1);
+    lane_step<V, NV, J>(l2, qt + (e + 2) * ldq, tile, ldt, e + 2);
+    lane_step<V, NV, J>(l3, qt + (e + 3) * ldq, tile, ldt, e + 3);
+  }
+  if (e < d) lane_step<V, NV, J>(l0, qt + e * ldq, tile, ldt, e);
+  if (e + 1 < d) lane_step<V, NV, J>(l1, qt + (e + 1) * ldq, tile, ldt, e + 1);
+  if (e + 2 < d) lane_step<V, NV, J>(l2, qt + (e + 2) * ldq, tile, ldt, e + 2);
+  for (int j = 0; j < J; ++j)
+    for (int v = 0; v < NV; ++v)
+      V::store(out + j * ldl + v * V::W,
+               V::add(V::add(l0[j][v], l2[j][v]), V::add(l1[j][v], l3[j][v])));
+}
+
+// Logit sums for heads [g0, g0 + GV) x the padded entries [0, nvp), chunk [e0, e1).
+template <typename V, int GV, int J>
+inline void logit_heads(const Shape& s, const float* qt, const float* tile, int64_t nvp,
+                        int64_t g0, int64_t e0, int64_t e1, float* sum) {
+  for (int64_t j = 0; j < nvp; j += J)
+    logit_chunk<V, GV, J>(qt + g0, s.gp, tile + j * s.ldt, s.ldt, e0, e1, sum + j * s.gp + g0,
+                          s.gp);
+}
+
+// P @ V for heads [0, HB) x columns [e0, e0 + EC): pb [HB][64] (valid entries in order),
+// acc [HB][dp]: blk = chain over the entries (fmaf, or multiply then add), then
+// acc = acc * alpha + blk.
+template <typename V, int HB, int EC, bool kFma>
+inline void pv_tile(const float* pb, const float* tile, int64_t ldt, int64_t nv, int64_t e0,
+                    const float* alpha, float* acc, int64_t dp) {
+  constexpr int NV = EC / V::W;
+  typename V::T blk[HB][NV];
+  for (int i = 0; i < HB; ++i)
+    for (int v = 0; v < NV; ++v) blk[i][v] = V::zero();
+  for (int64_t j = 0; j < nv; ++j) {
+    typename V::T r[NV];
+    for (int v = 0; v < NV; ++v) r[v] = V::load(tile + j * ldt + e0 + v * V::W);
+    for (int i = 0; i < HB; ++i) {
+      const typename V::T pv = V::bcast(pb[i * kBlock + j]);
+      for (int v = 0; v < NV; ++v)
+        blk[i][v] = kFma ? V::fma(pv, r[v], blk[i][v]) : V::add(blk[i][v], V::mul(pv, r[v]));
+    }
+  }
+  for (int i = 0; i < HB; ++i) {
+    const typename V::T a = V::bcast(alpha[i]);
+    for (int v = 0; v < NV; ++v) {
+      float* o = acc + i * dp + e0 + v * V::W;
+      V::store(o, V::add(V::mul(V::load(o), a), blk[i][v]));
+    }
+  }
+}
+
+template <typename Cfg, int EC, bool kFma>
+inline void pv_columns(const Shape& s, const float* pb, const float* tile, int64_t nv,
+                       int64_t e0, const float* alpha, float* acc) {
+  for (int64_t i = 0; i < s.gp; i += Cfg::kPvHeads)
+    pv_tile<typename Cfg::V, Cfg::kPvHeads, EC, kFma>(pb + i * kBlock, tile, s.ldt, nv, e0,
+                                                       alpha + i, acc + i * s.dp, s.dp);
+}
+
+// One task: heads [h0, h0 + s.g) of one query row. q: [h, d] of the row; kv: [n, d] of the
+// batch; idx: [k]; sink: [h]; out: [h, d] of the row. Indices already checked.
+template <typename Cfg, typename I>
+inline void task(const Problem& pr, const Shape& s, int64_t h0, const float* q,
+                        const float* kv, const I* idx, const float* sink, float* scratch,
+                        float* out) {
+  const int64_t d = s.d, dp = s.dp, gp = s.gp, g = s.g, k = pr.k, ldt = s.ldt;
+  float* qt = scratch;              // [d][gp]
+  float* tile = qt + d * gp;        // [64][ldt]
+  float* lsum = tile + kBlock * ldt;  // [64][gp]
+  float* li = lsum + kBlock * gp;   // [64]
+  float* pb = li + kBlock;          // [gp][64]
+  float* acc = pb + gp * kBlock;    // [gp][dp]
+  float* m = acc + gp * dp;         // [gp]
+  float* total = m + gp;            // [gp]
+  float* alpha = total + gp;        // [gp]
+
+  for (int64_t e = 0; e < d; ++e)
+    for (int64_t i = 0; i < gp; ++i) qt[e * gp + i] = i < g ? q[(h0 + i) * d + e] : 0.0f;
+  for (int64_t i = 0; i < gp * kBlock; ++i) pb[i] = 0.0f;
+  for (int64_t i = 0; i < gp * dp; ++i) acc[i] = 0.0f;
+  for (int64_t i = 0; i < gp; ++i) {
+    m[i] = kRunningMaxInit;
+    total[i] = 0.0f;
+    alpha[i] = 0.0f;
+  }
+  const bool blocked = pr.h >= 4;
+  const int64_t chunk = torch_linear::mkl_chunk(d);
+  const int64_t head = pr.h == 1 && d > 0 ? (d - 1) % 4 + 1 : 0;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+
+  for (int64_t j0 = 0; j0 < k; j0 += kBlock) {
+    const int64_t len = k - j0 < kBlock ? k - j0 : kBlock;
+    int pos[kBlock];  // block position of each valid entry, in order
+    int64_t nv = 0;
+    for (int64_t j = 0; j < len; ++j) {
+      const int64_t ix = static_cast<int64_t>(idx[j0 + j]);
+      if (ix < 0) continue;
+      pos[nv] = static_cast<int>(j);
+      float* t = tile + nv * ldt;
+      std::memcpy(t, kv + ix * d, static_cast<size_t>(d) * sizeof(float));
+      for (int64_t e = d; e < dp; ++e) t[e] = 0.0f;
+      ++nv;
+    }
+    if (nv == 0) continue;  // the definition skips a block with nothing in it
+    const int64_t nvp = round_up(nv, kRowPad);
+    for (int64_t j = nv; j < nvp; ++j)
+      for (int64_t e = 0; e < dp; ++e) tile[j * ldt + e] = 0.0f;
+
+    // logit sums [entry][head]
+    if (blocked) {
+      for (int64_t i = 0; i < nvp * gp; ++i) lsum[i] = 0.0f;
+      for (int64_t e0 = 0; e0 < d; e0 += chunk) {
+        const int64_t e1 = e0 + chunk < d ? e0 + chunk : d;
+        int64_t g0 = 0;
+        for (; g0 + Cfg::kG1 <= gp; g0 += Cfg::kG1)
+          logit_heads<typename Cfg::V, Cfg::kG1, Cfg::kJ1>(s, qt, tile, nvp, g0, e0, e1, lsum);
+        for (; g0 + Cfg::kG2 <= gp; g0 += Cfg::kG2)
+          logit_heads<typename Cfg::V, Cfg::kG2, Cfg::kJ2>(s, qt, tile, nvp, g0, e0, e1, lsum);
+        for (; g0 < gp; g0 += Cfg::kG3)
+          logit_heads<typename Cfg::V, Cfg::kG3, Cfg::kJ3>(s, qt, tile, nvp, g0, e0, e1, lsum);
+      }
+    } else {
+      for (int64_t g0 = 0; g0 < gp; g0 += Cfg::kPad)
+        for (int64_t j = 0; j < nvp; j += Cfg::kLaneJ)
+          logit_lanes<typename Cfg::V, Cfg::kPad, Cfg::kLaneJ>(qt + g0, gp, tile + j * ldt, ldt, d, head,
+                                              lsum + j * gp + g0, gp);
+    }
+
+    // online softmax per head: the definition's code
+    for (int64_t i = 0; i < g; ++i) {
+      for (int64_t j = 0; j < kBlock; ++j) li[j] = neg_inf;
+      for (int64_t v = 0; v < nv; ++v) li[pos[v]] = lsum[v * gp + i] * pr.scale;
+      float bmax = neg_inf;
+      for (int64_t j = 0; j < kBlock; ++j) bmax = li[j] > bmax ? li[j] : bmax;
+      const float m_new = bmax > m[i] ? bmax : m[i];
+      for (int64_t j = 0; j < kBlock; ++j) li[j] = std::exp(li[j] - m_new);
+      alpha[i] = std::exp(m[i] - m_new);
+      total[i] = total[i] * alpha[i] + torch_sum::sum(li, kBlock);
+      for (int64_t v = 0; v < nv; ++v) pb[i * kBlock + v] = round_bf16(li[pos[v]]);
+      m[i] = m_new;
+    }
+
+    // P @ V: column blocks outer, so a column slice of the tile serves every head
+    int64_t e0 = 0;
+    if (blocked) {
+      for (; e0 + Cfg::kPvCols <= dp; e0 += Cfg::kPvCols)
+        pv_columns<Cfg, Cfg::kPvCols, true>(s, pb, tile, nv, e0, alpha, acc);
+      for (; e0 < dp; e0 += Cfg::kPad)
+        pv_columns<Cfg, Cfg::kPad, true>(s, pb, tile, nv, e0, alpha, acc);
+    } else {
+      for (; e0 + Cfg::kPvCols <= dp; e0 += Cfg::kPvCols)
+        pv_columns<Cfg, Cfg::kPvCols, false>(s, pb, tile, nv, e0, alpha, acc);
+      for (; e0 < dp; e0 += Cfg::kPad)
+        pv_columns<Cfg, Cfg::kPad, false>(s, pb, tile, nv, e0, alpha, acc);
+    }
+  }
+  for (int64_t i = 0; i < g; ++i) {
+    const float denom = total[i] + std::exp(sink[h0 + i] - m[i]);
+    for (int64_t e = 0; e < d; ++e)
+      out[(h0 + i) * d + e] = round_bf16(acc[i * dp + e] / denom);
+  }
+}
+
+}  // namespace csa::sparse_attention::tiled
+
+#pragma GCC diagnostic pop
