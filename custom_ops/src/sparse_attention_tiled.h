@@ -1,9 +1,12 @@
 // The SparseAttention kernel: sparse_attention.h's `row` (the definition) restructured so
 // that all heads of a query share the work on one block of 64 indices, with every output
 // summed in exactly the definition's order (same bits on every path):
-//   - The block's valid rows are gathered once into a contiguous tile [64][ldt]; entries
-//     that are -1 are left out of the tile (the definition skips them in P @ V and masks
-//     their logits to -inf, so what they would compute never matters).
+//   - The block's valid rows are gathered once per task, as a list of row pointers: kv's own
+//     rows when d is a multiple of the vector width (the tiles read them in place; a row is
+//     contiguous and, after the logits pass, cache-resident for P @ V), else copies padded
+//     with zeros in a tile [64][ldt]. Entries that are -1 are left out (the definition skips
+//     them in P @ V and masks their logits to -inf, so what they would compute never
+//     matters); the list is padded to a multiple of 16 with a zero row.
 //   - Logits: one tile of GV heads x J entries keeps its accumulators in registers,
 //     vectorised across heads (Q is transposed once per task to [d][GP]); each logit is its
 //     own chain over d in the definition's order (h >= 4: mkl_chunk chunks, a fmaf chain
@@ -123,12 +126,13 @@ struct Shape {
   int64_t d, dp;  // head dim, padded
   int64_t ldt;    // tile row stride: dp + 16, so that a column slice of 64 rows spreads over
                   // the L1 cache's sets instead of aliasing at a 2 KiB stride
+  bool direct;    // d == dp: the tiles read kv's rows in place, nothing is copied
 };
 
 template <typename Cfg>
 inline Shape shape_of(int64_t g, int64_t d) {
   const int64_t gp = round_up(g, Cfg::kPad), dp = round_up(d, Cfg::kPad);
-  return {g, gp, d, dp, dp + 16};
+  return {g, gp, d, dp, dp + 16, d == dp};
 }
 
 // Scratch for one task, in floats.
@@ -139,14 +143,15 @@ inline int64_t scratch_floats(const Shape& s) {
          + kBlock              // one head's logits / p
          + s.gp * kBlock       // bf16(p) of the valid entries [head][entry]
          + s.gp * s.dp         // acc
-         + 3 * s.gp;           // m, total, alpha
+         + 3 * s.gp            // m, total, alpha
+         + s.dp;               // a zero row
 }
 
 // One chunk [e0, e1) of the h >= 4 order for GV heads x J entries: fmaf chains from 0,
 // then sum += chain (sum: [J][ldl]).
 template <typename V, int GV, int J>
-inline void logit_chunk(const float* qt, int64_t ldq, const float* tile, int64_t ldt,
-                        int64_t e0, int64_t e1, float* sum, int64_t ldl) {
+inline void logit_chunk(const float* qt, int64_t ldq, const float* const* rows, int64_t e0,
+                        int64_t e1, float* sum, int64_t ldl) {
   constexpr int NV = GV / V::W;
   typename V::T acc[J][NV];
   for (int j = 0; j < J; ++j)
@@ -155,7 +160,7 @@ inline void logit_chunk(const float* qt, int64_t ldq, const float* tile, int64_t
     typename V::T qv[NV];
     for (int v = 0; v < NV; ++v) qv[v] = V::load(qt + e * ldq + v * V::W);
     for (int j = 0; j < J; ++j) {
-      const typename V::T kv = V::bcast(tile[j * ldt + e]);
+      const typename V::T kv = V::bcast(rows[j][e]);
       for (int v = 0; v < NV; ++v) acc[j][v] = V::fma(qv[v], kv, acc[j][v]);
     }
   }
@@ -169,35 +174,35 @@ inline void logit_chunk(const float* qt, int64_t ldq, const float* tile, int64_t
 // The h <= 3 order (kMklLanes) for GV heads x J entries over all of d: term e to lane 0
 // while e < head, then to lane (e - head) % 4, multiply then add; out = (l0 + l2) + (l1 + l3).
 template <typename V, int NV, int J>
-inline void lane_step(typename V::T (&lane)[J][NV], const float* qe, const float* tile,
-                      int64_t ldt, int64_t e) {
+inline void lane_step(typename V::T (&lane)[J][NV], const float* qe,
+                      const float* const* rows, int64_t e) {
   typename V::T qv[NV];
   for (int v = 0; v < NV; ++v) qv[v] = V::load(qe + v * V::W);
   for (int j = 0; j < J; ++j) {
-    const typename V::T kv = V::bcast(tile[j * ldt + e]);
+    const typename V::T kv = V::bcast(rows[j][e]);
     for (int v = 0; v < NV; ++v) lane[j][v] = V::add(lane[j][v], V::mul(qv[v], kv));
   }
 }
 
 template <typename V, int GV, int J>
-inline void logit_lanes(const float* qt, int64_t ldq, const float* tile, int64_t ldt,
-                        int64_t d, int64_t head, float* out, int64_t ldl) {
+inline void logit_lanes(const float* qt, int64_t ldq, const float* const* rows, int64_t d,
+                        int64_t head, float* out, int64_t ldl) {
   constexpr int NV = GV / V::W;
   typename V::T l0[J][NV], l1[J][NV], l2[J][NV], l3[J][NV];
   for (int j = 0; j < J; ++j)
     for (int v = 0; v < NV; ++v) l0[j][v] = l1[j][v] = l2[j][v] = l3[j][v] = V::zero();
   if (head > d) head = d;
   int64_t e = 0;
-  for (; e < head; ++e) lane_step<V, NV, J>(l0, qt + e * ldq, tile, ldt, e);
+  for (; e < head; ++e) lane_step<V, NV, J>(l0, qt + e * ldq, rows, e);
   for (; e + 4 <= d; e += 4) {
-    lane_step<V, NV, J>(l0, qt + e * ldq, tile, ldt, e);
-    lane_step<V, NV, J>(l1, qt + (e + 1) * ldq, tile, ldt, e + 1);
-    lane_step<V, NV, J>(l2, qt + (e + 2) * ldq, tile, ldt, e + 2);
-    lane_step<V, NV, J>(l3, qt + (e + 3) * ldq, tile, ldt, e + 3);
+    lane_step<V, NV, J>(l0, qt + e * ldq, rows, e);
+    lane_step<V, NV, J>(l1, qt + (e + 1) * ldq, rows, e + 1);
+    lane_step<V, NV, J>(l2, qt + (e + 2) * ldq, rows, e + 2);
+    lane_step<V, NV, J>(l3, qt + (e + 3) * ldq, rows, e + 3);
   }
-  if (e < d) lane_step<V, NV, J>(l0, qt + e * ldq, tile, ldt, e);
-  if (e + 1 < d) lane_step<V, NV, J>(l1, qt + (e + 1) * ldq, tile, ldt, e + 1);
-  if (e + 2 < d) lane_step<V, NV, J>(l2, qt + (e + 2) * ldq, tile, ldt, e + 2);
+  if (e < d) lane_step<V, NV, J>(l0, qt + e * ldq, rows, e);
+  if (e + 1 < d) lane_step<V, NV, J>(l1, qt + (e + 1) * ldq, rows, e + 1);
+  if (e + 2 < d) lane_step<V, NV, J>(l2, qt + (e + 2) * ldq, rows, e + 2);
   for (int j = 0; j < J; ++j)
     for (int v = 0; v < NV; ++v)
       V::store(out + j * ldl + v * V::W,
@@ -206,18 +211,17 @@ inline void logit_lanes(const float* qt, int64_t ldq, const float* tile, int64_t
 
 // Logit sums for heads [g0, g0 + GV) x the padded entries [0, nvp), chunk [e0, e1).
 template <typename V, int GV, int J>
-inline void logit_heads(const Shape& s, const float* qt, const float* tile, int64_t nvp,
-                        int64_t g0, int64_t e0, int64_t e1, float* sum) {
+inline void logit_heads(const Shape& s, const float* qt, const float* const* rows,
+                        int64_t nvp, int64_t g0, int64_t e0, int64_t e1, float* sum) {
   for (int64_t j = 0; j < nvp; j += J)
-    logit_chunk<V, GV, J>(qt + g0, s.gp, tile + j * s.ldt, s.ldt, e0, e1, sum + j * s.gp + g0,
-                          s.gp);
+    logit_chunk<V, GV, J>(qt + g0, s.gp, rows + j, e0, e1, sum + j * s.gp + g0, s.gp);
 }
 
 // P @ V for heads [0, HB) x columns [e0, e0 + EC): pb [HB][64] (valid entries in order),
 // acc [HB][dp]: blk = chain over the entries (fmaf, or multiply then add), then
 // acc = acc * alpha + blk.
 template <typename V, int HB, int EC, bool kFma>
-inline void pv_tile(const float* pb, const float* tile, int64_t ldt, int64_t nv, int64_t e0,
+inline void pv_tile(const float* pb, const float* const* rows, int64_t nv, int64_t e0,
                     const float* alpha, float* acc, int64_t dp) {
   constexpr int NV = EC / V::W;
   typename V::T blk[HB][NV];
@@ -225,7 +229,7 @@ inline void pv_tile(const float* pb, const float* tile, int64_t ldt, int64_t nv,
     for (int v = 0; v < NV; ++v) blk[i][v] = V::zero();
   for (int64_t j = 0; j < nv; ++j) {
     typename V::T r[NV];
-    for (int v = 0; v < NV; ++v) r[v] = V::load(tile + j * ldt + e0 + v * V::W);
+    for (int v = 0; v < NV; ++v) r[v] = V::load(rows[j] + e0 + v * V::W);
     for (int i = 0; i < HB; ++i) {
       const typename V::T pv = V::bcast(pb[i * kBlock + j]);
       for (int v = 0; v < NV; ++v)
@@ -242,11 +246,11 @@ inline void pv_tile(const float* pb, const float* tile, int64_t ldt, int64_t nv,
 }
 
 template <typename Cfg, int EC, bool kFma>
-inline void pv_columns(const Shape& s, const float* pb, const float* tile, int64_t nv,
+inline void pv_columns(const Shape& s, const float* pb, const float* const* rows, int64_t nv,
                        int64_t e0, const float* alpha, float* acc) {
   for (int64_t i = 0; i < s.gp; i += Cfg::kPvHeads)
-    pv_tile<typename Cfg::V, Cfg::kPvHeads, EC, kFma>(pb + i * kBlock, tile, s.ldt, nv, e0,
-                                                       alpha + i, acc + i * s.dp, s.dp);
+    pv_tile<typename Cfg::V, Cfg::kPvHeads, EC, kFma>(pb + i * kBlock, rows, nv, e0, alpha + i,
+                                                       acc + i * s.dp, s.dp);
 }
 
 // One task: heads [h0, h0 + s.g) of one query row. q: [h, d] of the row; kv: [n, d] of the
@@ -265,11 +269,18 @@ inline void task(const Problem& pr, const Shape& s, int64_t h0, const float* q,
   float* m = acc + gp * dp;         // [gp]
   float* total = m + gp;            // [gp]
   float* alpha = total + gp;        // [gp]
+  float* zero = alpha + gp;         // [dp]
 
-  for (int64_t e = 0; e < d; ++e)
-    for (int64_t i = 0; i < gp; ++i) qt[e * gp + i] = i < g ? q[(h0 + i) * d + e] : 0.0f;
+  // Q's rows are d floats apart: transposed 16 columns at a time so that neither side
+  // walks a cache line per element.
+  for (int64_t e0 = 0; e0 < d; e0 += 16) {
+    const int64_t e1 = e0 + 16 < d ? e0 + 16 : d;
+    for (int64_t i = 0; i < gp; ++i)
+      for (int64_t e = e0; e < e1; ++e) qt[e * gp + i] = i < g ? q[(h0 + i) * d + e] : 0.0f;
+  }
   for (int64_t i = 0; i < gp * kBlock; ++i) pb[i] = 0.0f;
   for (int64_t i = 0; i < gp * dp; ++i) acc[i] = 0.0f;
+  for (int64_t e = 0; e < dp; ++e) zero[e] = 0.0f;
   for (int64_t i = 0; i < gp; ++i) {
     m[i] = kRunningMaxInit;
     total[i] = 0.0f;
@@ -282,21 +293,26 @@ inline void task(const Problem& pr, const Shape& s, int64_t h0, const float* q,
 
   for (int64_t j0 = 0; j0 < k; j0 += kBlock) {
     const int64_t len = k - j0 < kBlock ? k - j0 : kBlock;
-    int pos[kBlock];  // block position of each valid entry, in order
+    int pos[kBlock];            // block position of each valid entry, in order
+    const float* rows[kBlock];  // each valid entry's row (kv's own, or its padded copy)
     int64_t nv = 0;
     for (int64_t j = 0; j < len; ++j) {
       const int64_t ix = static_cast<int64_t>(idx[j0 + j]);
       if (ix < 0) continue;
       pos[nv] = static_cast<int>(j);
-      float* t = tile + nv * ldt;
-      std::memcpy(t, kv + ix * d, static_cast<size_t>(d) * sizeof(float));
-      for (int64_t e = d; e < dp; ++e) t[e] = 0.0f;
+      if (s.direct) {
+        rows[nv] = kv + ix * d;
+      } else {
+        float* t = tile + nv * ldt;
+        std::memcpy(t, kv + ix * d, static_cast<size_t>(d) * sizeof(float));
+        for (int64_t e = d; e < dp; ++e) t[e] = 0.0f;
+        rows[nv] = t;
+      }
       ++nv;
     }
     if (nv == 0) continue;  // the definition skips a block with nothing in it
     const int64_t nvp = round_up(nv, kRowPad);
-    for (int64_t j = nv; j < nvp; ++j)
-      for (int64_t e = 0; e < dp; ++e) tile[j * ldt + e] = 0.0f;
+    for (int64_t j = nv; j < nvp; ++j) rows[j] = zero;
 
     // logit sums [entry][head]
     if (blocked) {
@@ -305,16 +321,16 @@ inline void task(const Problem& pr, const Shape& s, int64_t h0, const float* q,
         const int64_t e1 = e0 + chunk < d ? e0 + chunk : d;
         int64_t g0 = 0;
         for (; g0 + Cfg::kG1 <= gp; g0 += Cfg::kG1)
-          logit_heads<typename Cfg::V, Cfg::kG1, Cfg::kJ1>(s, qt, tile, nvp, g0, e0, e1, lsum);
+          logit_heads<typename Cfg::V, Cfg::kG1, Cfg::kJ1>(s, qt, rows, nvp, g0, e0, e1, lsum);
         for (; g0 + Cfg::kG2 <= gp; g0 += Cfg::kG2)
-          logit_heads<typename Cfg::V, Cfg::kG2, Cfg::kJ2>(s, qt, tile, nvp, g0, e0, e1, lsum);
+          logit_heads<typename Cfg::V, Cfg::kG2, Cfg::kJ2>(s, qt, rows, nvp, g0, e0, e1, lsum);
         for (; g0 < gp; g0 += Cfg::kG3)
-          logit_heads<typename Cfg::V, Cfg::kG3, Cfg::kJ3>(s, qt, tile, nvp, g0, e0, e1, lsum);
+          logit_heads<typename Cfg::V, Cfg::kG3, Cfg::kJ3>(s, qt, rows, nvp, g0, e0, e1, lsum);
       }
     } else {
       for (int64_t g0 = 0; g0 < gp; g0 += Cfg::kPad)
         for (int64_t j = 0; j < nvp; j += Cfg::kLaneJ)
-          logit_lanes<typename Cfg::V, Cfg::kPad, Cfg::kLaneJ>(qt + g0, gp, tile + j * ldt, ldt, d, head,
+          logit_lanes<typename Cfg::V, Cfg::kPad, Cfg::kLaneJ>(qt + g0, gp, rows + j, d, head,
                                               lsum + j * gp + g0, gp);
     }
 
@@ -336,14 +352,14 @@ inline void task(const Problem& pr, const Shape& s, int64_t h0, const float* q,
     int64_t e0 = 0;
     if (blocked) {
       for (; e0 + Cfg::kPvCols <= dp; e0 += Cfg::kPvCols)
-        pv_columns<Cfg, Cfg::kPvCols, true>(s, pb, tile, nv, e0, alpha, acc);
+        pv_columns<Cfg, Cfg::kPvCols, true>(s, pb, rows, nv, e0, alpha, acc);
       for (; e0 < dp; e0 += Cfg::kPad)
-        pv_columns<Cfg, Cfg::kPad, true>(s, pb, tile, nv, e0, alpha, acc);
+        pv_columns<Cfg, Cfg::kPad, true>(s, pb, rows, nv, e0, alpha, acc);
     } else {
       for (; e0 + Cfg::kPvCols <= dp; e0 += Cfg::kPvCols)
-        pv_columns<Cfg, Cfg::kPvCols, false>(s, pb, tile, nv, e0, alpha, acc);
+        pv_columns<Cfg, Cfg::kPvCols, false>(s, pb, rows, nv, e0, alpha, acc);
       for (; e0 < dp; e0 += Cfg::kPad)
-        pv_columns<Cfg, Cfg::kPad, false>(s, pb, tile, nv, e0, alpha, acc);
+        pv_columns<Cfg, Cfg::kPad, false>(s, pb, rows, nv, e0, alpha, acc);
     }
   }
   for (int64_t i = 0; i < g; ++i) {
