@@ -271,12 +271,15 @@ inline void task(const Problem& pr, const Shape& s, int64_t h0, const float* q,
   float* alpha = total + gp;        // [gp]
   float* zero = alpha + gp;         // [dp]
 
-  // Q's rows are d floats apart: transposed 16 columns at a time so that neither side
-  // walks a cache line per element.
-  for (int64_t e0 = 0; e0 < d; e0 += 16) {
-    const int64_t e1 = e0 + 16 < d ? e0 + 16 : d;
-    for (int64_t i = 0; i < gp; ++i)
-      for (int64_t e = e0; e < e1; ++e) qt[e * gp + i] = i < g ? q[(h0 + i) * d + e] : 0.0f;
+  // Q's rows are d floats apart: transposed in 16 x 16 blocks, so that both sides stay
+  // within 16 cache lines.
+  for (int64_t i0 = 0; i0 < gp; i0 += 16) {
+    const int64_t i1 = i0 + 16 < gp ? i0 + 16 : gp;
+    for (int64_t e0 = 0; e0 < d; e0 += 16) {
+      const int64_t e1 = e0 + 16 < d ? e0 + 16 : d;
+      for (int64_t e = e0; e < e1; ++e)
+        for (int64_t i = i0; i < i1; ++i) qt[e * gp + i] = i < g ? q[(h0 + i) * d + e] : 0.0f;
+    }
   }
   for (int64_t i = 0; i < gp * kBlock; ++i) pb[i] = 0.0f;
   for (int64_t i = 0; i < gp * dp; ++i) acc[i] = 0.0f;
