@@ -60,6 +60,20 @@ struct VAvx512 {
   CSA_TARGET_AVX512 static inline T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
   CSA_TARGET_AVX512 static inline T mul(T a, T b) { return _mm512_mul_ps(a, b); }
   CSA_TARGET_AVX512 static inline T add(T a, T b) { return _mm512_add_ps(a, b); }
+  CSA_TARGET_AVX512 static inline T sub(T a, T b) { return _mm512_sub_ps(a, b); }
+  // a > b ? a : b (maxps returns its second operand on equality and on NaN). The masked
+  // forms with every lane set: the plain ones pass GCC 12 an "undefined" source that it
+  // then warns about (-Wmaybe-uninitialized).
+  CSA_TARGET_AVX512 static inline T max(T a, T b) { return _mm512_mask_max_ps(a, 0xffff, a, b); }
+  CSA_TARGET_AVX512 static inline T round_bf16(T x) {  // sparse_attention::round_bf16
+    const __m512i u = _mm512_castps_si512(x);
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    const __m512i odd =
+        _mm512_and_si512(_mm512_maskz_srli_epi32(0xffff, u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
+    r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x00400000));
+    return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(~0xffff)));
+  }
 };
 struct VAvx2 {
   using T = __m256;
@@ -71,6 +85,17 @@ struct VAvx2 {
   CSA_TARGET_AVX2 static inline T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
   CSA_TARGET_AVX2 static inline T mul(T a, T b) { return _mm256_mul_ps(a, b); }
   CSA_TARGET_AVX2 static inline T add(T a, T b) { return _mm256_add_ps(a, b); }
+  CSA_TARGET_AVX2 static inline T sub(T a, T b) { return _mm256_sub_ps(a, b); }
+  CSA_TARGET_AVX2 static inline T max(T a, T b) { return _mm256_max_ps(a, b); }
+  CSA_TARGET_AVX2 static inline T round_bf16(T x) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
+    const __m256i quiet = _mm256_or_si256(u, _mm256_set1_epi32(0x00400000));
+    const __m256 v = _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(quiet), nan);
+    return _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(~0xffff)));
+  }
 };
 #endif
 struct VScalar {
@@ -83,6 +108,9 @@ struct VScalar {
   static inline T fma(T a, T b, T c) { return __builtin_fmaf(a, b, c); }
   static inline T mul(T a, T b) { return a * b; }
   static inline T add(T a, T b) { return a + b; }
+  static inline T sub(T a, T b) { return a - b; }
+  static inline T max(T a, T b) { return a > b ? a : b; }
+  static inline T round_bf16(T x) { return sparse_attention::round_bf16(x); }
 };
 
 // Tile shapes per instruction set (accumulators in registers).
@@ -140,8 +168,7 @@ inline int64_t scratch_floats(const Shape& s) {
   return s.d * s.gp            // qT
          + kBlock * s.ldt      // tile
          + kBlock * s.gp       // logit sums [entry][head]
-         + kBlock              // one head's logits / p
-         + s.gp * kBlock       // bf16(p) of the valid entries [head][entry]
+         + kBlock * s.gp       // bf16(p) of the valid entries [entry][head]
          + s.gp * s.dp         // acc
          + 3 * s.gp            // m, total, alpha
          + s.dp;               // a zero row
@@ -217,12 +244,12 @@ inline void logit_heads(const Shape& s, const float* qt, const float* const* row
     logit_chunk<V, GV, J>(qt + g0, s.gp, rows + j, e0, e1, sum + j * s.gp + g0, s.gp);
 }
 
-// P @ V for heads [0, HB) x columns [e0, e0 + EC): pb [HB][64] (valid entries in order),
-// acc [HB][dp]: blk = chain over the entries (fmaf, or multiply then add), then
+// P @ V for heads [0, HB) x columns [e0, e0 + EC): pb [64][ldp] (valid entries in order x
+// heads), acc [HB][dp]: blk = chain over the entries (fmaf, or multiply then add), then
 // acc = acc * alpha + blk.
 template <typename V, int HB, int EC, bool kFma>
-inline void pv_tile(const float* pb, const float* const* rows, int64_t nv, int64_t e0,
-                    const float* alpha, float* acc, int64_t dp) {
+inline void pv_tile(const float* pb, int64_t ldp, const float* const* rows, int64_t nv,
+                    int64_t e0, const float* alpha, float* acc, int64_t dp) {
   constexpr int NV = EC / V::W;
   typename V::T blk[HB][NV];
   for (int i = 0; i < HB; ++i)
@@ -231,7 +258,7 @@ inline void pv_tile(const float* pb, const float* const* rows, int64_t nv, int64
     typename V::T r[NV];
     for (int v = 0; v < NV; ++v) r[v] = V::load(rows[j] + e0 + v * V::W);
     for (int i = 0; i < HB; ++i) {
-      const typename V::T pv = V::bcast(pb[i * kBlock + j]);
+      const typename V::T pv = V::bcast(pb[j * ldp + i]);
       for (int v = 0; v < NV; ++v)
         blk[i][v] = kFma ? V::fma(pv, r[v], blk[i][v]) : V::add(blk[i][v], V::mul(pv, r[v]));
     }
@@ -249,8 +276,73 @@ template <typename Cfg, int EC, bool kFma>
 inline void pv_columns(const Shape& s, const float* pb, const float* const* rows, int64_t nv,
                        int64_t e0, const float* alpha, float* acc) {
   for (int64_t i = 0; i < s.gp; i += Cfg::kPvHeads)
-    pv_tile<typename Cfg::V, Cfg::kPvHeads, EC, kFma>(pb + i * kBlock, rows, nv, e0, alpha + i,
+    pv_tile<typename Cfg::V, Cfg::kPvHeads, EC, kFma>(pb + i, s.gp, rows, nv, e0, alpha + i,
                                                        acc + i * s.dp, s.dp);
+}
+
+// torch_sum::sum's order for n = 64, lane by lane over V::W heads: p [entries][ld] holds
+// the block's valid entries, slot[j] the entry at position j (-1: p is 0 there). For 64
+// terms that order is: acc_k = (((0 + x[8k + l]) + x[32 + 8k + l]) + 0) + 0) + 0 per
+// k < 4 and lane l < 8 (multi_row_sum over 2 groups: no cascade, its 3 empty levels added),
+// part_l = ((acc_0 + acc_1) + acc_2) + acc_3, then s = (0 + part_0) + ... + part_7.
+// (The sum goes to out: a function returning a vector type by value draws GCC's -Wpsabi
+// warning at its instantiation, where no pragma reaches.)
+template <typename V>
+inline void sum64(const float* p, int64_t ld, const int* slot, float* out) {
+  static_assert(kBlock == 64, "the order below is torch_sum::sum's for 64 terms");
+  using T = typename V::T;
+  const T zero = V::zero();
+  T total = zero;
+  for (int l = 0; l < 8; ++l) {
+    T acc[4];
+    for (int k = 0; k < 4; ++k) {
+      const int j0 = 8 * k + l, j1 = 32 + 8 * k + l;
+      const T x0 = slot[j0] >= 0 ? V::load(p + slot[j0] * ld) : zero;
+      const T x1 = slot[j1] >= 0 ? V::load(p + slot[j1] * ld) : zero;
+      const T a = V::add(V::add(zero, x0), x1);
+      acc[k] = V::add(V::add(V::add(a, zero), zero), zero);
+    }
+    total = V::add(total, V::add(V::add(V::add(acc[0], acc[1]), acc[2]), acc[3]));
+  }
+  V::store(out, total);
+}
+
+// The block's online softmax for heads [0, gp), vectorised across heads (the definition's
+// operations per head, one rounding each; only exp is scalar, std::exp as in the
+// definition). lsum [64][gp]: the valid entries' logit sums, overwritten; pb [64][gp]:
+// bf16(p) of the valid entries. Entries at -1 have logit -inf, which changes no maximum,
+// and p = exp(-inf - m_new) = 0 exactly (m_new >= -1e30 is never NaN or -inf).
+template <typename V>
+inline void softmax(const Shape& s, float scale, int64_t nv, const int* slot, float* lsum,
+                    float* pb, float* m, float* total, float* alpha) {
+  using T = typename V::T;
+  const int64_t gp = s.gp;
+  const T sc = V::bcast(scale);
+  for (int64_t i = 0; i < gp; i += V::W) {
+    T bmax = V::bcast(-std::numeric_limits<float>::infinity());
+    for (int64_t v = 0; v < nv; ++v) {
+      const T l = V::mul(V::load(lsum + v * gp + i), sc);
+      V::store(lsum + v * gp + i, l);
+      bmax = V::max(l, bmax);  // li > bmax ? li : bmax, in entry order
+    }
+    const T m_old = V::load(m + i);
+    const T m_new = V::max(bmax, m_old);
+    for (int64_t v = 0; v < nv; ++v)
+      V::store(lsum + v * gp + i, V::sub(V::load(lsum + v * gp + i), m_new));
+    V::store(alpha + i, V::sub(m_old, m_new));
+    V::store(m + i, m_new);
+  }
+  for (int64_t v = 0; v < nv; ++v)
+    for (int64_t i = 0; i < s.g; ++i) lsum[v * gp + i] = std::exp(lsum[v * gp + i]);
+  for (int64_t i = 0; i < s.g; ++i) alpha[i] = std::exp(alpha[i]);
+  for (int64_t i = 0; i < gp; i += V::W) {
+    alignas(64) float block_sum[V::W];
+    sum64<V>(lsum + i, gp, slot, block_sum);
+    const T a = V::load(alpha + i);
+    V::store(total + i, V::add(V::mul(V::load(total + i), a), V::load(block_sum)));
+    for (int64_t v = 0; v < nv; ++v)
+      V::store(pb + v * gp + i, V::round_bf16(V::load(lsum + v * gp + i)));
+  }
 }
 
 // One task: heads [h0, h0 + s.g) of one query row. q: [h, d] of the row; kv: [n, d] of the
@@ -263,8 +355,7 @@ inline void task(const Problem& pr, const Shape& s, int64_t h0, const float* q,
   float* qt = scratch;              // [d][gp]
   float* tile = qt + d * gp;        // [64][ldt]
   float* lsum = tile + kBlock * ldt;  // [64][gp]
-  float* li = lsum + kBlock * gp;   // [64]
-  float* pb = li + kBlock;          // [gp][64]
+  float* pb = lsum + kBlock * gp;   // [64][gp]
   float* acc = pb + gp * kBlock;    // [gp][dp]
   float* m = acc + gp * dp;         // [gp]
   float* total = m + gp;            // [gp]
@@ -292,17 +383,16 @@ inline void task(const Problem& pr, const Shape& s, int64_t h0, const float* q,
   const bool blocked = pr.h >= 4;
   const int64_t chunk = torch_linear::mkl_chunk(d);
   const int64_t head = pr.h == 1 && d > 0 ? (d - 1) % 4 + 1 : 0;
-  const float neg_inf = -std::numeric_limits<float>::infinity();
 
   for (int64_t j0 = 0; j0 < k; j0 += kBlock) {
     const int64_t len = k - j0 < kBlock ? k - j0 : kBlock;
-    int pos[kBlock];            // block position of each valid entry, in order
+    int slot[kBlock];           // the valid entry at each block position, -1 for none
     const float* rows[kBlock];  // each valid entry's row (kv's own, or its padded copy)
     int64_t nv = 0;
-    for (int64_t j = 0; j < len; ++j) {
-      const int64_t ix = static_cast<int64_t>(idx[j0 + j]);
+    for (int64_t j = 0; j < kBlock; ++j) {
+      const int64_t ix = j < len ? static_cast<int64_t>(idx[j0 + j]) : -1;
+      slot[j] = ix < 0 ? -1 : static_cast<int>(nv);
       if (ix < 0) continue;
-      pos[nv] = static_cast<int>(j);
       if (s.direct) {
         rows[nv] = kv + ix * d;
       } else {
@@ -337,19 +427,7 @@ inline void task(const Problem& pr, const Shape& s, int64_t h0, const float* q,
                                               lsum + j * gp + g0, gp);
     }
 
-    // online softmax per head: the definition's code
-    for (int64_t i = 0; i < g; ++i) {
-      for (int64_t j = 0; j < kBlock; ++j) li[j] = neg_inf;
-      for (int64_t v = 0; v < nv; ++v) li[pos[v]] = lsum[v * gp + i] * pr.scale;
-      float bmax = neg_inf;
-      for (int64_t j = 0; j < kBlock; ++j) bmax = li[j] > bmax ? li[j] : bmax;
-      const float m_new = bmax > m[i] ? bmax : m[i];
-      for (int64_t j = 0; j < kBlock; ++j) li[j] = std::exp(li[j] - m_new);
-      alpha[i] = std::exp(m[i] - m_new);
-      total[i] = total[i] * alpha[i] + torch_sum::sum(li, kBlock);
-      for (int64_t v = 0; v < nv; ++v) pb[i * kBlock + v] = round_bf16(li[pos[v]]);
-      m[i] = m_new;
-    }
+    softmax<typename Cfg::V>(s, pr.scale, nv, slot, lsum, pb, m, total, alpha);
 
     // P @ V: column blocks outer, so a column slice of the tile serves every head
     int64_t e0 = 0;
