@@ -166,7 +166,7 @@ inline Shape shape_of(int64_t g, int64_t d) {
 // Scratch for one task, in floats.
 inline int64_t scratch_floats(const Shape& s) {
   return s.d * s.gp            // qT
-         + kBlock * s.ldt      // tile
+         + (s.direct ? 0 : kBlock * s.ldt)  // tile (rows read in place need none)
          + kBlock * s.gp       // logit sums [entry][head]
          + kBlock * s.gp       // bf16(p) of the valid entries [entry][head]
          + s.gp * s.dp         // acc
@@ -354,7 +354,7 @@ inline void task(const Problem& pr, const Shape& s, int64_t h0, const float* q,
   const int64_t d = s.d, dp = s.dp, gp = s.gp, g = s.g, k = pr.k, ldt = s.ldt;
   float* qt = scratch;              // [d][gp]
   float* tile = qt + d * gp;        // [64][ldt]
-  float* lsum = tile + kBlock * ldt;  // [64][gp]
+  float* lsum = tile + (s.direct ? 0 : kBlock * ldt);  // [64][gp]
   float* pb = lsum + kBlock * gp;   // [64][gp]
   float* acc = pb + gp * kBlock;    // [gp][dp]
   float* m = acc + gp * dp;         // [gp]
