@@ -1,9 +1,9 @@
 // SparseAttention (domain csa2onnx): the reference's sparse_attn, bit for bit as
 // sparse_attention.h's `row` defines it, computed by the tiled kernel of
 // sparse_attention_tiled.h: per query row and group of heads (all heads of a query share its
-// index list and its K=V rows), each block of 64 indices is gathered once into a tile and
-// the logits and P @ V of all the group's heads run as register tiles, every output summed
-// in the definition's order. In parallel over (query rows x head groups); O(64*d + h*d)
+// index list and its K=V rows), each block of 64 indices is gathered once (row pointers, or
+// padded copies) and the logits and P @ V of all the group's heads run as register tiles,
+// every output summed in the definition's order. In parallel over (query rows x head groups); O(64*d + h*d)
 // scratch per thread (the gathered rows [b, s, k, d] are never materialised).
 // Inputs Q (float [b, s, h, d]), KV (float [b, n, d], each row both key and value), Sink
 // (float [h]), Idx (int64 or int32 [b, s, k], -1 = nothing, else in [0, n)); attribute

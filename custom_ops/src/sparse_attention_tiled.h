@@ -12,15 +12,19 @@
 //     own chain over d in the definition's order (h >= 4: mkl_chunk chunks, a fmaf chain
 //     from 0 per chunk, chunk sums added to 0 in order; h <= 3: the 4-lane order). The
 //     loops over heads and entries only interleave independent chains.
-//   - Softmax, exp and the torch_sum order per head: the definition's scalar code.
+//   - Softmax: the definition's operations per head, vectorised across heads (max,
+//     subtract, scale, bf16 rounding are one exact operation per lane; the block sum runs
+//     torch_sum's fixed 64-term tree lane by lane); exp is std::exp per value, as defined.
 //   - P @ V: a tile of HB heads x EC columns of d in registers, vectorised across d; each
 //     output element is the definition's chain over the block's valid entries in order,
 //     then acc * alpha + chain.
 // Padding (heads up to GP, entries up to a multiple of 16, columns up to dp) computes
 // values nobody reads: each output's chain involves only its own head, entry and column.
 // Tile shapes come from a Cfg per instruction set, sized so the accumulators fit the
-// register file; plain loops, vectorised by the compiler inside each target wrapper
-// (compiled with -ffp-contract=off: nothing is fused that the order keeps apart).
+// register file; the arithmetic is spelled out with a vector type per instruction set (one
+// fma, multiply or add per lane, as the order says), so the compiler can neither fuse nor
+// reassociate anything (the file is also compiled with -ffp-contract=off) nor vectorise a
+// loop the wrong way round.
 #pragma once
 
 #include <cmath>
