@@ -184,7 +184,9 @@ def bench_sparse_attention(args: argparse.Namespace, threads: int,
             tq, tkv, tsink, tidx = (torch.from_numpy(feeds[n]) for n in ("Q", "KV", "S", "I"))
             fns["torch einsum"] = lambda a=(tq, tkv, tsink, tidx), sc=scale: torch_sparse_attn(
                 *a, sc)
-        repeat = args.repeat if b * s <= 256 else max(2, args.repeat // (b * s // 256))
+        # Decode calls take milliseconds and a shared machine preempts a thread now and then
+        # (a parallel call then waits for it): many calls; prefill calls take seconds.
+        repeat = args.repeat * 20 if b * s <= 4 else max(2, args.repeat * 256 // (b * s))
         flops = 4 * b * s * h * k * d
         for impl, seconds in interleaved_medians(fns, repeat).items():
             rows.append(("SparseAttention", f"b{b} s{s} h{h} d{d} k{k}", impl, seconds,
