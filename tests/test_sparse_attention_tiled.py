@@ -1,8 +1,14 @@
 """SparseAttention's tiled kernel (every instruction-set path, any thread count) against the
 per-row definition it replaced (CSA_SPARSE_ATTENTION_ISA=reference), bit for bit, on random
-and adversarial inputs."""
+and adversarial inputs: through the op (bf16 outputs), and through a C++ driver
+(tests/cpp/sparse_attention_tiles.cc) on the float32 quotients before that rounding."""
 
 from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
@@ -117,3 +123,32 @@ def test_global_variable_forces_the_path(monkeypatch) -> None:
         np.testing.assert_array_equal(_bits(got), _bits(want))
     with pytest.raises(Exception, match=r"expected avx512, avx2, scalar or reference"):
         _session(monkeypatch, "sse9", 0.125, TensorProto.INT64)
+
+
+# ------------------------------------------------ float32 quotients (tests/cpp driver)
+SRC = Path(__file__).resolve().parents[1] / "custom_ops" / "src"
+DRIVER = Path(__file__).resolve().parent / "cpp" / "sparse_attention_tiles.cc"
+
+
+@pytest.fixture(scope="module")
+def tiles_driver(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    cxx = shutil.which("g++")
+    if cxx is None:
+        pytest.skip("g++ not found: needed to build the tiles driver")
+    exe = tmp_path_factory.mktemp("sparse_tiles") / "sparse_attention_tiles"
+    cmd = [cxx, "-O2", "-std=c++17", "-Wall", "-Wextra", "-Werror", "-ffp-contract=off",
+           f"-I{SRC}", str(DRIVER), "-o", str(exe)]
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return exe
+
+
+@pytest.mark.parametrize("seed", [7, 2024])
+def test_unrounded_quotients_match_definition(tiles_driver: Path, seed: int) -> None:
+    """Before the final bf16 rounding (which hides most last-bit differences) every path's
+    acc / denom equals the definition's bit for bit, whole rows and groups of 16 heads."""
+    run = subprocess.run([str(tiles_driver), str(seed)], capture_output=True, text=True,
+                         timeout=600)
+    counts = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", run.stdout.splitlines()[-1])}
+    assert run.returncode == 0 and counts["mismatches"] == 0, run.stdout[-3000:]
+    assert counts["cases"] > 400 and counts["values"] > 5_000_000
+    assert f"path {PATHS[0]}" in run.stdout  # the widest path this CPU has was compared

@@ -351,7 +351,8 @@ inline void softmax(const Shape& s, float scale, int64_t nv, const int* slot, fl
 
 // One task: heads [h0, h0 + s.g) of one query row. q: [h, d] of the row; kv: [n, d] of the
 // batch; idx: [k]; sink: [h]; out: [h, d] of the row. Indices already checked.
-template <typename Cfg, typename I>
+// kRoundOut: as in sparse_attention::row.
+template <typename Cfg, typename I, bool kRoundOut = true>
 inline void task(const Problem& pr, const Shape& s, int64_t h0, const float* q,
                         const float* kv, const I* idx, const float* sink, float* scratch,
                         float* out) {
@@ -449,8 +450,10 @@ inline void task(const Problem& pr, const Shape& s, int64_t h0, const float* q,
   }
   for (int64_t i = 0; i < g; ++i) {
     const float denom = total[i] + std::exp(sink[h0 + i] - m[i]);
-    for (int64_t e = 0; e < d; ++e)
-      out[(h0 + i) * d + e] = round_bf16(acc[i * dp + e] / denom);
+    for (int64_t e = 0; e < d; ++e) {
+      const float o = acc[i * dp + e] / denom;
+      out[(h0 + i) * d + e] = kRoundOut ? round_bf16(o) : o;
+    }
   }
 }
 
