@@ -15,9 +15,17 @@ machine's load then hits them alike), and each time is the median over the round
 
     python tools/bench_ops.py --only fp8 [--fp8-rows 1,4,256,1024]   # Fp8Linear section only
 
+    python tools/bench_ops.py --only sparse [--threads 2]           # SparseAttention only
+
 Fp4QuantDequant: values/s of the onnxruntime kernel, the NumPy definition
 (custom_ops/reference.py) and a compact torch version of the same round trip, on a float32
 [4096, 4096] input, both scale formats. TorchTopK: rows/s of the kernel and torch.topk (CPU).
+SparseAttention: FLOP/s (4*b*s*h*k*d) at the released model's dims (h = 64, d = 512, k = window
+128 + up to 512 compressed rows; decode b = 1 and 4, prefill s = 256..4096) of the tiled
+kernel, the per-row kernel it replaced (the op's `reference` path, same bits) and the
+reference's vectorised torch sparse_attn (einsum per block of 64; read from --sparse-torch,
+by default /work/shared/reference/kernel_cpu.py, and left out when that file is absent);
+the three run interleaved, so that a load shared with other processes hits them alike.
 Each implementation's outputs are checked equal to the kernel's first, so the timings compare
 the same work. onnxruntime runs with intra_op_num_threads = torch.get_num_threads(); NumPy is
 single-threaded here (no BLAS in these paths). Times are the median of the repeats; session
@@ -32,11 +40,13 @@ time over TorchLinear's, and the W columns give the bytes of weights each call r
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import ml_dtypes
@@ -46,6 +56,10 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from csa2onnx.custom_ops import make_session, session_options
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import upstream
+
 from csa2onnx.custom_ops.reference import fp4_round_trip, fp8_linear, round_bf16
 
 OPSETS = [helper.make_opsetid("", 21), helper.make_opsetid("csa2onnx", 1)]
@@ -264,6 +278,112 @@ def bench_linear(ms: list[int], threads: int, rounds: int, min_time: float,
                       flush=True)
 
 
+def sparse_attention_model(scale: float) -> bytes:
+    node = helper.make_node("SparseAttention", ["Q", "KV", "S", "I"], ["O"], domain="csa2onnx",
+                            softmax_scale=scale)
+    vi = helper.make_tensor_value_info
+    graph = helper.make_graph(
+        [node], "sa", [vi("Q", TensorProto.FLOAT, ["b", "s", "h", "d"]),
+                       vi("KV", TensorProto.FLOAT, ["b", "n", "d"]),
+                       vi("S", TensorProto.FLOAT, ["h"]),
+                       vi("I", TensorProto.INT64, ["b", "s", "k"])],
+        [vi("O", TensorProto.FLOAT, ["b", "s", "h", "d"])])
+    return helper.make_model(graph, opset_imports=OPSETS).SerializeToString()
+
+
+def sparse_attention_session(isa: str, scale: float, threads: int) -> ort.InferenceSession:
+    """A session whose kernel takes `isa` (the variable is read when the kernel is created)."""
+    saved = os.environ.get("CSA_SPARSE_ATTENTION_ISA")
+    os.environ["CSA_SPARSE_ATTENTION_ISA"] = isa
+    try:
+        return make_session(sparse_attention_model(scale), options=session_options(threads))
+    finally:
+        if saved is None:
+            del os.environ["CSA_SPARSE_ATTENTION_ISA"]
+        else:
+            os.environ["CSA_SPARSE_ATTENTION_ISA"] = saved
+
+
+def load_torch_sparse_attn(path: str) -> Callable[..., torch.Tensor] | None:
+    if not os.path.isfile(path):
+        return None
+    spec = importlib.util.spec_from_file_location("bench_kernel_cpu", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.sparse_attn
+
+
+def sparse_attention_inputs(rng: np.random.Generator, b: int, s: int, h: int, d: int,
+                            k: int) -> dict[str, np.ndarray]:
+    """bf16-valued q and kv (as the model feeds them); per query a window of 128 consecutive
+    rows, then compressed rows drawn from the rest of a cache of n = 2048 + 128 rows."""
+    n = 2048 + 128
+    bf16 = ml_dtypes.bfloat16
+    q = rng.standard_normal((b, s, h, d)).astype(bf16).astype(np.float32)
+    kv = rng.standard_normal((b, n, d)).astype(bf16).astype(np.float32)
+    sink = rng.standard_normal(h).astype(np.float32)
+    window = min(k, 128)
+    start = rng.integers(0, n - window, (b, s, 1))
+    idx = np.concatenate([start + np.arange(window),
+                          rng.integers(0, n, (b, s, k - window))], axis=-1).astype(np.int64)
+    return {"Q": q, "KV": kv, "S": sink, "I": idx}
+
+
+def interleaved_medians(fns: dict[str, Callable[[], Any]], repeat: int) -> dict[str, float]:
+    """Median seconds per call of each function, the calls taking turns (after one warm-up
+    call each)."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+SPARSE_SHAPES = [  # b, s, h, d, k
+    (1, 1, 64, 512, 640), (4, 1, 64, 512, 640), (1, 256, 64, 512, 384),
+    (1, 1024, 64, 512, 640), (1, 4096, 64, 512, 640),
+]
+
+
+Row = tuple[str, str, str, float, float, str]
+
+
+def bench_sparse_attention(args: argparse.Namespace, threads: int,
+                           rng: np.random.Generator) -> list[Row]:
+    torch_sparse_attn = load_torch_sparse_attn(args.sparse_torch)
+    if torch_sparse_attn is None:
+        print("note: no torch sparse_attn to compare with (--sparse-torch)", file=sys.stderr)
+    rows = []
+    for b, s, h, d, k in SPARSE_SHAPES:
+        feeds = sparse_attention_inputs(rng, b, s, h, d, k)
+        scale = d**-0.5
+        new = sparse_attention_session("", scale, threads)  # the widest path this CPU has
+        old = sparse_attention_session("reference", scale, threads)
+        o_new, o_old = new.run(None, feeds)[0], old.run(None, feeds)[0]
+        if not same_bits(o_new, o_old):
+            print(f"warning: SparseAttention {(b, s, h, d, k)}: tiled != per-row", file=sys.stderr)
+        fns: dict[str, Callable[[], Any]] = {
+            "onnxruntime kernel": lambda f=feeds, x=new: x.run(None, f),
+            "old per-row kernel": lambda f=feeds, x=old: x.run(None, f),
+        }
+        if torch_sparse_attn is not None:
+            tq, tkv, tsink, tidx = (torch.from_numpy(feeds[n]) for n in ("Q", "KV", "S", "I"))
+            fns["torch einsum"] = lambda a=(tq, tkv, tsink, tidx), sc=scale: torch_sparse_attn(
+                *a, sc)
+        # Decode calls take milliseconds and a shared machine preempts a thread now and then
+        # (a parallel call then waits for it): many calls; prefill calls take seconds.
+        repeat = args.repeat * 20 if b * s <= 4 else max(2, args.repeat * 256 // (b * s))
+        flops = 4 * b * s * h * k * d
+        for impl, seconds in interleaved_medians(fns, repeat).items():
+            rows.append(("SparseAttention", f"b{b} s{s} h{h} d{d} k{k}", impl, seconds,
+                         flops / seconds, "FLOP/s"))
+    return rows
+
+
 def median_time(fn: Callable[[], Any], repeat: int, min_time: float) -> float:
     """Median seconds per call, after one warm-up call; at least `repeat` calls and
     `min_time` seconds in all."""
@@ -292,7 +412,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--min-time", type=float, default=1.0, help="seconds per measurement")
-    parser.add_argument("--only", choices=["linear", "fp8", "fp4", "topk"], action="append",
+    parser.add_argument("--only", choices=["linear", "fp8", "fp4", "topk", "sparse"],
+                        action="append",
                         help="run only these sections (repeatable; default: all)")
     parser.add_argument("--linear-m", type=int, nargs="+", default=[1, 256, 1024],
                         help="TorchLinear row counts (M)")
@@ -304,10 +425,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="threads for onnxruntime and torch (default: torch's count)")
     parser.add_argument("--baseline-library", default=None,
                         help="an older libcsa2onnx_ops.so to time TorchLinear against")
+    parser.add_argument("--sparse-torch", default=str(upstream.reference_dir() / "kernel_cpu.py"),
+                        help="a file defining the reference's torch sparse_attn (default: the "
+                             "upstream reference's kernel_cpu.py)")
     parser.add_argument("--fp8-rows", default="1,4,256,1024",
                         help="comma-separated M for the Fp8Linear section")
     args = parser.parse_args(argv)
-    sections = set(args.only or ["linear", "fp8", "fp4", "topk"])
+    sections = set(args.only or ["linear", "fp8", "fp4", "topk", "sparse"])
     if "fp8" in sections:
         bench_fp8_linear([int(r) for r in args.fp8_rows.split(",")], args.repeat, args.min_time)
         print()
@@ -319,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
         bench_linear(args.linear_m, threads, args.repeat, args.min_time, args.baseline_library,
                      args.linear_layers)
         print()
-    if not sections & {"fp4", "topk"}:
+    if not sections & {"fp4", "topk", "sparse"}:
         return 0
     options = session_options(threads)
     rng = np.random.default_rng(0)
@@ -372,10 +496,13 @@ def main(argv: list[str] | None = None) -> int:
             for impl, seconds in impls.items():
                 rows.append(("TorchTopK f32", shape, impl, seconds, n_rows / seconds, "rows/s"))
 
-    print(f"threads: onnxruntime intra_op_num_threads={threads} (= torch.get_num_threads()), "
+    if "sparse" in sections:
+        rows += bench_sparse_attention(args, threads, rng)
+
+    print(f"threads: onnxruntime intra_op_num_threads={threads} = torch threads, "
           f"numpy single-threaded; {os.cpu_count()} CPUs; onnxruntime {ort.__version__}, "
           f"torch {torch.__version__}, numpy {np.__version__}")
-    print(f"{'op':<28} {'shape':<22} {'implementation':<20} {'median':>10} "
+    print(f"{'op':<28} {'shape':<26} {'implementation':<20} {'median':>11} "
           f"{'throughput':>18}   kernel speed-up")
     kernel_rate: dict[tuple[str, str], float] = {}
     for op, shape, impl, seconds, per_s, unit in rows:
@@ -384,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
             ratio = ""
         else:
             ratio = f"x{kernel_rate[op, shape] / per_s:7.2f}"
-        print(f"{op:<28} {shape:<22} {impl:<20} {seconds * 1e3:8.2f} ms "
+        print(f"{op:<28} {shape:<26} {impl:<20} {seconds * 1e3:9.2f} ms "
               f"{rate(per_s)}{unit:<9} {ratio}")
     return 0
 

@@ -55,8 +55,9 @@ inline int64_t scratch_floats(const Problem& pr) {
 }
 
 // q: [h, d] of this row; kv: [n, d] of this batch; idx: [k]; out: [h, d].
-// Indices must already be checked to lie in [-1, n).
-template <typename I>
+// Indices must already be checked to lie in [-1, n). kRoundOut = false leaves out the final
+// bf16 rounding (tests compare kernels on the float32 quotient, where every last bit shows).
+template <typename I, bool kRoundOut = true>
 __attribute__((always_inline)) inline void row(const Problem& pr, const float* q,
                                                const float* kv, const I* idx,
                                                const float* sink, float* scratch, float* out) {
@@ -171,7 +172,10 @@ __attribute__((always_inline)) inline void row(const Problem& pr, const float* q
   }
   for (int64_t i = 0; i < h; ++i) {
     const float denom = total[i] + std::exp(sink[i] - m[i]);
-    for (int64_t e = 0; e < d; ++e) out[i * d + e] = round_bf16(acc[i * d + e] / denom);
+    for (int64_t e = 0; e < d; ++e) {
+      const float o = acc[i * d + e] / denom;
+      out[i * d + e] = kRoundOut ? round_bf16(o) : o;
+    }
   }
 }
 

@@ -1,9 +1,17 @@
-// SparseAttention (domain csa2onnx): the reference's sparse_attn (sparse_attention.h) per
-// query row, in parallel over the b*s rows, with O(64*d + h*d) scratch per row (the
-// gathered rows [b, s, k, d] are never materialised).
+// SparseAttention (domain csa2onnx): the reference's sparse_attn, bit for bit as
+// sparse_attention.h's `row` defines it, computed by the tiled kernel of
+// sparse_attention_tiled.h: per query row and group of heads (all heads of a query share its
+// index list and its K=V rows), each block of 64 indices is gathered once (row pointers, or
+// padded copies) and the logits and P @ V of all the group's heads run as register tiles,
+// every output summed in the definition's order. In parallel over (query rows x head groups); O(64*d + h*d)
+// scratch per thread (the gathered rows [b, s, k, d] are never materialised).
 // Inputs Q (float [b, s, h, d]), KV (float [b, n, d], each row both key and value), Sink
 // (float [h]), Idx (int64 or int32 [b, s, k], -1 = nothing, else in [0, n)); attribute
 // softmax_scale (float, > 0); output O (float [b, s, h, d], bf16 values).
+// CSA_SPARSE_ATTENTION_ISA (or CSA2ONNX_ISA; read when a session creates the kernel) forces
+// a path for tests: "avx512", "avx2", "scalar" (the tiles without SIMD) or "reference" (the
+// definition's `row`, one row per task, on the widest instruction set this CPU has); all
+// give the same bits.
 // Compiled with -ffp-contract=off: the orders keep some multiplies and adds apart.
 #include "ort_api.h"
 
@@ -13,6 +21,7 @@
 
 #include "kernel_support.h"
 #include "sparse_attention.h"
+#include "sparse_attention_tiled.h"
 #include "sparse_attention_op.h"
 #include "simd.h"
 
@@ -35,28 +44,110 @@ struct Job {
   const float* sink;
   const I* idx;
   float* out;
+  int64_t group;   // heads per task (the last task of a row may have fewer)
+  int64_t splits;  // tasks per query row: ceil(h / group)
   bool out_of_memory = false;
 };
 
+// ---- the tiled kernel (sparse_attention_tiled.h): task t = (row t / splits, head group) ----
+
 template <typename I>
-__attribute__((always_inline)) inline void run_row(Job<I>& j, size_t r, float* scratch) {
+using TilesFn = void (*)(const sa::Problem&, const sa::tiled::Shape&, int64_t, const float*,
+                         const float*, const I*, const float*, float*, float*);
+
+// The tiles per instruction set. `flatten` inlines the whole kernel, vector members included,
+// into the function that carries the target (see sparse_attention_tiled.h).
+template <typename I>
+__attribute__((flatten)) void tiles_scalar(const sa::Problem& pr, const sa::tiled::Shape& s,
+                                           int64_t h0, const float* q, const float* kv,
+                                           const I* idx, const float* sink, float* scratch,
+                                           float* out) {
+  sa::tiled::task<sa::tiled::CfgScalar, I>(pr, s, h0, q, kv, idx, sink, scratch, out);
+}
+#ifdef CSA_X86
+template <typename I>
+CSA_TARGET_AVX512 __attribute__((flatten)) void tiles_avx512(
+    const sa::Problem& pr, const sa::tiled::Shape& s, int64_t h0, const float* q,
+    const float* kv, const I* idx, const float* sink, float* scratch, float* out) {
+  sa::tiled::task<sa::tiled::CfgAvx512, I>(pr, s, h0, q, kv, idx, sink, scratch, out);
+}
+template <typename I>
+CSA_TARGET_AVX2 __attribute__((flatten)) void tiles_avx2(
+    const sa::Problem& pr, const sa::tiled::Shape& s, int64_t h0, const float* q,
+    const float* kv, const I* idx, const float* sink, float* scratch, float* out) {
+  sa::tiled::task<sa::tiled::CfgAvx2, I>(pr, s, h0, q, kv, idx, sink, scratch, out);
+}
+#endif
+
+template <typename Cfg, typename I>
+void run_task(Job<I>& j, size_t t, std::vector<float>& scratch, TilesFn<I> tiles) {
   const sa::Problem& pr = j.pr;
-  const int64_t row = static_cast<int64_t>(r);
+  const int64_t row = static_cast<int64_t>(t) / j.splits;
+  const int64_t h0 = static_cast<int64_t>(t) % j.splits * j.group;
+  const int64_t g = pr.h - h0 < j.group ? pr.h - h0 : j.group;
+  const sa::tiled::Shape shape = sa::tiled::shape_of<Cfg>(g, pr.d);
+  const size_t need = static_cast<size_t>(sa::tiled::scratch_floats(shape));
+  if (scratch.size() < need) scratch.resize(need);
   const int64_t b = row / j.s;
-  sa::row<I>(pr, j.q + row * pr.h * pr.d, j.kv + b * pr.n * pr.d, j.idx + row * pr.k, j.sink,
-             scratch, j.out + row * pr.h * pr.d);
+  tiles(pr, shape, h0, j.q + row * pr.h * pr.d, j.kv + b * pr.n * pr.d, j.idx + row * pr.k,
+        j.sink, scratch.data(), j.out + row * pr.h * pr.d);
 }
 
 template <typename I>
-void row_scalar(Job<I>& j, size_t r, float* s) { run_row(j, r, s); }
+void task_scalar(Job<I>& j, size_t t, std::vector<float>& s) {
+  run_task<sa::tiled::CfgScalar>(j, t, s, tiles_scalar<I>);
+}
 #ifdef CSA_X86
 template <typename I>
-CSA_TARGET_AVX512 void row_avx512(Job<I>& j, size_t r, float* s) { run_row(j, r, s); }
+void task_avx512(Job<I>& j, size_t t, std::vector<float>& s) {
+  run_task<sa::tiled::CfgAvx512>(j, t, s, tiles_avx512<I>);
+}
 template <typename I>
-CSA_TARGET_AVX2 void row_avx2(Job<I>& j, size_t r, float* s) { run_row(j, r, s); }
+void task_avx2(Job<I>& j, size_t t, std::vector<float>& s) {
+  run_task<sa::tiled::CfgAvx2>(j, t, s, tiles_avx2<I>);
+}
 #endif
 
-Isa select_isa() { return csa::select_isa("CSA_SPARSE_ATTENTION_ISA"); }
+// ---- the reference path: the definition (sparse_attention.h `row`), one task per row ----
+
+template <typename I>
+__attribute__((always_inline)) inline void run_row(Job<I>& j, size_t r,
+                                                   std::vector<float>& scratch) {
+  const sa::Problem& pr = j.pr;
+  const size_t need = static_cast<size_t>(sa::scratch_floats(pr));
+  if (scratch.size() < need) scratch.resize(need);
+  const int64_t row = static_cast<int64_t>(r);
+  const int64_t b = row / j.s;
+  sa::row<I>(pr, j.q + row * pr.h * pr.d, j.kv + b * pr.n * pr.d, j.idx + row * pr.k, j.sink,
+             scratch.data(), j.out + row * pr.h * pr.d);
+}
+
+template <typename I>
+void row_scalar(Job<I>& j, size_t r, std::vector<float>& s) { run_row(j, r, s); }
+#ifdef CSA_X86
+template <typename I>
+CSA_TARGET_AVX512 void row_avx512(Job<I>& j, size_t r, std::vector<float>& s) {
+  run_row(j, r, s);
+}
+template <typename I>
+CSA_TARGET_AVX2 void row_avx2(Job<I>& j, size_t r, std::vector<float>& s) { run_row(j, r, s); }
+#endif
+
+// Heads per task: all of them when there are enough query rows to keep the threads busy
+// (the block's gather and Q's transpose are then done once per row); else the heads are
+// split (a multiple of 16, the AVX-512 tile) so that decode's few rows still make about
+// kMinTasks tasks. The split changes no bits: every output belongs to one head.
+constexpr int64_t kMinTasks = 16;
+int64_t heads_per_task(int64_t rows, int64_t h) {
+  if (rows >= kMinTasks || h <= 16) return h;
+  const int64_t splits = (kMinTasks + rows - 1) / rows;
+  const int64_t group = ((h + splits - 1) / splits + 15) / 16 * 16;
+  return group < h ? group : h;
+}
+
+Isa select_isa() {
+  return csa::select_isa("CSA_SPARSE_ATTENTION_ISA", /*has_reference=*/true);
+}
 
 template <typename I>
 struct SparseAttentionKernel {
@@ -112,31 +203,41 @@ struct SparseAttentionKernel {
     const int64_t rows = b * s;
     if (rows == 0 || h == 0 || d == 0) return;
 
-    Job<I> job{{h, d, k, n, scale}, s, q.Data(), kv.Data(), sink.Data(), ix, out};
-    void (*fn)(Job<I>&, size_t, float*) = row_scalar<I>;
+    const bool reference = isa == Isa::kReference;
+    const int64_t group = reference ? h : heads_per_task(rows, h);
+    const int64_t splits = (h + group - 1) / group;
+    Job<I> job{{h, d, k, n, scale}, s, q.Data(), kv.Data(), sink.Data(), ix, out, group, splits};
+    using Fn = void (*)(Job<I>&, size_t, std::vector<float>&);
+    Fn fn = task_scalar<I>;
 #ifdef CSA_X86
-    if (isa == Isa::kAvx512) fn = row_avx512<I>;
-    if (isa == Isa::kAvx2) fn = row_avx2<I>;
+    if (isa == Isa::kAvx512) fn = task_avx512<I>;
+    if (isa == Isa::kAvx2) fn = task_avx2<I>;
 #endif
+    if (reference) {  // the definition on the widest path this CPU has (all give its bits)
+      fn = row_scalar<I>;
+#ifdef CSA_X86
+      if (cpu_has(Isa::kAvx512)) fn = row_avx512<I>;
+      else if (cpu_has(Isa::kAvx2)) fn = row_avx2<I>;
+#endif
+    }
     struct Call {
       Job<I>* job;
-      void (*fn)(Job<I>&, size_t, float*);
+      Fn fn;
     } call{&job, fn};
-    auto task = [](void* data, size_t r) {
+    auto task = [](void* data, size_t t) {
       Call& c = *static_cast<Call*>(data);
       try {  // no exception may escape into onnxruntime's thread pool
         thread_local std::vector<float> scratch;
-        const size_t need = static_cast<size_t>(sa::scratch_floats(c.job->pr));
-        if (scratch.size() < need) scratch.resize(need);
-        c.fn(*c.job, r, scratch.data());
+        c.fn(*c.job, t, scratch);
       } catch (const std::bad_alloc&) {
         c.job->out_of_memory = true;
       }
     };
+    const int64_t tasks = rows * splits;
     if (rows * h * (k > 0 ? k : 1) * d < (1 << 16)) {
-      for (int64_t r = 0; r < rows; ++r) task(&call, static_cast<size_t>(r));
+      for (int64_t t = 0; t < tasks; ++t) task(&call, static_cast<size_t>(t));
     } else {
-      Ort::KernelContext(ctx).ParallelFor(task, static_cast<size_t>(rows), 0, &call);
+      Ort::KernelContext(ctx).ParallelFor(task, static_cast<size_t>(tasks), 0, &call);
     }
     if (job.out_of_memory) ORT_CXX_API_THROW("SparseAttention: out of memory", ORT_FAIL);
   }

@@ -1,0 +1,154 @@
+"""SparseAttention's tiled kernel (every instruction-set path, any thread count) against the
+per-row definition it replaced (CSA_SPARSE_ATTENTION_ISA=reference), bit for bit, on random
+and adversarial inputs: through the op (bf16 outputs), and through a C++ driver
+(tests/cpp/sparse_attention_tiles.cc) on the float32 quotients before that rounding."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto
+from test_sparse_attention_op import sa_model
+
+from csa2onnx.custom_ops import make_session, session_options
+from csa2onnx.custom_ops.library import cpu_isas
+
+PATHS = [isa for isa in ("avx512", "avx2", "scalar") if isa in cpu_isas()]
+
+
+def _session(monkeypatch, isa: str, scale: float, idx_type: int, threads: int = 0,
+             variable: str = "CSA_SPARSE_ATTENTION_ISA") -> ort.InferenceSession:
+    monkeypatch.delenv("CSA_SPARSE_ATTENTION_ISA", raising=False)
+    monkeypatch.delenv("CSA2ONNX_ISA", raising=False)
+    monkeypatch.setenv(variable, isa)  # read when the session creates the kernel
+    try:
+        return make_session(sa_model(scale, idx_type), options=session_options(threads))
+    finally:
+        monkeypatch.delenv(variable)
+
+
+def _bits(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x).view(np.uint32)
+
+
+def _compare(monkeypatch, q, kv, sink, idx, scale, paths=None, threads=(1, 2)) -> None:
+    it = TensorProto.INT32 if idx.dtype == np.int32 else TensorProto.INT64
+    feeds = {"Q": q, "KV": kv, "S": sink, "I": idx}
+    want = _session(monkeypatch, "reference", scale, it, 1).run(None, feeds)[0]
+    for isa in paths or PATHS:
+        for t in threads:
+            got = _session(monkeypatch, isa, scale, it, t).run(None, feeds)[0]
+            diff = _bits(got) != _bits(want)
+            assert not diff.any(), (isa, t, q.shape, idx.shape, diff.mean(),
+                                    np.argwhere(diff)[:5])
+
+
+def _random(seed, b, s, h, d, n, k, minus_one=0.2, q_scale=2.0, idx_dtype=np.int64):
+    rng = np.random.default_rng(seed)
+    q = (rng.standard_normal((b, s, h, d)) * q_scale).astype(np.float32)
+    kv = rng.standard_normal((b, n, d)).astype(np.float32)
+    sink = rng.standard_normal(h).astype(np.float32)
+    idx = rng.integers(0, n, (b, s, k))
+    idx[rng.random((b, s, k)) < minus_one] = -1
+    return q, kv, sink, idx.astype(idx_dtype)
+
+
+@pytest.mark.parametrize("h", [1, 3, 4, 64])
+@pytest.mark.parametrize("d", [8, 128, 512])
+def test_random_matches_reference(monkeypatch, h: int, d: int) -> None:
+    b, s, n, k = (2, 3, 300, 200) if h * d <= 8192 else (1, 2, 300, 200)
+    q, kv, sink, idx = _random(h * 1000 + d, b, s, h, d, n, k)
+    idx[0, 0] = -1  # a row with nothing
+    idx[-1, -1, 64:128] = -1  # a whole block skipped mid-row
+    idx[-1, 0, 10:40] = idx[-1, 0, 5]  # duplicates
+    _compare(monkeypatch, q, kv, sink, idx, d**-0.5)
+    _compare(monkeypatch, q, kv, sink, idx.astype(np.int32), d**-0.5, paths=PATHS[:1],
+             threads=(2,))
+
+
+@pytest.mark.parametrize(("h", "d", "k"), [
+    (1, 7, 70), (2, 13, 65), (3, 9, 1), (5, 200, 129), (16, 300, 70), (20, 8, 3),
+    (6, 33, 64), (128, 64, 130), (48, 40, 63), (7, 1, 90), (64, 512, 0), (4, 24, 2048),
+])
+def test_odd_shapes_match_reference(monkeypatch, h: int, d: int, k: int) -> None:
+    """Odd d (padded columns), h not a multiple of any tile (padded heads), k past, below and
+    at multiples of 64, k = 0, a long index list."""
+    q, kv, sink, idx = _random(h + d + k, 1, 3, h, d, 100, k, minus_one=0.3)
+    _compare(monkeypatch, q, kv, sink, idx, 0.37)
+
+
+@pytest.mark.parametrize("h", [1, 3, 4, 64])
+def test_adversarial_inputs_match_reference(monkeypatch, h: int) -> None:
+    d, n, k = 128, 60, 192
+    rng = np.random.default_rng(h)
+    q, kv, sink, idx = _random(h, 1, 8, h, d, n, k)
+    q[0, 0] *= 40.0  # large logits: exp underflows to 0 for all but the maximum
+    q[0, 1] = 0.0  # every logit 0: ties everywhere
+    kv[0, 1] = kv[0, 0]  # identical rows: tied logits from different indices
+    idx[0, 2] = rng.choice([0, 1], k)
+    q[0, 3] *= 3e18  # extreme: logits overflow to inf, the softmax gives NaN (same NaN bits)
+    idx[0, 4] = -1
+    idx[0, 4, -1] = 7  # only the last entry of the last block
+    idx[0, 5, ::64] = -1  # the first entry of each block missing
+    kv[0, 2] = np.float32(1e-38)  # denormal products
+    idx[0, 6, :64] = 2
+    sink[:] = np.float32(80.0) if h > 1 else np.float32(-80.0)  # sink dominates / vanishes
+    q[0, 7] = rng.choice([-1e4, 1e4], (h, d)).astype(np.float32)
+    _compare(monkeypatch, q, kv, sink, idx, d**-0.5)
+
+
+def test_released_dims_decode_and_prefill(monkeypatch) -> None:
+    """h = 64, d = 512, k = 640 (window 128 + 512 compressed): decode (b = 4, one row each,
+    heads split over tasks) and a few prefill rows."""
+    q, kv, sink, idx = _random(11, 4, 1, 64, 512, 700, 640, minus_one=0.05)
+    idx[:, :, 128 + 300:] = -1  # fewer compressed rows than the list holds
+    _compare(monkeypatch, q, kv, sink, idx, 512**-0.5, paths=PATHS[:2], threads=(1, 3))
+    q, kv, sink, idx = _random(12, 1, 5, 64, 512, 900, 640, minus_one=0.0)
+    _compare(monkeypatch, q, kv, sink, idx, 512**-0.5, paths=PATHS[:1], threads=(2,))
+
+
+def test_global_variable_forces_the_path(monkeypatch) -> None:
+    q, kv, sink, idx = _random(3, 1, 2, 8, 64, 50, 100)
+    feeds = {"Q": q, "KV": kv, "S": sink, "I": idx}
+    want = _session(monkeypatch, "reference", 0.125, TensorProto.INT64).run(None, feeds)[0]
+    for isa in PATHS:
+        got = _session(monkeypatch, isa, 0.125, TensorProto.INT64,
+                       variable="CSA2ONNX_ISA").run(None, feeds)[0]
+        np.testing.assert_array_equal(_bits(got), _bits(want))
+    with pytest.raises(Exception, match=r"expected avx512, avx2, scalar or reference"):
+        _session(monkeypatch, "sse9", 0.125, TensorProto.INT64)
+
+
+# ------------------------------------------------ float32 quotients (tests/cpp driver)
+SRC = Path(__file__).resolve().parents[1] / "custom_ops" / "src"
+DRIVER = Path(__file__).resolve().parent / "cpp" / "sparse_attention_tiles.cc"
+
+
+@pytest.fixture(scope="module")
+def tiles_driver(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    cxx = shutil.which("g++")
+    if cxx is None:
+        pytest.skip("g++ not found: needed to build the tiles driver")
+    exe = tmp_path_factory.mktemp("sparse_tiles") / "sparse_attention_tiles"
+    cmd = [cxx, "-O2", "-std=c++17", "-Wall", "-Wextra", "-Werror", "-ffp-contract=off",
+           f"-I{SRC}", str(DRIVER), "-o", str(exe)]
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return exe
+
+
+@pytest.mark.parametrize("seed", [7, 2024])
+def test_unrounded_quotients_match_definition(tiles_driver: Path, seed: int) -> None:
+    """Before the final bf16 rounding (which hides most last-bit differences) every path's
+    acc / denom equals the definition's bit for bit, whole rows and groups of 16 heads."""
+    run = subprocess.run([str(tiles_driver), str(seed)], capture_output=True, text=True,
+                         timeout=600)
+    counts = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", run.stdout.splitlines()[-1])}
+    assert run.returncode == 0 and counts["mismatches"] == 0, run.stdout[-3000:]
+    assert counts["cases"] > 400 and counts["values"] > 5_000_000
+    assert f"path {PATHS[0]}" in run.stdout  # the widest path this CPU has was compared
