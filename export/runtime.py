@@ -1,7 +1,13 @@
 """The runtime: loads exported prefill/decode artifacts and owns the state between calls.
 
-State stays in onnxruntime-owned buffers (OrtValues bound through IOBinding): each call's
-state outputs become the next call's state inputs without a round trip through NumPy.
+State stays in OrtValues bound through IOBinding. A cache (compressed KV, index keys) is
+ONE buffer bound as both its past.* input and its present.* output, which the graph's
+WriteRows nodes update in place: a call writes only its new rows, so its cost does not
+depend on the cache's size. Caches are allocated zeroed (as the reference's fresh module)
+and kept across sequences; their capacity grows with the context by doubling (copying
+the rows on growth) up to max_seq_len // r rows, so memory follows the context, not
+max_seq_len. The small state (window ring, compressor's partial group) is a new output
+each call that becomes the next call's input.
 """
 
 from __future__ import annotations
@@ -33,15 +39,37 @@ class StepOutputs:
     extra: dict[str, np.ndarray]
 
 
+MIN_CACHE_ROWS = 256  # a cache's first capacity (or all its rows, if fewer)
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """A cache written in place (manifest state entry with a read_ratio)."""
+
+    name: str
+    max_rows: int
+    width: int
+    read_ratio: int
+
+    def rows_for(self, end_pos: int) -> int:
+        return min(self.max_rows, end_pos // self.read_ratio)
+
+
 class AttentionRuntime:
     """Runs a stack's prefill and decode artifacts, holding its state."""
 
     def __init__(self, folder: str | Path, provider: str = "cpu",
-                 intra_op_num_threads: int = 0, spinning: bool = True) -> None:
+                 intra_op_num_threads: int = 0, spinning: bool = True,
+                 grow_caches: bool = True) -> None:
         """`spinning=False` keeps idle intra-op threads from spinning between calls (for
-        benchmarks beside another framework)."""
+        benchmarks beside another framework). `grow_caches=False` allocates every cache
+        at max_seq_len // r rows up front instead of growing it with the context."""
         self.folder = Path(folder)
         self.manifest: Manifest = read_manifest(self.folder)
+        self.grow_caches = grow_caches
+        self.caches = {t["name"]: CacheSpec(t["name"], int(t["shape"][1]), int(t["shape"][2]),
+                                            int(t["read_ratio"]))
+                       for t in self.manifest.state if t.get("read_ratio")}
         providers = ["CPUExecutionProvider"]
         if provider == "cuda":
             if "CUDAExecutionProvider" not in ort.get_available_providers():
@@ -65,8 +93,10 @@ class AttentionRuntime:
                                                     sess_options=options, providers=providers)
                          for mode in ("prefill", "decode")}
         self.state: dict[str, ort.OrtValue] = {}
+        self._host: dict[str, np.ndarray] = {}  # CPU caches: the arrays their OrtValues share
         self.position = 0  # tokens seen so far (next start_pos)
         self.batch = 0
+        self.started = False  # whether a prefill has run (decode needs one)
 
     @property
     def layers(self) -> list[int]:
@@ -85,16 +115,17 @@ class AttentionRuntime:
             raise RuntimeStateError(f"batch {batch} is larger than max_batch_size "
                                     f"{self.manifest.max_batch_size}")
         feeds = self._feeds(xs, slots)
+        self._ensure_caches(batch, seqlen)
         for name in self.manifest.prefill_state_inputs:
             feeds[f"past.{name}"] = self._carried(name)
         result = self._run("prefill", feeds)
-        self.batch, self.position = batch, seqlen
+        self.batch, self.position, self.started = batch, seqlen, True
         return result
 
     def decode(self, xs: dict[int, np.ndarray],
                slots: dict[str, np.ndarray] | None = None) -> StepOutputs:
         """One more token: xs[layer] is [batch, 1, dim]."""
-        if not self.state:
+        if not self.started:
             raise RuntimeStateError("decode called before any prefill")
         batch, seqlen = self._check_inputs(xs)
         if seqlen != 1:
@@ -106,6 +137,7 @@ class AttentionRuntime:
             raise RuntimeStateError(f"position {self.position} is past max_seq_len "
                                     f"{self.manifest.max_seq_len}")
         feeds = self._feeds(xs, slots)
+        self._ensure_caches(batch, self.position + 1)
         feeds["start_pos"] = self._ortvalue(np.array([self.position], np.int64))
         for name in self.manifest.state_names:
             feeds[f"past.{name}"] = self.state[name]
@@ -119,7 +151,43 @@ class AttentionRuntime:
                    for v in self.state.values())
 
     def state_array(self, name: str) -> np.ndarray:
-        return self.state[name].numpy()
+        """A copy of a state tensor (a cache: only the rows it holds now)."""
+        return np.array(self.state[name].numpy())
+
+    def cache_rows(self) -> dict[str, int]:
+        """The rows each cache holds now (its capacity)."""
+        return {name: self.state[name].shape()[1] for name in self.caches if name in self.state}
+
+    # --------------------------------------------------------------- caches
+    def _ensure_caches(self, batch: int, end_pos: int) -> None:
+        """Every cache holds `batch` entries and the rows a call ending at end_pos reads:
+        grown by doubling (old rows copied, new ones zero, as never written upstream)."""
+        for spec in self.caches.values():
+            value = self.state.get(spec.name)
+            old_batch, old_rows = (value.shape()[0], value.shape()[1]) if value else (0, 0)
+            need = spec.rows_for(end_pos)
+            if value is not None and old_batch == batch and old_rows >= need:
+                continue
+            if not self.grow_caches:
+                rows = spec.max_rows
+            elif value is None or old_batch != batch:
+                rows = min(spec.max_rows, max(need, old_rows, MIN_CACHE_ROWS))
+            else:
+                rows = min(spec.max_rows, max(need, 2 * old_rows))
+            array = np.zeros((batch, rows, spec.width), np.float32)
+            if value is not None:  # a batch change keeps the entries both have
+                keep_b, keep_r = min(batch, old_batch), min(rows, old_rows)
+                old = self._host.get(spec.name)
+                old = old if old is not None else value.numpy()
+                array[:keep_b, :keep_r] = old[:keep_b, :keep_r]
+            self._set_cache(spec.name, array)
+
+    def _set_cache(self, name: str, array: np.ndarray) -> None:
+        if self.device == "cpu":  # the OrtValue shares the array's memory: keep it alive
+            self._host[name] = array
+            self.state[name] = ort.OrtValue.ortvalue_from_numpy(array)
+        else:
+            self.state[name] = ort.OrtValue.ortvalue_from_numpy(array, self.device, 0)
 
     # -------------------------------------------------------------- helpers
     def _feeds(self, xs: dict[int, np.ndarray],
@@ -151,7 +219,8 @@ class AttentionRuntime:
                                                 self.device, 0)
 
     def _carried(self, name: str) -> ort.OrtValue:
-        # Slots never reset (the reference's SharedAttentionRuntime persists across calls).
+        # Caches and slots never reset (the reference's module buffers and its
+        # SharedAttentionRuntime persist across calls).
         if name in self.state:
             return self.state[name]
         return self._ortvalue(np.full([1], -1, np.int64))
@@ -163,11 +232,17 @@ class AttentionRuntime:
             binding.bind_ortvalue_input(name, value)
         names = [o.name for o in session.get_outputs()]
         for name in names:
-            binding.bind_output(name, self.device)
+            state = name.removeprefix("present.")
+            if name.startswith("present.") and state in self.caches:
+                # The past input's own buffer: WriteRows writes the new rows into it.
+                binding.bind_ortvalue_output(name, feeds[f"past.{state}"])
+            else:
+                binding.bind_output(name, self.device)
         session.run_with_iobinding(binding)
         values = dict(zip(names, binding.get_outputs(), strict=True))
-        self.state = {name[len("present."):]: v for name, v in values.items()
-                      if name.startswith("present.")}
+        self.state.update({name[len("present."):]: v for name, v in values.items()
+                           if name.startswith("present.")
+                           and name[len("present."):] not in self.caches})
         out = {int(name[len("out.L"):]): v.numpy() for name, v in values.items()
                if name.startswith("out.L")}
         extra = {name: v.numpy() for name, v in values.items()

@@ -1,7 +1,8 @@
 """Export a stack of attention layers (one layer is a stack of one) as a prefill model and a
 decode model. Inputs: x.L{l} per layer (the blocks between attention layers are not part of
 the export), start_pos (decode), past.* state, slot_in.* for slots written outside the
-range. Outputs: out.L{l}, present.* state, slot_out.* for the slots the range writes."""
+range. Outputs: out.L{l}, present.* state, slot_out.* for the slots the range writes.
+A cache's present.* output is its past.* input written in place (export/in_place.py)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from csa2onnx.custom_ops.ops import PORTABLE_KEY
 from csa2onnx.custom_ops.portable import portable_functions
 from csa2onnx.export.artifacts import manifest_for, write_manifest
 from csa2onnx.export.config import AttentionConfig
+from csa2onnx.export.in_place import check_in_place_order
 from csa2onnx.export.layer import AttentionLayer, Mode, Slots
 from csa2onnx.export.plan import StackPlan
 from csa2onnx.export.weights import LayerWeights, as_float32, check_layer
@@ -51,16 +53,14 @@ def build_stack_model(plan: StackPlan, weights: dict[int, LayerWeights], mode: M
     start_pos = builder.input("start_pos", ir.DataType.INT64, [1]) if mode == "decode" else None
 
     state: dict[str, ir.Value] = {}
-    carried = [t for t in plan.state()
-               if mode == "decode" or t.name == "index_k_publisher"]
-    for t in carried:
-        state[t.name] = builder.input(f"past.{t.name}", _DTYPES[t.dtype], list(t.shape))
-    if mode == "prefill":  # a new sequence: caches start empty
-        batch = op.Slice(op.Shape(next(iter(xs.values()))), [0], [1])
-        for t in plan.state():
-            if t.name.endswith(("compress_kv", "index_k")):
-                shape = op.Concat(batch, list(t.shape[1:]), axis=0)
-                state[t.name] = op.ConstantOfShape(shape, value=ir.tensor(np.zeros(1, np.float32)))
+    # Caches come in on both calls, written in place from row start_pos // r on: a new
+    # sequence overwrites rows from 0. Rows past what a sequence wrote are read only by a
+    # reader with a smaller ratio than the cache's (through the index_k slot, or a consumer
+    # of a coarser kv source), and then hold what earlier sequences wrote (zeros if none),
+    # as upstream's never-reset caches do. The window ring and the compressor's partial
+    # group are small: a prefill rebuilds them, and each call outputs new copies.
+    for t in plan.carried(mode):
+        state[t.name] = builder.input(f"past.{t.name}", _DTYPES[t.dtype], t.graph_shape())
     # An owner's key cache is visible through the index_k slot before the owner runs in
     # this call (the reference's slot holds a reference to the cache tensor).
     slots = Slots(publisher=state.get("index_k_publisher"),
@@ -90,7 +90,7 @@ def build_stack_model(plan: StackPlan, weights: dict[int, LayerWeights], mode: M
     if slots.candidates is not None:
         outputs.append(("slot_out.candidates", slots.candidates))
 
-    state_shapes = {f"present.{t.name}": t.shape for t in plan.state()}
+    state_shapes = {f"present.{t.name}": t.graph_shape() for t in plan.state()}
     seen: set[int] = set()
     for name, value in outputs:
         # A value can leave the graph once; a second name (or an input) needs its own node.
@@ -103,6 +103,7 @@ def build_stack_model(plan: StackPlan, weights: dict[int, LayerWeights], mode: M
             value.shape = ir.Shape([None] * rank)
         builder.add_output(value, name)
     check_parameter_names(graph)
+    check_in_place_order(graph)
     _share_identical_initializers(graph)
     return ir.Model(graph, ir_version=IR_VERSION)
 
