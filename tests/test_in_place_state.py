@@ -5,8 +5,10 @@ with the context; a new sequence reuses the caches without zero-filling them."""
 from __future__ import annotations
 
 import sys
+from itertools import pairwise
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
 
@@ -134,3 +136,87 @@ def test_check_accepts_graphs_without_in_place_writes() -> None:
     import onnx_ir as ir
 
     check_in_place_order(ir.Graph([], [], nodes=[]))
+
+
+def test_a_second_sequence_reads_what_upstream_reads(upstream_module, tmp_path: Path) -> None:
+    """Caches are not zeroed by a new prefill. Upstream's are never reset either, and its
+    layer 2 (ratio 2) reads end_pos // 2 rows of owner 0's (ratio 8) keys through the slot,
+    rows the second, shorter sequence has not written: they still hold the first
+    sequence's keys. csa2onnx keeps its caches, so it reads the same rows; a fresh runtime
+    (zero caches: what csa2onnx's prefill used to do) does not match."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    import make_golden
+    from make_goldens import build, init_weights
+
+    # 256 positions: owner 0 then holds 32 rows, all layer 2 reads (upstream fails past it).
+    args = make_golden.model_args({**ORDER_LAYOUT, "max_seq_len": 256})
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        layers = build(upstream_module, upstream_module.ModelArgs(**args))
+        init_weights(layers, 5)
+        arrays = {f"weights.L{i}.{name}": p.detach().float().numpy()
+                  for i, layer in enumerate(layers) for name, p in layer.named_parameters()}
+        plan = plan_stack(AttentionConfig.from_model_args(args))
+        export_stack(plan, from_golden(arrays, range(4)), tmp_path)
+        gen = torch.Generator().manual_seed(6)
+        sequences = [(40, 2), (19, 10)]  # (prefill, decode steps); the second is shorter
+        steps = [(start, n) for prefill, decodes in sequences
+                 for start, n in [(0, prefill)] + [(prefill + i, 1) for i in range(decodes)]]
+        xs = [[torch.randn(1, n, args["dim"], generator=gen).bfloat16() for _ in layers]
+              for _, n in steps]
+        with torch.inference_mode():
+            want = [[layer(x[i], start).float().numpy() for i, layer in enumerate(layers)]
+                    for (start, _), x in zip(steps, xs, strict=True)]
+    finally:
+        torch.set_default_dtype(previous)
+
+    def run(runtime: AttentionRuntime, indices: range) -> list[bool]:
+        ok = []
+        for k in indices:
+            feed = {i: xs[k][i].float().numpy() for i in range(4)}
+            out = (runtime.prefill if steps[k][0] == 0 else runtime.decode)(feed).out
+            ok += [compare(out[i], want[k][i]).ok for i in range(4)]
+        return ok
+
+    kept = AttentionRuntime(tmp_path)
+    assert all(run(kept, range(len(steps))))
+    fresh = AttentionRuntime(tmp_path)  # zero caches for the second sequence
+    assert not all(run(fresh, range(1 + sequences[0][1], len(steps))))
+
+
+def test_capacity_grows_by_doubling_with_identical_outputs(tmp_path: Path,
+                                                           monkeypatch) -> None:
+    """Caches start small and double (rows copied) as the context grows, never past
+    max_seq_len // r; every output is bit-identical to caches allocated at full size."""
+    import csa2onnx.export.runtime as runtime_module
+
+    g, plan, weights, n = _plan_and_weights()
+    export_stack(plan, weights, tmp_path)
+    monkeypatch.setattr(runtime_module, "MIN_CACHE_ROWS", 4)
+    growing, full = AttentionRuntime(tmp_path), AttentionRuntime(tmp_path, grow_caches=False)
+    max_rows = {t.name: t.max_rows for t in plan.state() if t.grows}
+    seen: dict[str, set[int]] = {name: set() for name in max_rows}
+    for entry in g.meta["schedule"]:
+        xs = {layer: g.step(entry["step"], layer, "x") for layer in range(n)}
+        call = "prefill" if entry["start_pos"] == 0 else "decode"
+        a, b = getattr(growing, call)(xs).out, getattr(full, call)(xs).out
+        for layer in range(n):
+            np.testing.assert_array_equal(a[layer], b[layer])
+        end = entry["start_pos"] + entry["seqlen"]
+        for name, rows in growing.cache_rows().items():
+            spec = growing.caches[name]
+            assert spec.rows_for(end) <= rows <= max_rows[name]
+            seen[name].add(rows)
+    assert full.cache_rows() == max_rows
+    assert growing.state_bytes() < full.state_bytes()
+    assert any(len(sizes) > 1 for sizes in seen.values())  # the schedule made some grow
+    for name, sizes in seen.items():  # each growth at least doubles (or reaches the end)
+        ordered = sorted(sizes)
+        assert all(b >= 2 * a or b == max_rows[name] for a, b in pairwise(ordered))
+    for name in max_rows:  # the rows both hold agree
+        rows = growing.cache_rows()[name]
+        np.testing.assert_array_equal(growing.state_array(name),
+                                      full.state_array(name)[:, :rows])
