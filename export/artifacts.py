@@ -38,6 +38,8 @@ class Manifest:
     linear_formats: dict[str, dict[str, str]] = field(default_factory=dict)
     # layer -> {"at_max_seq_len", "per_1024_tokens", "fixed"}: state bytes at batch 1
     state_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
+    # the one external-data file both models' large weights live in (None: inside them)
+    weights_file: str | None = None
     csa2onnx_version: str = field(default_factory=package_version)
     custom_op_domain: str = DOMAIN
     custom_op_version: int = DOMAIN_VERSION
@@ -63,7 +65,7 @@ class Manifest:
         return {k: v if isinstance(v, str) else json.dumps(v) for k, v in asdict(self).items()}
 
 
-def manifest_for(plan: StackPlan, portable: bool) -> Manifest:
+def manifest_for(plan: StackPlan, portable: bool, weights_file: str | None = None) -> Manifest:
     return Manifest(
         config=plan.config.to_dict(),
         layers=[p.layer for p in plan.layers],
@@ -77,6 +79,7 @@ def manifest_for(plan: StackPlan, portable: bool) -> Manifest:
         external_slots=list(plan.external_slots()),
         linear_formats={str(p.layer): linear_formats(plan.config, p) for p in plan.layers},
         state_bytes=state_bytes_per_layer(plan),
+        weights_file=weights_file,
     )
 
 

@@ -21,6 +21,7 @@ import onnxruntime as ort
 
 from csa2onnx.custom_ops import session_options
 from csa2onnx.export.artifacts import Manifest, read_manifest
+from csa2onnx.export.shared_weights import SharedWeights
 
 _ELEMENT_BYTES = {"tensor(float)": 4, "tensor(int64)": 8, "tensor(int32)": 4,
                   "tensor(bool)": 1, "tensor(bfloat16)": 2, "tensor(float16)": 2,
@@ -60,13 +61,19 @@ class AttentionRuntime:
 
     def __init__(self, folder: str | Path, provider: str = "cpu",
                  intra_op_num_threads: int = 0, spinning: bool = True,
-                 grow_caches: bool = True) -> None:
+                 grow_caches: bool = True, in_place: bool = True,
+                 share_weights: bool = True) -> None:
         """`spinning=False` keeps idle intra-op threads from spinning between calls (for
-        benchmarks beside another framework). `grow_caches=False` allocates every cache
-        at max_seq_len // r rows up front instead of growing it with the context."""
+        benchmarks beside another framework). For comparisons: `grow_caches=False`
+        allocates every cache at max_seq_len // r rows up front instead of growing it with
+        the context; `in_place=False` gives each call new cache outputs (WriteRows then
+        copies the whole cache, as before in-place state); `share_weights=False` lets each
+        session load its own copy of the weights."""
         self.folder = Path(folder)
         self.manifest: Manifest = read_manifest(self.folder)
         self.grow_caches = grow_caches
+        self.in_place = in_place
+        self.share_weights = share_weights
         self.caches = {t["name"]: CacheSpec(t["name"], int(t["shape"][1]), int(t["shape"][2]),
                                             int(t["read_ratio"]))
                        for t in self.manifest.state if t.get("read_ratio")}
@@ -79,18 +86,10 @@ class AttentionRuntime:
         elif provider != "cpu":
             raise ValueError(f"provider must be 'cpu' or 'cuda', got {provider!r}")
         self.device = "cuda" if provider == "cuda" else "cpu"
-        if self.manifest.portable:  # standard ONNX only: no custom-op library needed
-            options = ort.SessionOptions()
-            options.intra_op_num_threads = intra_op_num_threads
-        else:
-            options = session_options(intra_op_num_threads)
-        # onnxruntime warns that the If branches reading the index_k slot keep an implicit
-        # input's name when it renames values; harmless, and noise for a user.
-        options.log_severity_level = 3
-        if not spinning:
-            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self.sessions = {mode: ort.InferenceSession(str(self.folder / f"{mode}.onnx"),
-                                                    sess_options=options, providers=providers)
+        # One mapping of the weights file, its tensors handed to both sessions.
+        self.weights = (SharedWeights(self.folder / self.manifest.weights_file)
+                        if self.manifest.weights_file else None)
+        self.sessions = {mode: self._session(mode, providers, intra_op_num_threads, spinning)
                          for mode in ("prefill", "decode")}
         self.state: dict[str, ort.OrtValue] = {}
         self._host: dict[str, np.ndarray] = {}  # CPU caches: the arrays their OrtValues share
@@ -157,6 +156,27 @@ class AttentionRuntime:
     def cache_rows(self) -> dict[str, int]:
         """The rows each cache holds now (its capacity)."""
         return {name: self.state[name].shape()[1] for name in self.caches if name in self.state}
+
+    def _session(self, mode: str, providers: list[str], threads: int,
+                 spinning: bool) -> ort.InferenceSession:
+        if self.manifest.portable:  # standard ONNX only: no custom-op library needed
+            options = ort.SessionOptions()
+            options.intra_op_num_threads = threads
+        else:
+            options = session_options(threads)
+        # onnxruntime warns that the If branches reading the index_k slot keep an implicit
+        # input's name when it renames values; harmless, and noise for a user.
+        options.log_severity_level = 3
+        if not spinning:
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        path = self.folder / f"{mode}.onnx"
+        if self.weights is not None and self.device == "cpu" and self.share_weights:
+            # onnxruntime uses these buffers as they are (no copy) and never loads them
+            # from the file itself: the sessions' weights are the one mapping.
+            model = onnx.load(str(path), load_external_data=False)
+            for name, value in self.weights.initializers(model).items():
+                options.add_initializer(name, value)
+        return ort.InferenceSession(str(path), sess_options=options, providers=providers)
 
     # --------------------------------------------------------------- caches
     def _ensure_caches(self, batch: int, end_pos: int) -> None:
@@ -233,7 +253,7 @@ class AttentionRuntime:
         names = [o.name for o in session.get_outputs()]
         for name in names:
             state = name.removeprefix("present.")
-            if name.startswith("present.") and state in self.caches:
+            if name.startswith("present.") and state in self.caches and self.in_place:
                 # The past input's own buffer: WriteRows writes the new rows into it.
                 binding.bind_ortvalue_output(name, feeds[f"past.{state}"])
             else:
@@ -242,7 +262,9 @@ class AttentionRuntime:
         values = dict(zip(names, binding.get_outputs(), strict=True))
         self.state.update({name[len("present."):]: v for name, v in values.items()
                            if name.startswith("present.")
-                           and name[len("present."):] not in self.caches})
+                           and (name[len("present."):] not in self.caches or not self.in_place)})
+        if not self.in_place:
+            self._host.clear()  # the caches are onnxruntime's outputs now
         out = {int(name[len("out.L"):]): v.numpy() for name, v in values.items()
                if name.startswith("out.L")}
         extra = {name: v.numpy() for name, v in values.items()
@@ -267,10 +289,22 @@ def describe(folder: str | Path) -> str:
         formats = manifest.linear_formats.get(str(role["layer"]))
         if formats:  # manifests from before linear_formats have none
             lines.append("    linears: " + ", ".join(f"{k} {v}" for k, v in formats.items()))
-    lines.append("  state:")
+    lines.append("  state (caches written in place, grown with the context up to the shape "
+                 "shown, which is at max_seq_len):")
     for tensor in manifest.state:
-        lines.append(f"    {tensor['name']}: {tensor['dtype']}{tensor['shape']} "
+        how = " in place" if tensor.get("read_ratio") else ""
+        lines.append(f"    {tensor['name']}: {tensor['dtype']}{tensor['shape']}{how} "
                      f"({tensor['description']})")
+    if manifest.state_bytes:  # manifests from before state_bytes have none
+        lines.append(f"  state bytes per layer, batch 1 (at max_seq_len {manifest.max_seq_len}; "
+                     "per 1024 tokens of context, before doubling's slack; fixed):")
+        for layer, sizes in manifest.state_bytes.items():
+            lines.append(f"    L{layer}: {sizes['at_max_seq_len'] / 2**20:.2f} MiB; "
+                         f"{sizes['per_1024_tokens'] / 2**10:.0f} KiB / 1024 tokens; "
+                         f"{sizes['fixed'] / 2**10:.0f} KiB fixed")
+    if manifest.weights_file:
+        lines.append(f"  weights: {manifest.weights_file}, shared by both models "
+                     f"({(folder / manifest.weights_file).stat().st_size / 2**20:.1f} MiB)")
     for mode in ("prefill", "decode"):
         path = folder / f"{mode}.onnx"
         model = onnx.load(str(path), load_external_data=False)
@@ -278,7 +312,7 @@ def describe(folder: str | Path) -> str:
         for node in model.graph.node:
             key = f"{node.domain + '.' if node.domain else ''}{node.op_type}"
             ops[key] = ops.get(key, 0) + 1
-        size = sum(p.stat().st_size for p in folder.glob(f"{mode}.onnx*"))
+        size = path.stat().st_size
         top = ", ".join(f"{k} x{v}" for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:8])
         lines.append(f"  {mode}.onnx: {size / 2**20:.1f} MiB, {len(model.graph.node)} nodes "
                      f"({top})")

@@ -23,6 +23,7 @@ from csa2onnx.export.config import AttentionConfig
 from csa2onnx.export.in_place import check_in_place_order
 from csa2onnx.export.layer import AttentionLayer, Mode, Slots
 from csa2onnx.export.plan import StackPlan
+from csa2onnx.export.shared_weights import WEIGHTS_FILE, SharedWeightsWriter
 from csa2onnx.export.weights import LayerWeights, as_float32, check_layer
 from csa2onnx.graphs.numerics import Fp8Weight
 from csa2onnx.graphs.standalone import IR_VERSION, OPSET, check_parameter_names
@@ -146,11 +147,12 @@ def _share_identical_initializers(graph: ir.Graph) -> None:
             del graph.initializers[name]
 
 
-def to_proto(model: ir.Model, plan: StackPlan, portable: bool) -> onnx.ModelProto:
+def to_proto(model: ir.Model, plan: StackPlan, portable: bool,
+             weights_file: str | None = None) -> onnx.ModelProto:
     proto = ir.serde.serialize_model(model)
     if portable:  # the custom ops' standard-op bodies travel with the model
         proto.functions.extend(portable_functions())
-    for key, value in manifest_for(plan, portable).metadata().items():
+    for key, value in manifest_for(plan, portable, weights_file).metadata().items():
         proto.metadata_props.add(key=key, value=value)
     return proto
 
@@ -158,19 +160,32 @@ def to_proto(model: ir.Model, plan: StackPlan, portable: bool) -> onnx.ModelProt
 def export_stack(plan: StackPlan, weights: dict[int, LayerWeights], folder: str | Path, *,
                  portable: bool = False, debug_outputs: bool = False,
                  progress: Callable[[str], None] | None = None) -> Path:
-    """Write prefill.onnx, decode.onnx and manifest.json for `plan` into `folder`."""
+    """Write prefill.onnx, decode.onnx and manifest.json for `plan` into `folder`; a large
+    stack's weights go to one file both models reference (export/shared_weights.py)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    for mode in ("prefill", "decode"):
-        model = build_stack_model(plan, weights, mode, portable=portable,
-                                  debug_outputs=debug_outputs, progress=progress)
-        weight_bytes = sum(v.const_value.nbytes for v in model.graph.initializers.values())
-        proto = to_proto(model, plan, portable)
-        path = folder / f"{mode}.onnx"
-        large = weight_bytes > EXTERNAL_DATA_BYTES  # (protobuf cannot hold over 2 GiB)
-        onnx.save_model(proto, str(path), save_as_external_data=large,
-                        all_tensors_to_one_file=True, location=f"{mode}.onnx.data",
-                        size_threshold=1024)
-        onnx.checker.check_model(str(path), full_check=True)
-    write_manifest(folder, manifest_for(plan, portable))
+    (folder / WEIGHTS_FILE).unlink(missing_ok=True)
+    writer: SharedWeightsWriter | None = None
+    try:
+        for mode in ("prefill", "decode"):
+            model = build_stack_model(plan, weights, mode, portable=portable,
+                                      debug_outputs=debug_outputs, progress=progress)
+            weight_bytes = sum(v.const_value.nbytes for v in model.graph.initializers.values())
+            if writer is None and weight_bytes > EXTERNAL_DATA_BYTES:
+                # (protobuf cannot hold over 2 GiB); both modes then share the file
+                writer = SharedWeightsWriter(folder / WEIGHTS_FILE)
+            weights_file = WEIGHTS_FILE if writer is not None else None
+            proto = to_proto(model, plan, portable, weights_file)
+            del model
+            if writer is not None:
+                writer.externalize(proto)
+                writer.flush()
+            path = folder / f"{mode}.onnx"
+            onnx.save_model(proto, str(path))
+            del proto
+            onnx.checker.check_model(str(path), full_check=True)
+    finally:
+        if writer is not None:
+            writer.close()
+    write_manifest(folder, manifest_for(plan, portable, WEIGHTS_FILE if writer else None))
     return folder
