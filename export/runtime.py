@@ -72,7 +72,9 @@ class AttentionRuntime:
         self.folder = Path(folder)
         self.manifest: Manifest = read_manifest(self.folder)
         self.grow_caches = grow_caches
-        self.in_place = in_place
+        # A portable artifact runs WriteRows as its standard-op function body, which
+        # onnxruntime inlines, dropping the unused ordering input: copy there instead.
+        self.in_place = in_place and not self.manifest.portable
         self.share_weights = share_weights
         self.caches = {t["name"]: CacheSpec(t["name"], int(t["shape"][1]), int(t["shape"][2]),
                                             int(t["read_ratio"]))

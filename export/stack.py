@@ -20,7 +20,7 @@ from csa2onnx.custom_ops.ops import PORTABLE_KEY
 from csa2onnx.custom_ops.portable import portable_functions
 from csa2onnx.export.artifacts import manifest_for, write_manifest
 from csa2onnx.export.config import AttentionConfig
-from csa2onnx.export.in_place import check_in_place_order
+from csa2onnx.export.in_place import check_in_place_order, in_place_writes
 from csa2onnx.export.layer import AttentionLayer, Mode, Slots
 from csa2onnx.export.plan import StackPlan
 from csa2onnx.export.shared_weights import WEIGHTS_FILE, SharedWeightsWriter
@@ -104,6 +104,9 @@ def build_stack_model(plan: StackPlan, weights: dict[int, LayerWeights], mode: M
             value.shape = ir.Shape([None] * rank)
         builder.add_output(value, name)
     check_parameter_names(graph)
+    written = set(in_place_writes(graph))
+    if written != {f"present.{t.name}" for t in plan.state() if t.grows}:
+        raise RuntimeError(f"caches not written in place by WriteRows: {sorted(written)}")
     check_in_place_order(graph)
     _share_identical_initializers(graph)
     return ir.Model(graph, ir_version=IR_VERSION)
