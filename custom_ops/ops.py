@@ -6,11 +6,13 @@ nodes keep their names and get standard-op function bodies (`portable.py`) attac
 the model, RMSNorm is spelled out in torch's summation order, and top-k becomes ONNX
 `TopK`, which breaks ties lowest-index-first instead of torch's way. `TorchLinear`
 also has a standard-op body there (`MatMul`, exact up to the summation order), and so has
-`Fp8Linear` (bit-exact: per-block double `MatMul`s added in block order by a `Loop`).
+`Fp8Linear` (bit-exact: per-block double `MatMul`s added in block order by a `Loop`),
+and `WriteRows` (Slices and Concats: a copy, never in place).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 import onnx_ir as ir
@@ -181,3 +183,21 @@ def sparse_attention(op: OpBuilder, q: ir.Value, kv: ir.Value, sink: ir.Value, i
     csa = op.builder.opset(DOMAIN, DOMAIN_VERSION)
     return _typed(csa.SparseAttention(q, kv, sink, idx, softmax_scale=float(scale)),
                   ir.DataType.FLOAT, q.shape)
+
+
+def write_rows(op: OpBuilder, cache: ir.Value, rows: ir.Value, row_start: ir.Value,
+               after: Sequence[ir.Value] = ()) -> ir.Value:
+    """cache [B, R, d] with rows row_start .. row_start+n-1 of its first b entries replaced
+    by rows [b, n, d] (float32; row_start int64 [1]). In place when the runtime binds the
+    output to the cache's buffer (custom_ops/src/write_rows_op.cc).
+
+    `after`: values computed from the OLD cache contents. The write waits for them (an
+    ordering edge through the op's ignored `After` input): onnxruntime runs nodes that do
+    not depend on each other in any order, and an in-place write would change what an
+    unordered reader sees."""
+    csa = op.builder.opset(DOMAIN, DOMAIN_VERSION)
+    inputs = [cache, rows, op.Reshape(row_start, [1])]
+    if after:  # Shape is O(1) and still needs its input computed: a cheap dependency
+        shapes = [op.Shape(v) for v in after]
+        inputs.append(shapes[0] if len(shapes) == 1 else op.Concat(*shapes, axis=0))
+    return _typed(csa.WriteRows(*inputs), ir.DataType.FLOAT, cache.shape)

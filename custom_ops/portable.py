@@ -1,4 +1,4 @@
-"""Fp4QuantDequant, TorchLinear, TorchRMSNorm, SparseAttention and Fp8Linear as ONNX
+"""Fp4QuantDequant, TorchLinear, TorchRMSNorm, SparseAttention, Fp8Linear and WriteRows as ONNX
 functions of standard ops (domain csa2onnx, version 1).
 
 Attached to a model as local functions, they let the model run on any onnxruntime without
@@ -14,14 +14,16 @@ to exactness, the e4m3 rounding a saturating Cast), each K block's dot a DOUBLE 
 (exact whatever the runtime's order, then one Cast to float), and the blocks added in
 order by a Loop, so the accumulation order is exactly the definition's, not only up to
 reassociation. It widens W to float32 (onnxruntime may constant-fold that Cast, keeping
-4 bytes per weight for the session) and each block's [32, N] slice to double.
+4 bytes per weight for the session) and each block's [32, N] slice to double. WriteRows
+is Slices and Concats: exact, but it copies the whole cache on every call (the kernel
+writes only the new rows when the runtime binds the cache in place).
 """
 
 from __future__ import annotations
 
 import numpy as np
 import onnx
-from onnxscript import FLOAT, script
+from onnxscript import FLOAT, INT64, script
 from onnxscript import opset21 as op
 from onnxscript.values import Opset
 
@@ -194,6 +196,18 @@ def Fp8Linear(X: FLOAT, W, WScale: FLOAT, block_size: int = 32) -> FLOAT:
     return op.Reshape(acc, op.Concat(op.Slice(shape, [0], [-1]), n, axis=0))
 
 
+@script(csa2onnx)
+def WriteRows(Cache: FLOAT, Rows: FLOAT, RowStart: INT64, After: INT64) -> FLOAT:
+    # After only orders the write after its producers; the copy needs no ordering.
+    start = op.Reshape(RowStart, [1])
+    end = op.Add(start, op.Slice(op.Shape(Rows), [1], [2]))
+    b = op.Slice(op.Shape(Rows), [0], [1])
+    top = op.Slice(Cache, [0], b, [0])  # the batch entries Rows covers
+    written = op.Concat(op.Slice(top, [0], start, [1]), Rows,
+                        op.Slice(top, end, [9223372036854775807], [1]), axis=1)
+    return op.Concat(written, op.Slice(Cache, b, [9223372036854775807], [0]), axis=0)
+
+
 def fp4_function_proto() -> onnx.FunctionProto:
     """The Fp4QuantDequant function alone (see `portable_functions`)."""
     return Fp4QuantDequant.to_function_proto()
@@ -202,4 +216,4 @@ def fp4_function_proto() -> onnx.FunctionProto:
 def portable_functions() -> list[onnx.FunctionProto]:
     """The functions to add to a model's `functions` for a library-free artifact."""
     return [f.to_function_proto() for f in (Fp4QuantDequant, TorchLinear, TorchRMSNorm,
-                                             SparseAttention, Fp8Linear)]
+                                             SparseAttention, Fp8Linear, WriteRows)]

@@ -36,6 +36,10 @@ class Manifest:
     external_slots: list[str]
     # layer (as a string, JSON's key type) -> linear -> weight format, from config + plan
     linear_formats: dict[str, dict[str, str]] = field(default_factory=dict)
+    # layer -> {"at_max_seq_len", "per_1024_tokens", "fixed"}: state bytes at batch 1
+    state_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
+    # the one external-data file both models' large weights live in (None: inside them)
+    weights_file: str | None = None
     csa2onnx_version: str = field(default_factory=package_version)
     custom_op_domain: str = DOMAIN
     custom_op_version: int = DOMAIN_VERSION
@@ -61,7 +65,7 @@ class Manifest:
         return {k: v if isinstance(v, str) else json.dumps(v) for k, v in asdict(self).items()}
 
 
-def manifest_for(plan: StackPlan, portable: bool) -> Manifest:
+def manifest_for(plan: StackPlan, portable: bool, weights_file: str | None = None) -> Manifest:
     return Manifest(
         config=plan.config.to_dict(),
         layers=[p.layer for p in plan.layers],
@@ -69,12 +73,26 @@ def manifest_for(plan: StackPlan, portable: bool) -> Manifest:
         portable=portable,
         roles=[{"layer": p.layer, "ratio": p.ratio, "role": p.role} for p in plan.layers],
         state=[{"name": t.name, "shape": list(t.shape), "dtype": t.dtype,
-                "description": t.description} for t in plan.state()],
-        prefill_state_inputs=["index_k_publisher"] if any(
-            t.name == "index_k_publisher" for t in plan.state()) else [],
+                "description": t.description, "read_ratio": t.read_ratio}
+               for t in plan.state()],
+        prefill_state_inputs=[t.name for t in plan.carried("prefill")],
         external_slots=list(plan.external_slots()),
         linear_formats={str(p.layer): linear_formats(plan.config, p) for p in plan.layers},
+        state_bytes=state_bytes_per_layer(plan),
+        weights_file=weights_file,
     )
+
+
+def state_bytes_per_layer(plan: StackPlan) -> dict[str, dict[str, int]]:
+    """Per layer (batch 1): the state at max_seq_len, what 1024 more tokens of context add
+    (the caches' rows; a runtime growing by doubling holds up to twice that), and the part
+    that does not grow (window ring, compressor state)."""
+    fixed = plan.state_bytes(context=0)
+    at_1024 = plan.state_bytes(context=1024)
+    at_max = plan.state_bytes()
+    return {str(layer): {"at_max_seq_len": at_max[layer],
+                         "per_1024_tokens": at_1024[layer] - fixed[layer],
+                         "fixed": fixed[layer]} for layer in at_max}
 
 
 def write_manifest(folder: Path, manifest: Manifest) -> None:

@@ -56,6 +56,8 @@ class BenchOptions:
     seed: int = 0
     baseline: str | None = None  # "upstream"
     upstream: Path | None = None
+    state: str = "grow"  # grow | full (in place, max_seq_len rows) | copy (no in-place binding)
+    share_weights: bool = True
 
 
 @dataclass
@@ -66,6 +68,7 @@ class SideResult:
     decode_ms: list[float]
     peak_rss_mib: float  # the process's high-water mark when this side finished
     held_mib: float = 0.0  # resident memory this side added (setup to end of its run)
+    loaded_mib: float = 0.0  # resident memory its setup added (sessions / layers built)
     setup_s: float = 0.0  # csa2onnx: session creation; upstream: building the layers
 
     @property
@@ -104,7 +107,8 @@ class BenchResult:
                  f"onnxruntime {self.machine['onnxruntime']}"
                  + (f", torch {self.machine['torch']}" if "torch" in self.machine else ""),
                  f"weights {self.weight_bytes / 2**20:.1f} MiB, state "
-                 f"{self.state_bytes / 2**20:.1f} MiB, export {self.export_s:.1f} s, "
+                 f"{self.state_bytes / 2**20:.1f} MiB ({self.options['state']} caches), "
+                 f"export {self.export_s:.1f} s, "
                  f"session creation {o.setup_s:.1f} s",
                  "",
                  f"{'':<24}{'csa2onnx':>12}" + (f"{'upstream':>12}{'ratio':>8}" if u else "")]
@@ -124,6 +128,8 @@ class BenchResult:
                          u.decode_median_ms if u else None, ".1f"))
         lines.append(row("decode p90 ms", o.decode_p90_ms, u.decode_p90_ms if u else None,
                          ".1f"))
+        lines.append(row("memory loaded MiB", o.loaded_mib, u.loaded_mib if u else None,
+                         ".0f"))
         lines.append(row("memory held MiB", o.held_mib, u.held_mib if u else None, ".0f"))
         lines.append(row("peak RSS MiB", o.peak_rss_mib, u.peak_rss_mib if u else None, ".0f"))
         if u:
@@ -213,14 +219,26 @@ def run_bench(opts: BenchOptions,
         say("sessions")
         rss_before = rss_mib()
         t0 = time.perf_counter()
-        runtime = AttentionRuntime(tmp, intra_op_num_threads=opts.threads, spinning=False)
+        if opts.state not in ("grow", "full", "copy"):
+            raise BenchError(f"state must be grow, full or copy, got {opts.state!r}")
+        runtime = AttentionRuntime(tmp, intra_op_num_threads=opts.threads, spinning=False,
+                                   grow_caches=opts.state == "grow",
+                                   in_place=opts.state != "copy",
+                                   share_weights=opts.share_weights)
         setup_s = time.perf_counter() - t0
-        if runtime.manifest.external_slots:
+        loaded_mib = rss_mib() - rss_before
+        if set(runtime.manifest.external_slots) - {"index_k"}:
             raise BenchError(f"layers {first}..{last} read slots "
                              f"{runtime.manifest.external_slots} from layers outside the "
                              "range; include their sources")
-        ours, out_ours = _run_csa2onnx(runtime, opts, layers, config.dim, say)
+        # The index_k slot of an upstream stack can hold a later owner's keys; a range that
+        # reads it from outside gets it empty: its own owner publishes before reading, and
+        # the slot then points at that owner (as upstream's layers alone run).
+        slots = ({"index_k": np.zeros((opts.batch, 0, config.index_head_dim), np.float32)}
+                 if runtime.manifest.external_slots else None)
+        ours, out_ours = _run_csa2onnx(runtime, opts, layers, config.dim, say, slots)
         ours.setup_s, ours.held_mib = setup_s, rss_mib() - rss_before
+        ours.loaded_mib = loaded_mib
         state_bytes = runtime.state_bytes()
         del runtime
     machine = machine_info()
@@ -244,16 +262,17 @@ def run_bench(opts: BenchOptions,
 
 
 def _run_csa2onnx(runtime: AttentionRuntime, opts: BenchOptions, layers: list[int], dim: int,
-                  say: Callable[[str], None]) -> tuple[SideResult, dict[str, np.ndarray]]:
+                  say: Callable[[str], None], slots: dict[str, np.ndarray] | None = None
+                  ) -> tuple[SideResult, dict[str, np.ndarray]]:
     rng = np.random.default_rng(opts.seed + 1)
     warm = min(16, opts.prefill)
-    runtime.prefill(_inputs(rng, layers, opts.batch, warm, dim))  # warm-up, not timed
-    runtime.decode(_inputs(rng, layers, opts.batch, 1, dim))
+    runtime.prefill(_inputs(rng, layers, opts.batch, warm, dim), slots)  # warm-up, not timed
+    runtime.decode(_inputs(rng, layers, opts.batch, 1, dim), slots)
     rng = np.random.default_rng(opts.seed + 2)  # the timed inputs, as upstream gets them
     xs = _inputs(rng, layers, opts.batch, opts.prefill, dim)
     say("prefill")
     t0 = time.perf_counter()
-    out = runtime.prefill(xs).out
+    out = runtime.prefill(xs, slots).out
     prefill_s = time.perf_counter() - t0
     outputs = {f"prefill.L{k}": v for k, v in out.items()}
     decode_ms = []
@@ -261,7 +280,7 @@ def _run_csa2onnx(runtime: AttentionRuntime, opts: BenchOptions, layers: list[in
         xs = _inputs(rng, layers, opts.batch, 1, dim)
         say(f"decode {step + 1}/{opts.decode}")
         t0 = time.perf_counter()
-        out = runtime.decode(xs).out
+        out = runtime.decode(xs, slots).out
         decode_ms.append((time.perf_counter() - t0) * 1e3)
     outputs.update({f"last decode.L{k}": v for k, v in out.items()})
     return SideResult(prefill_s, decode_ms, peak_rss_mib()), outputs
@@ -321,6 +340,7 @@ def _run_upstream(opts: BenchOptions, config: AttentionConfig, layers: list[int]
                     p.copy_(_torch_tensor(weights[layer][name]).to(p.dtype))
                 attention[layer] = a
         setup_s = time.perf_counter() - t0
+        loaded_mib = rss_mib() - rss_before
 
         def step(xs: dict[int, np.ndarray], start_pos: int) -> dict[int, np.ndarray]:
             return {layer: attention[layer](torch.from_numpy(xs[layer]).to(torch.bfloat16),
@@ -348,7 +368,8 @@ def _run_upstream(opts: BenchOptions, config: AttentionConfig, layers: list[int]
             outputs.update({f"last decode.L{k}": v for k, v in out.items()})
     finally:
         torch.set_default_dtype(previous)
-    side = SideResult(prefill_s, decode_ms, peak_rss_mib(), rss_mib() - rss_before, setup_s)
+    side = SideResult(prefill_s, decode_ms, peak_rss_mib(), rss_mib() - rss_before, setup_s,
+                      loaded_mib)
     return side, outputs, torch.__version__
 
 

@@ -96,7 +96,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     opts = BenchOptions(source=source, layers=_layer_range(args.layers, n_layers) if args.layers
                         else None, weights=weights, prefill=args.prefill, decode=args.decode,
                         batch=args.batch, max_seq_len=args.max_seq_len, threads=args.threads,
-                        seed=args.seed, baseline=args.baseline, upstream=args.upstream)
+                        seed=args.seed, baseline=args.baseline, upstream=args.upstream,
+                        state=args.state, share_weights=not args.separate_weights)
     live = sys.stderr.isatty() and not args.json
 
     def progress(stage: str) -> None:
@@ -173,6 +174,11 @@ def parser() -> argparse.ArgumentParser:
                    help="also run the upstream PyTorch reference on the same weights/inputs")
     b.add_argument("--upstream", type=Path, help="the upstream reference folder (default "
                                                  "../shared/reference or $CSA2ONNX_UPSTREAM)")
+    b.add_argument("--state", choices=["grow", "full", "copy"], default="grow",
+                   help="caches written in place and grown with the context (default), in "
+                        "place at max_seq_len rows, or copied whole every call (for comparison)")
+    b.add_argument("--separate-weights", action="store_true",
+                   help="let each session load its own copy of the weights (for comparison)")
     b.add_argument("--json", action="store_true")
     b.set_defaults(fn=cmd_bench)
 

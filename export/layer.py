@@ -33,10 +33,16 @@ class Slots:
     compress_kv/index_k map a source layer to its cache as of now (a later layer's cache
     is its state from the previous call, as the reference's mutable tensors would be);
     topk_idxs/candidates hold the latest writer's value; publisher is the int64 [1] layer
-    id the index_k slot points to; external holds slot inputs from outside the range."""
+    id the index_k slot points to; external holds slot inputs from outside the range.
+
+    Caches are written in place, so a value read from an owner's cache before the owner
+    writes it this call (`old_reads`) must be computed before that write: the write
+    takes it as an ordering edge."""
 
     compress_kv: dict[int, ir.Value] = field(default_factory=dict)
     index_k: dict[int, ir.Value] = field(default_factory=dict)
+    index_k_written: set[int] = field(default_factory=set)
+    old_reads: dict[int, list[ir.Value]] = field(default_factory=dict)
     topk_idxs: dict[int, ir.Value] = field(default_factory=dict)
     candidates: ir.Value | None = None
     publisher: ir.Value | None = None
@@ -134,8 +140,10 @@ class AttentionLayer(nn.Module):
         n_new = op.Slice(op.Shape(out.latent), [1], [2])
         if p.owns_index_k:
             keys = self.indexer.keys(op, out.latent, out.positions)
-            k_cache = write_rows(op, state[f"{name}.index_k"], keys.rows, row_start)
+            k_cache = write_rows(op, state[f"{name}.index_k"], keys.rows, row_start,
+                                 after=slots.old_reads.pop(p.layer, []))
             state[f"{name}.index_k"] = slots.index_k[p.layer] = k_cache
+            slots.index_k_written.add(p.layer)
             if slots.publisher is not None:  # the slot now points here iff keys were written
                 slots.publisher = op.Where(op.Greater(n_new, 0),
                                            op.Constant(value_ints=[p.layer]), slots.publisher)
@@ -182,6 +190,11 @@ def read_index_k_slot(op: OpBuilder, slots: Slots, rows: ir.Value) -> ir.Value:
     for layer, cache in reversed(owners):
         result = _if(op, op.Equal(slots.publisher, layer),
                      lambda o, c=cache: o.Slice(c, [0], rows, [1]), result)
+    # Owners later in the stack have not written yet: this read sees their previous call's
+    # cache, so their in-place writes must wait for it.
+    for layer in slots.index_k:
+        if layer not in slots.index_k_written:
+            slots.old_reads.setdefault(layer, []).append(result)
     return result
 
 

@@ -21,12 +21,37 @@ IndexKeys = Literal["shared", "own"]
 
 @dataclass(frozen=True)
 class StateTensor:
-    """One state tensor carried between calls (a graph input and output)."""
+    """One state tensor carried between calls (a graph input and output).
+
+    A cache (`grows`) is written in place: its past input and present output are one
+    buffer, and only the new rows are written (custom_ops WriteRows). Its rows axis is
+    dynamic in the graphs, so the runtime can hold fewer rows than `shape` (the size at
+    max_seq_len): a call with context end_pos reads at most
+    min(max_rows, end_pos // read_ratio) rows of it."""
 
     name: str
-    shape: tuple[int | str, ...]  # "batch" is the dynamic batch dimension
+    shape: tuple[int | str, ...]  # "batch" is the dynamic batch dimension; rows at max_seq_len
     dtype: Literal["float32", "int64"]
     description: str
+    read_ratio: int = 0  # caches: the smallest ratio any reader slices it with; else 0
+
+    @property
+    def grows(self) -> bool:
+        return self.read_ratio > 0
+
+    @property
+    def max_rows(self) -> int:
+        return int(self.shape[1])
+
+    def rows_for(self, end_pos: int) -> int:
+        """Rows a call with context end_pos may write or read (slices clamp at max_rows)."""
+        return min(self.max_rows, end_pos // self.read_ratio)
+
+    def graph_shape(self) -> list[int | str]:
+        """The graphs' shape: a cache's rows are a named dynamic dimension."""
+        if not self.grows:
+            return list(self.shape)
+        return [self.shape[0], f"{self.name}.rows", *self.shape[2:]]
 
 
 @dataclass(frozen=True)
@@ -127,18 +152,47 @@ class StackPlan:
                                                (batch, p.ratio, c.head_dim), "float32",
                                                "compressor's partial group (f32)"))
             if p.kv_source:
+                kv_readers = [q.ratio for q in self.layers if q.kv_from == p.layer]
                 tensors.append(StateTensor(f"{prefix}.compress_kv",
                                            (batch, c.max_seq_len // p.ratio, c.head_dim),
-                                           "float32", "compressed-KV cache (bf16 values)"))
+                                           "float32", "compressed-KV cache (bf16 values)",
+                                           read_ratio=min([p.ratio, *kv_readers])))
             if p.owns_index_k:
+                # Through the shared slot any slot reader may slice this cache, at its ratio.
+                slot_readers = [self.layer(i).ratio for i in self.slot_readers]
                 tensors.append(StateTensor(f"{prefix}.index_k",
                                            (batch, c.max_seq_len // p.ratio, c.index_head_dim),
-                                           "float32", "index-key cache (bf16 values)"))
+                                           "float32", "index-key cache (bf16 values)",
+                                           read_ratio=min([p.ratio, *slot_readers])))
         if self.slot_readers and self.owners:
             tensors.append(StateTensor("index_k_publisher", (1,), "int64",
                                        "layer whose index-key cache the shared slot holds "
                                        "(-1: none yet)"))
         return tuple(tensors)
+
+    def carried(self, mode: Literal["prefill", "decode"]) -> tuple[StateTensor, ...]:
+        """The state a `mode` call takes in (past.*): everything in decode; in prefill the
+        caches (written in place) and the index_k publisher (the slot persists across
+        sequences), as the window ring and the compressor's partial group start afresh."""
+        return tuple(t for t in self.state()
+                     if mode == "decode" or t.grows or t.name == "index_k_publisher")
+
+    def state_bytes(self, batch: int = 1, context: int | None = None) -> dict[int, int]:
+        """Bytes of state per layer at `context` tokens (default max_seq_len): caches
+        hold rows_for(context) rows (publisher: not a layer's, left out)."""
+        context = self.config.max_seq_len if context is None else context
+        sizes: dict[int, int] = {p.layer: 0 for p in self.layers}
+        for t in self.state(batch):
+            if not t.name.startswith("L"):
+                continue
+            shape = [int(d) for d in t.shape]
+            if t.grows:
+                shape[1] = t.rows_for(context)
+            count = 1
+            for d in shape:
+                count *= d
+            sizes[int(t.name[1:].split(".")[0])] += count * (8 if t.dtype == "int64" else 4)
+        return sizes
 
 
 def plan_layer(config: AttentionConfig, layer: int) -> LayerPlan:

@@ -1,7 +1,13 @@
 """The runtime: loads exported prefill/decode artifacts and owns the state between calls.
 
-State stays in onnxruntime-owned buffers (OrtValues bound through IOBinding): each call's
-state outputs become the next call's state inputs without a round trip through NumPy.
+State stays in OrtValues bound through IOBinding. A cache (compressed KV, index keys) is
+ONE buffer bound as both its past.* input and its present.* output, which the graph's
+WriteRows nodes update in place: a call writes only its new rows, so its cost does not
+depend on the cache's size. Caches are allocated zeroed (as the reference's fresh module)
+and kept across sequences; their capacity grows with the context by doubling (copying
+the rows on growth) up to max_seq_len // r rows, so memory follows the context, not
+max_seq_len. The small state (window ring, compressor's partial group) is a new output
+each call that becomes the next call's input.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import onnxruntime as ort
 
 from csa2onnx.custom_ops import session_options
 from csa2onnx.export.artifacts import Manifest, read_manifest
+from csa2onnx.export.shared_weights import SharedWeights
 
 _ELEMENT_BYTES = {"tensor(float)": 4, "tensor(int64)": 8, "tensor(int32)": 4,
                   "tensor(bool)": 1, "tensor(bfloat16)": 2, "tensor(float16)": 2,
@@ -33,15 +40,45 @@ class StepOutputs:
     extra: dict[str, np.ndarray]
 
 
+MIN_CACHE_ROWS = 256  # a cache's first capacity (or all its rows, if fewer)
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """A cache written in place (manifest state entry with a read_ratio)."""
+
+    name: str
+    max_rows: int
+    width: int
+    read_ratio: int
+
+    def rows_for(self, end_pos: int) -> int:
+        return min(self.max_rows, end_pos // self.read_ratio)
+
+
 class AttentionRuntime:
     """Runs a stack's prefill and decode artifacts, holding its state."""
 
     def __init__(self, folder: str | Path, provider: str = "cpu",
-                 intra_op_num_threads: int = 0, spinning: bool = True) -> None:
+                 intra_op_num_threads: int = 0, spinning: bool = True,
+                 grow_caches: bool = True, in_place: bool = True,
+                 share_weights: bool = True) -> None:
         """`spinning=False` keeps idle intra-op threads from spinning between calls (for
-        benchmarks beside another framework)."""
+        benchmarks beside another framework). For comparisons: `grow_caches=False`
+        allocates every cache at max_seq_len // r rows up front instead of growing it with
+        the context; `in_place=False` gives each call new cache outputs (WriteRows then
+        copies the whole cache, as before in-place state); `share_weights=False` lets each
+        session load its own copy of the weights."""
         self.folder = Path(folder)
         self.manifest: Manifest = read_manifest(self.folder)
+        self.grow_caches = grow_caches
+        # A portable artifact runs WriteRows as its standard-op function body, which
+        # onnxruntime inlines, dropping the unused ordering input: copy there instead.
+        self.in_place = in_place and not self.manifest.portable
+        self.share_weights = share_weights
+        self.caches = {t["name"]: CacheSpec(t["name"], int(t["shape"][1]), int(t["shape"][2]),
+                                            int(t["read_ratio"]))
+                       for t in self.manifest.state if t.get("read_ratio")}
         providers = ["CPUExecutionProvider"]
         if provider == "cuda":
             if "CUDAExecutionProvider" not in ort.get_available_providers():
@@ -51,22 +88,16 @@ class AttentionRuntime:
         elif provider != "cpu":
             raise ValueError(f"provider must be 'cpu' or 'cuda', got {provider!r}")
         self.device = "cuda" if provider == "cuda" else "cpu"
-        if self.manifest.portable:  # standard ONNX only: no custom-op library needed
-            options = ort.SessionOptions()
-            options.intra_op_num_threads = intra_op_num_threads
-        else:
-            options = session_options(intra_op_num_threads)
-        # onnxruntime warns that the If branches reading the index_k slot keep an implicit
-        # input's name when it renames values; harmless, and noise for a user.
-        options.log_severity_level = 3
-        if not spinning:
-            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self.sessions = {mode: ort.InferenceSession(str(self.folder / f"{mode}.onnx"),
-                                                    sess_options=options, providers=providers)
+        # One mapping of the weights file, its tensors handed to both sessions.
+        self.weights = (SharedWeights(self.folder / self.manifest.weights_file)
+                        if self.manifest.weights_file else None)
+        self.sessions = {mode: self._session(mode, providers, intra_op_num_threads, spinning)
                          for mode in ("prefill", "decode")}
         self.state: dict[str, ort.OrtValue] = {}
+        self._host: dict[str, np.ndarray] = {}  # CPU caches: the arrays their OrtValues share
         self.position = 0  # tokens seen so far (next start_pos)
         self.batch = 0
+        self.started = False  # whether a prefill has run (decode needs one)
 
     @property
     def layers(self) -> list[int]:
@@ -85,16 +116,17 @@ class AttentionRuntime:
             raise RuntimeStateError(f"batch {batch} is larger than max_batch_size "
                                     f"{self.manifest.max_batch_size}")
         feeds = self._feeds(xs, slots)
+        self._ensure_caches(batch, seqlen)
         for name in self.manifest.prefill_state_inputs:
             feeds[f"past.{name}"] = self._carried(name)
         result = self._run("prefill", feeds)
-        self.batch, self.position = batch, seqlen
+        self.batch, self.position, self.started = batch, seqlen, True
         return result
 
     def decode(self, xs: dict[int, np.ndarray],
                slots: dict[str, np.ndarray] | None = None) -> StepOutputs:
         """One more token: xs[layer] is [batch, 1, dim]."""
-        if not self.state:
+        if not self.started:
             raise RuntimeStateError("decode called before any prefill")
         batch, seqlen = self._check_inputs(xs)
         if seqlen != 1:
@@ -106,6 +138,7 @@ class AttentionRuntime:
             raise RuntimeStateError(f"position {self.position} is past max_seq_len "
                                     f"{self.manifest.max_seq_len}")
         feeds = self._feeds(xs, slots)
+        self._ensure_caches(batch, self.position + 1)
         feeds["start_pos"] = self._ortvalue(np.array([self.position], np.int64))
         for name in self.manifest.state_names:
             feeds[f"past.{name}"] = self.state[name]
@@ -119,7 +152,64 @@ class AttentionRuntime:
                    for v in self.state.values())
 
     def state_array(self, name: str) -> np.ndarray:
-        return self.state[name].numpy()
+        """A copy of a state tensor (a cache: only the rows it holds now)."""
+        return np.array(self.state[name].numpy())
+
+    def cache_rows(self) -> dict[str, int]:
+        """The rows each cache holds now (its capacity)."""
+        return {name: self.state[name].shape()[1] for name in self.caches if name in self.state}
+
+    def _session(self, mode: str, providers: list[str], threads: int,
+                 spinning: bool) -> ort.InferenceSession:
+        if self.manifest.portable:  # standard ONNX only: no custom-op library needed
+            options = ort.SessionOptions()
+            options.intra_op_num_threads = threads
+        else:
+            options = session_options(threads)
+        # onnxruntime warns that the If branches reading the index_k slot keep an implicit
+        # input's name when it renames values; harmless, and noise for a user.
+        options.log_severity_level = 3
+        if not spinning:
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        path = self.folder / f"{mode}.onnx"
+        if self.weights is not None and self.device == "cpu" and self.share_weights:
+            # onnxruntime uses these buffers as they are (no copy) and never loads them
+            # from the file itself: the sessions' weights are the one mapping.
+            model = onnx.load(str(path), load_external_data=False)
+            for name, value in self.weights.initializers(model).items():
+                options.add_initializer(name, value)
+        return ort.InferenceSession(str(path), sess_options=options, providers=providers)
+
+    # --------------------------------------------------------------- caches
+    def _ensure_caches(self, batch: int, end_pos: int) -> None:
+        """Every cache holds `batch` entries and the rows a call ending at end_pos reads:
+        grown by doubling (old rows copied, new ones zero, as never written upstream)."""
+        for spec in self.caches.values():
+            value = self.state.get(spec.name)
+            old_batch, old_rows = (value.shape()[0], value.shape()[1]) if value else (0, 0)
+            need = spec.rows_for(end_pos)
+            if value is not None and old_batch == batch and old_rows >= need:
+                continue
+            if not self.grow_caches:
+                rows = spec.max_rows
+            elif value is None or old_batch != batch:
+                rows = min(spec.max_rows, max(need, old_rows, MIN_CACHE_ROWS))
+            else:
+                rows = min(spec.max_rows, max(need, 2 * old_rows))
+            array = np.zeros((batch, rows, spec.width), np.float32)
+            if value is not None:  # a batch change keeps the entries both have
+                keep_b, keep_r = min(batch, old_batch), min(rows, old_rows)
+                old = self._host.get(spec.name)
+                old = old if old is not None else value.numpy()
+                array[:keep_b, :keep_r] = old[:keep_b, :keep_r]
+            self._set_cache(spec.name, array)
+
+    def _set_cache(self, name: str, array: np.ndarray) -> None:
+        if self.device == "cpu":  # the OrtValue shares the array's memory: keep it alive
+            self._host[name] = array
+            self.state[name] = ort.OrtValue.ortvalue_from_numpy(array)
+        else:
+            self.state[name] = ort.OrtValue.ortvalue_from_numpy(array, self.device, 0)
 
     # -------------------------------------------------------------- helpers
     def _feeds(self, xs: dict[int, np.ndarray],
@@ -151,7 +241,8 @@ class AttentionRuntime:
                                                 self.device, 0)
 
     def _carried(self, name: str) -> ort.OrtValue:
-        # Slots never reset (the reference's SharedAttentionRuntime persists across calls).
+        # Caches and slots never reset (the reference's module buffers and its
+        # SharedAttentionRuntime persist across calls).
         if name in self.state:
             return self.state[name]
         return self._ortvalue(np.full([1], -1, np.int64))
@@ -163,11 +254,19 @@ class AttentionRuntime:
             binding.bind_ortvalue_input(name, value)
         names = [o.name for o in session.get_outputs()]
         for name in names:
-            binding.bind_output(name, self.device)
+            state = name.removeprefix("present.")
+            if name.startswith("present.") and state in self.caches and self.in_place:
+                # The past input's own buffer: WriteRows writes the new rows into it.
+                binding.bind_ortvalue_output(name, feeds[f"past.{state}"])
+            else:
+                binding.bind_output(name, self.device)
         session.run_with_iobinding(binding)
         values = dict(zip(names, binding.get_outputs(), strict=True))
-        self.state = {name[len("present."):]: v for name, v in values.items()
-                      if name.startswith("present.")}
+        self.state.update({name[len("present."):]: v for name, v in values.items()
+                           if name.startswith("present.")
+                           and (name[len("present."):] not in self.caches or not self.in_place)})
+        if not self.in_place:
+            self._host.clear()  # the caches are onnxruntime's outputs now
         out = {int(name[len("out.L"):]): v.numpy() for name, v in values.items()
                if name.startswith("out.L")}
         extra = {name: v.numpy() for name, v in values.items()
@@ -192,10 +291,22 @@ def describe(folder: str | Path) -> str:
         formats = manifest.linear_formats.get(str(role["layer"]))
         if formats:  # manifests from before linear_formats have none
             lines.append("    linears: " + ", ".join(f"{k} {v}" for k, v in formats.items()))
-    lines.append("  state:")
+    lines.append("  state (caches written in place, grown with the context up to the shape "
+                 "shown, which is at max_seq_len):")
     for tensor in manifest.state:
-        lines.append(f"    {tensor['name']}: {tensor['dtype']}{tensor['shape']} "
+        how = " in place" if tensor.get("read_ratio") else ""
+        lines.append(f"    {tensor['name']}: {tensor['dtype']}{tensor['shape']}{how} "
                      f"({tensor['description']})")
+    if manifest.state_bytes:  # manifests from before state_bytes have none
+        lines.append(f"  state bytes per layer, batch 1 (at max_seq_len {manifest.max_seq_len}; "
+                     "per 1024 tokens of context, before doubling's slack; fixed):")
+        for layer, sizes in manifest.state_bytes.items():
+            lines.append(f"    L{layer}: {sizes['at_max_seq_len'] / 2**20:.2f} MiB; "
+                         f"{sizes['per_1024_tokens'] / 2**10:.0f} KiB / 1024 tokens; "
+                         f"{sizes['fixed'] / 2**10:.0f} KiB fixed")
+    if manifest.weights_file:
+        lines.append(f"  weights: {manifest.weights_file}, shared by both models "
+                     f"({(folder / manifest.weights_file).stat().st_size / 2**20:.1f} MiB)")
     for mode in ("prefill", "decode"):
         path = folder / f"{mode}.onnx"
         model = onnx.load(str(path), load_external_data=False)
@@ -203,7 +314,7 @@ def describe(folder: str | Path) -> str:
         for node in model.graph.node:
             key = f"{node.domain + '.' if node.domain else ''}{node.op_type}"
             ops[key] = ops.get(key, 0) + 1
-        size = sum(p.stat().st_size for p in folder.glob(f"{mode}.onnx*"))
+        size = path.stat().st_size
         top = ", ".join(f"{k} x{v}" for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:8])
         lines.append(f"  {mode}.onnx: {size / 2**20:.1f} MiB, {len(model.graph.node)} nodes "
                      f"({top})")

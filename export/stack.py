@@ -1,7 +1,8 @@
 """Export a stack of attention layers (one layer is a stack of one) as a prefill model and a
 decode model. Inputs: x.L{l} per layer (the blocks between attention layers are not part of
 the export), start_pos (decode), past.* state, slot_in.* for slots written outside the
-range. Outputs: out.L{l}, present.* state, slot_out.* for the slots the range writes."""
+range. Outputs: out.L{l}, present.* state, slot_out.* for the slots the range writes.
+A cache's present.* output is its past.* input written in place (export/in_place.py)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ from csa2onnx.custom_ops.ops import PORTABLE_KEY
 from csa2onnx.custom_ops.portable import portable_functions
 from csa2onnx.export.artifacts import manifest_for, write_manifest
 from csa2onnx.export.config import AttentionConfig
+from csa2onnx.export.in_place import check_in_place_order, in_place_writes
 from csa2onnx.export.layer import AttentionLayer, Mode, Slots
 from csa2onnx.export.plan import StackPlan
+from csa2onnx.export.shared_weights import WEIGHTS_FILE, SharedWeightsWriter
 from csa2onnx.export.weights import LayerWeights, check_layer
 from csa2onnx.graphs.numerics import Fp8Weight
 from csa2onnx.graphs.standalone import IR_VERSION, OPSET, check_parameter_names
@@ -51,16 +54,14 @@ def build_stack_model(plan: StackPlan, weights: dict[int, LayerWeights], mode: M
     start_pos = builder.input("start_pos", ir.DataType.INT64, [1]) if mode == "decode" else None
 
     state: dict[str, ir.Value] = {}
-    carried = [t for t in plan.state()
-               if mode == "decode" or t.name == "index_k_publisher"]
-    for t in carried:
-        state[t.name] = builder.input(f"past.{t.name}", _DTYPES[t.dtype], list(t.shape))
-    if mode == "prefill":  # a new sequence: caches start empty
-        batch = op.Slice(op.Shape(next(iter(xs.values()))), [0], [1])
-        for t in plan.state():
-            if t.name.endswith(("compress_kv", "index_k")):
-                shape = op.Concat(batch, list(t.shape[1:]), axis=0)
-                state[t.name] = op.ConstantOfShape(shape, value=ir.tensor(np.zeros(1, np.float32)))
+    # Caches come in on both calls, written in place from row start_pos // r on: a new
+    # sequence overwrites rows from 0. Rows past what a sequence wrote are read only by a
+    # reader with a smaller ratio than the cache's (through the index_k slot, or a consumer
+    # of a coarser kv source), and then hold what earlier sequences wrote (zeros if none),
+    # as upstream's never-reset caches do. The window ring and the compressor's partial
+    # group are small: a prefill rebuilds them, and each call outputs new copies.
+    for t in plan.carried(mode):
+        state[t.name] = builder.input(f"past.{t.name}", _DTYPES[t.dtype], t.graph_shape())
     # An owner's key cache is visible through the index_k slot before the owner runs in
     # this call (the reference's slot holds a reference to the cache tensor).
     slots = Slots(publisher=state.get("index_k_publisher"),
@@ -90,7 +91,7 @@ def build_stack_model(plan: StackPlan, weights: dict[int, LayerWeights], mode: M
     if slots.candidates is not None:
         outputs.append(("slot_out.candidates", slots.candidates))
 
-    state_shapes = {f"present.{t.name}": t.shape for t in plan.state()}
+    state_shapes = {f"present.{t.name}": t.graph_shape() for t in plan.state()}
     seen: set[int] = set()
     for name, value in outputs:
         # A value can leave the graph once; a second name (or an input) needs its own node.
@@ -103,6 +104,10 @@ def build_stack_model(plan: StackPlan, weights: dict[int, LayerWeights], mode: M
             value.shape = ir.Shape([None] * rank)
         builder.add_output(value, name)
     check_parameter_names(graph)
+    written = set(in_place_writes(graph))
+    if written != {f"present.{t.name}" for t in plan.state() if t.grows}:
+        raise RuntimeError(f"caches not written in place by WriteRows: {sorted(written)}")
+    check_in_place_order(graph)
     _share_identical_initializers(graph)
     return ir.Model(graph, ir_version=IR_VERSION)
 
@@ -147,11 +152,12 @@ def _share_identical_initializers(graph: ir.Graph) -> None:
             del graph.initializers[name]
 
 
-def to_proto(model: ir.Model, plan: StackPlan, portable: bool) -> onnx.ModelProto:
+def to_proto(model: ir.Model, plan: StackPlan, portable: bool,
+             weights_file: str | None = None) -> onnx.ModelProto:
     proto = ir.serde.serialize_model(model)
     if portable:  # the custom ops' standard-op bodies travel with the model
         proto.functions.extend(portable_functions())
-    for key, value in manifest_for(plan, portable).metadata().items():
+    for key, value in manifest_for(plan, portable, weights_file).metadata().items():
         proto.metadata_props.add(key=key, value=value)
     return proto
 
@@ -159,19 +165,32 @@ def to_proto(model: ir.Model, plan: StackPlan, portable: bool) -> onnx.ModelProt
 def export_stack(plan: StackPlan, weights: dict[int, LayerWeights], folder: str | Path, *,
                  portable: bool = False, debug_outputs: bool = False,
                  progress: Callable[[str], None] | None = None) -> Path:
-    """Write prefill.onnx, decode.onnx and manifest.json for `plan` into `folder`."""
+    """Write prefill.onnx, decode.onnx and manifest.json for `plan` into `folder`; a large
+    stack's weights go to one file both models reference (export/shared_weights.py)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    for mode in ("prefill", "decode"):
-        model = build_stack_model(plan, weights, mode, portable=portable,
-                                  debug_outputs=debug_outputs, progress=progress)
-        weight_bytes = sum(v.const_value.nbytes for v in model.graph.initializers.values())
-        proto = to_proto(model, plan, portable)
-        path = folder / f"{mode}.onnx"
-        large = weight_bytes > EXTERNAL_DATA_BYTES  # (protobuf cannot hold over 2 GiB)
-        onnx.save_model(proto, str(path), save_as_external_data=large,
-                        all_tensors_to_one_file=True, location=f"{mode}.onnx.data",
-                        size_threshold=1024)
-        onnx.checker.check_model(str(path), full_check=True)
-    write_manifest(folder, manifest_for(plan, portable))
+    (folder / WEIGHTS_FILE).unlink(missing_ok=True)
+    writer: SharedWeightsWriter | None = None
+    try:
+        for mode in ("prefill", "decode"):
+            model = build_stack_model(plan, weights, mode, portable=portable,
+                                      debug_outputs=debug_outputs, progress=progress)
+            weight_bytes = sum(v.const_value.nbytes for v in model.graph.initializers.values())
+            if writer is None and weight_bytes > EXTERNAL_DATA_BYTES:
+                # (protobuf cannot hold over 2 GiB); both modes then share the file
+                writer = SharedWeightsWriter(folder / WEIGHTS_FILE)
+            weights_file = WEIGHTS_FILE if writer is not None else None
+            proto = to_proto(model, plan, portable, weights_file)
+            del model
+            if writer is not None:
+                writer.externalize(proto)
+                writer.flush()
+            path = folder / f"{mode}.onnx"
+            onnx.save_model(proto, str(path))
+            del proto
+            onnx.checker.check_model(str(path), full_check=True)
+    finally:
+        if writer is not None:
+            writer.close()
+    write_manifest(folder, manifest_for(plan, portable, WEIGHTS_FILE if writer else None))
     return folder

@@ -142,7 +142,7 @@ def verify_case(path: str | Path, *, portable: bool = False, index_keys: IndexKe
             for golden_name, state_name in FINAL_STATE.items():
                 if case.has(last, layer, golden_name):
                     want = case.step(last, layer, golden_name)
-                    # The golden holds the rows written so far; the cache has max_seq_len//r.
+                    # The golden holds the rows written so far; the cache at least as many.
                     got = runtime.state_array(f"L{layer}.{state_name}")[:, :want.shape[1]]
                     report.rows.append(Row(last, layer, golden_name, compare(
                         got, want, name=golden_name, rule=report.rule), "state"))

@@ -3,14 +3,18 @@
 A kv source writes its new latents to its compressed-KV cache and an index-key owner its new
 keys to its index-key cache, both at rows start_pos // r onwards; `n` new rows may be 0 (no
 group completed). Which cache the shared `index_k` slot points to is the exporter's
-business (export/layer.py: a publisher id carried between calls).
+business (export/layer.py: a publisher id carried between calls). Writes are in place
+when the runtime binds a cache's past input and present output to one buffer.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import onnx_ir as ir
 from onnxscript import OpBuilder
 
+from csa2onnx.custom_ops.ops import write_rows as custom_write_rows
 from csa2onnx.graphs.quant import fp4_e4m3
 from csa2onnx.graphs.rope import apply_rotary_emb
 
@@ -30,15 +34,13 @@ def cache_row_start(op: OpBuilder, start_pos: ir.Value, ratio: int) -> ir.Value:
     return op.Div(op.Reshape(start_pos, [1]), ratio)  # start_pos >= 0: truncation is floor
 
 
-def write_rows(op: OpBuilder, cache: ir.Value, new_rows: ir.Value,
-               row_start: ir.Value) -> ir.Value:
+def write_rows(op: OpBuilder, cache: ir.Value, new_rows: ir.Value, row_start: ir.Value,
+               after: Sequence[ir.Value] = ()) -> ir.Value:
     """cache [b, R, d] with rows row_start .. row_start+n-1 replaced by new_rows [b, n, d].
 
-    Built from slices and one Concat, so n = 0 is a no-op and needs no special case.
-    `row_start` is an int64 scalar or [1]; row_start + n must not exceed R.
+    One WriteRows node: n = 0 is a no-op, and the write is in place (O(n)) when the runtime
+    binds the output to the cache's buffer. `row_start` is an int64 scalar or [1];
+    row_start + n must not exceed R. `after`: values read from the old cache that must be
+    computed before the write (see custom_ops.ops.write_rows).
     """
-    start = op.Reshape(row_start, [1])
-    end = op.Add(start, op.Slice(op.Shape(new_rows), [1], [2]))
-    head = op.Slice(cache, [0], start, [1])
-    tail = op.Slice(cache, end, [2**62], [1])
-    return op.Concat(head, new_rows, tail, axis=1)
+    return custom_write_rows(op, cache, new_rows, row_start, after)

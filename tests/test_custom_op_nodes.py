@@ -15,6 +15,7 @@ OPS = {  # op: (input types, output names, attributes)
     "TorchLinear": ([TensorProto.FLOAT, TensorProto.FLOAT], ["Y"], {}),
     "TorchRMSNorm": ([TensorProto.FLOAT, TensorProto.FLOAT], ["Y"], {"epsilon": 1e-6}),
     "Fp8Linear": ([TensorProto.FLOAT, TensorProto.FLOAT8E4M3FN, TensorProto.FLOAT], ["Y"], {}),
+    "WriteRows": ([TensorProto.FLOAT, TensorProto.FLOAT, TensorProto.INT64], ["Y"], {}),
 }
 
 

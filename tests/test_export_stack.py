@@ -211,7 +211,7 @@ def test_large_models_keep_weights_as_external_data(tmp_path: Path, monkeypatch)
     g = golden("case1_r2_r1")
     plan = plan_stack(AttentionConfig.from_model_args(g.model_args), 0, 1)
     export_stack(plan, from_golden(g.arrays, [0, 1]), tmp_path)
-    data, graph = tmp_path / "prefill.onnx.data", tmp_path / "prefill.onnx"
+    data, graph = tmp_path / "weights.onnx.data", tmp_path / "prefill.onnx"  # both share it
     assert data.stat().st_size > graph.stat().st_size
     runtime = AttentionRuntime(tmp_path)
     # Layer 3 (outside) also owns index keys; layer 1 publishes its own before reading here.

@@ -11,6 +11,7 @@
 #include "torch_linear_op.h"
 #include "torch_rms_norm_op.h"
 #include "torch_topk_op.h"
+#include "write_rows_op.h"
 
 namespace {
 
@@ -27,6 +28,7 @@ struct Library {
     csa::AppendFp8LinearOps(ops);
     csa::AppendTorchRMSNormOps(ops);
     csa::AppendSparseAttentionOps(ops);
+    csa::AppendWriteRowsOps(ops);
     for (auto& op : ops) domain.Add(op.get());
   }
 };
