@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from helpers import ROOT, golden
 
 import csa2onnx.export.layer as layer_module
 import csa2onnx.export.stack as stack_module
-from conftest import ROOT, golden
 from csa2onnx.export.config import AttentionConfig
 from csa2onnx.export.goldens import GoldenCase, compare, load_case
 from csa2onnx.export.in_place import check_in_place_order

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+from helpers import golden
 
-from conftest import golden
 from csa2onnx.export.config import AttentionConfig
 from csa2onnx.export.plan import plan_stack
 from csa2onnx.export.runtime import AttentionRuntime, describe

@@ -591,20 +591,22 @@ struct Fp8LinearKernel {
       per_call.pack(reinterpret_cast<const uint8_t*>(w.Data()), d.N, d.K);
       packed = &per_call;
     }
+    // task_daz: the task for a thread whose MXCSR treats denormals as zero. Subnormal
+    // doubles as inputs need denormals honoured (DAZ clear, the default); under DAZ the
+    // weights go through the f16 conversion, whose results are all normal. Each thread
+    // checks its own MXCSR: onnxruntime's pool threads and the caller may differ.
     struct Call {
       Job job;
       void (*task)(const Job&, size_t);
+      void (*task_daz)(const Job&, size_t);
     } call{{nullptr, nullptr, packed->data.data(), wscale.Data(), out, 0, d.N, d.K, d.KB},
-           task_scalar};
+           task_scalar, task_scalar};
 #ifdef CSA_X86
-    // Subnormal doubles as inputs need denormals honoured (MXCSR DAZ clear, the default);
-    // under DAZ the weights go through the f16 conversion, whose results are all normal.
     if (isa == Isa::kAvx512 || isa == Isa::kAvx512NoVbmi) {
-      call.task = (_mm_getcsr() & 0x40u)                        ? task_avx512_f16
-                  : isa == Isa::kAvx512 && cpu_has_vbmi()       ? task_avx512_vbmi
-                                                                : task_avx512_int;
+      call.task = isa == Isa::kAvx512 && cpu_has_vbmi() ? task_avx512_vbmi : task_avx512_int;
+      call.task_daz = task_avx512_f16;
     }
-    if (isa == Isa::kAvx2) call.task = task_avx2;
+    if (isa == Isa::kAvx2) call.task = call.task_daz = task_avx2;
 #endif
     const int64_t chunk = d.M < kChunkRows ? d.M : kChunkRows;
     std::vector<double> xq(static_cast<size_t>(chunk * d.K));
@@ -632,6 +634,9 @@ struct Fp8LinearKernel {
       // Tasks (one panel each) only compute into memory that exists; nothing throws.
       auto run = [](void* data, size_t t) {
         const Call& c = *static_cast<const Call*>(data);
+#ifdef CSA_X86
+        if (_mm_getcsr() & 0x40u) return c.task_daz(c.job, t);
+#endif
         c.task(c.job, t);
       };
       const int64_t tasks = d.NB;
