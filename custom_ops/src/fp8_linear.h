@@ -17,13 +17,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#ifndef CSA_HD
-#ifdef __CUDACC__
-#define CSA_HD __host__ __device__
-#else
-#define CSA_HD
-#endif
-#endif
+#include "host_device.h"
 
 namespace csa {
 

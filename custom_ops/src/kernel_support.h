@@ -45,6 +45,19 @@ Ort::Status status_of(Body&& body) {
   return Ort::Status(nullptr);
 }
 
+// A constant initializer feeding input `index` (for packing it once at kernel creation),
+// or a null value when the input is not a constant or onnxruntime cannot tell.
+inline Ort::ConstValue constant_input(const OrtKernelInfo* info, size_t index) {
+  int is_constant = 0;
+  Ort::ConstValue value{nullptr};
+  try {
+    value = Ort::ConstKernelInfo(info).GetTensorConstantInput(index, &is_constant);
+  } catch (const Ort::Exception&) {
+    return Ort::ConstValue{nullptr};
+  }
+  return is_constant ? value : Ort::ConstValue{nullptr};
+}
+
 inline std::string shape_string(const std::vector<int64_t>& shape) {
   std::string s = "[";
   for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);

@@ -524,14 +524,8 @@ struct TorchLinearKernel {
 
   TorchLinearKernel(const OrtApi*, const OrtKernelInfo* info) : isa(select_isa()) {
     require_node_io(info, "TorchLinear", 2, 1);
-    int is_constant = 0;
-    Ort::ConstValue w{nullptr};
-    try {
-      w = Ort::ConstKernelInfo(info).GetTensorConstantInput(1, &is_constant);
-    } catch (const Ort::Exception&) {
-      is_constant = 0;  // not available: pack on every call
-    }
-    if (!is_constant || w == nullptr) return;
+    const Ort::ConstValue w = constant_input(info, 1);
+    if (w == nullptr) return;  // not a constant: packed on every call
     const std::vector<int64_t> shape = w.GetTensorTypeAndShapeInfo().GetShape();
     if (shape.size() != 2 || shape[0] < 0 || shape[1] < 0) return;  // Compute reports it
     constant_w.pack(reinterpret_cast<const S*>(w.GetTensorRawData()), shape[0], shape[1]);
