@@ -26,7 +26,9 @@ from csa2onnx.custom_ops.reference import act_quant_e4m3, fp8_linear, round_bf16
 from csa2onnx.graphs.standalone import build_model
 
 ISAS = ("avx512", "avx512-novbmi", "avx2", "scalar")  # avx512-novbmi: tests only
-REFERENCE_DIR = Path("/work/shared/reference")
+# the upstream reference beside the checkout (tools/upstream.py's rule)
+REFERENCE_DIR = Path(os.environ.get("CSA2ONNX_UPSTREAM")
+                     or Path(__file__).resolve().parents[2] / "shared" / "reference")
 E4M3 = ml_dtypes.float8_e4m3fn
 NAN_CODES = (0x7F, 0xFF)
 Errors = (ort.capi.onnxruntime_pybind11_state.InvalidArgument,

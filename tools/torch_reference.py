@@ -1,6 +1,6 @@
 """An independent PyTorch oracle for DeepSeek-V4.1 compressed sparse attention.
 
-A compact re-implementation of /work/shared/spec/reference.md (the semantics of the upstream
+A compact re-implementation of ../shared/spec/reference.md (the semantics of the upstream
 `inference/model.py` on the CPU with bf16 activations), written from the spec, not from the
 exporter, and checked against the shared goldens (`--check`). It runs a stack of layers
 call by call with the four shared slots of SharedAttentionRuntime, and records every
