@@ -24,7 +24,7 @@ SparseAttention: FLOP/s (4*b*s*h*k*d) at the released model's dims (h = 64, d = 
 128 + up to 512 compressed rows; decode b = 1 and 4, prefill s = 256..4096) of the tiled
 kernel, the per-row kernel it replaced (the op's `reference` path, same bits) and the
 reference's vectorised torch sparse_attn (einsum per block of 64; read from --sparse-torch,
-by default ../shared/reference/kernel_cpu.py beside the checkout, and left out when that file is absent);
+by default ../shared/reference/kernel_cpu.py beside the checkout, left out when absent);
 the three run interleaved, so that a load shared with other processes hits them alike.
 Each implementation's outputs are checked equal to the kernel's first, so the timings compare
 the same work. onnxruntime runs with intra_op_num_threads = torch.get_num_threads(); NumPy is
