@@ -93,8 +93,14 @@ class BenchResult:
     state_bytes: int
     export_s: float
     ours: SideResult
+    read_bandwidth: float = 0.0  # bytes/s this machine reads at the bench's thread count
     upstream: SideResult | None = None
     agreement: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def weight_read_limit_ms(self) -> float:
+        """The least a decode step can take: every weight read once from memory."""
+        return self.weight_bytes / self.read_bandwidth * 1e3 if self.read_bandwidth else 0.0
 
     def table(self) -> str:
         o, u = self.ours, self.upstream
@@ -128,6 +134,11 @@ class BenchResult:
                          u.decode_median_ms if u else None, ".1f"))
         lines.append(row("decode p90 ms", o.decode_p90_ms, u.decode_p90_ms if u else None,
                          ".1f"))
+        if self.read_bandwidth:
+            lines.append(f"{'decode weight-read limit':<24}{self.weight_read_limit_ms:>12.1f}"
+                         f"  ms (weights / {self.read_bandwidth / 1e9:.1f} GB/s read bandwidth, "
+                         f"{self.options['threads']} threads); csa2onnx's median is "
+                         f"{o.decode_median_ms / self.weight_read_limit_ms:.2f}x it")
         lines.append(row("memory loaded MiB", o.loaded_mib, u.loaded_mib if u else None,
                          ".0f"))
         lines.append(row("memory held MiB", o.held_mib, u.held_mib if u else None, ".0f"))
@@ -155,6 +166,32 @@ def machine_info() -> dict[str, Any]:
     wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
     return {"cpu": model, "isa": [f for f in wanted if f in flags], "cores": os.cpu_count(),
             "onnxruntime": ort.__version__, "python": platform.python_version()}
+
+
+def read_bandwidth(threads: int, mib: int = 512, repeat: int = 5) -> float:
+    """Bytes per second this machine reads from memory with `threads` onnxruntime threads:
+    the best of `repeat` ReduceSums over `mib` MiB of float32, larger than any cache."""
+    from onnx import TensorProto, helper
+
+    rows = 64  # one output per row: the rows spread over the threads
+    graph = helper.make_graph(
+        [helper.make_node("ReduceSum", ["X", "axes"], ["Y"], keepdims=0)], "bandwidth",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, [rows, None])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [rows])],
+        [helper.make_tensor("axes", TensorProto.INT64, [1], [1])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    session = ort.InferenceSession(model.SerializeToString(), options,
+                                   providers=["CPUExecutionProvider"])
+    x = np.ones((rows, mib * 2**20 // 4 // rows), np.float32)
+    session.run(None, {"X": x})
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        session.run(None, {"X": x})
+        best = min(best, time.perf_counter() - t0)
+    return x.nbytes / best
 
 
 def peak_rss_mib() -> float:
@@ -247,7 +284,8 @@ def run_bench(opts: BenchOptions,
                                                   "max_seq_len": config.max_seq_len},
                          machine=machine, layers=layers, weight_format=config.weight_format,
                          weight_bytes=weight_bytes, state_bytes=state_bytes,
-                         export_s=export_s, ours=ours)
+                         export_s=export_s, ours=ours,
+                         read_bandwidth=read_bandwidth(opts.threads))
     if opts.baseline == "upstream":
         say("upstream")
         result.upstream, out_theirs, torch_version = _run_upstream(opts, config, layers,
@@ -380,4 +418,5 @@ def to_json(result: BenchResult) -> str:
             value = getattr(result, side)
             data[side] |= {"decode_median_ms": value.decode_median_ms,
                            "decode_p90_ms": value.decode_p90_ms}
+    data["weight_read_limit_ms"] = result.weight_read_limit_ms
     return json.dumps(data, indent=1)

@@ -89,10 +89,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from csa2onnx.export.bench import BenchOptions, run_bench, to_json
 
     source = args.source
-    # a model folder benchmarks its own weights; a config file random bf16 ones
-    weights = args.weights or (str(source) if source.is_dir() else "random-bf16")
-    config = source if not source.is_dir() else source / "config.json"
-    n_layers = AttentionConfig.load(config).n_layers
+    config = AttentionConfig.load(source / "config.json" if source.is_dir() else source)
+    # a model folder benchmarks its own weights; a config file random ones in its precision
+    weights = args.weights or (str(source) if source.is_dir()
+                               else f"random-{config.weight_format}")
+    n_layers = config.n_layers
     opts = BenchOptions(source=source, layers=_layer_range(args.layers, n_layers) if args.layers
                         else None, weights=weights, prefill=args.prefill, decode=args.decode,
                         batch=args.batch, max_seq_len=args.max_seq_len, threads=args.threads,
@@ -163,7 +164,8 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("source", type=Path, help="a config.json or a Hugging Face model folder")
     b.add_argument("--layers", help="a range FIRST-LAST (default: all layers)")
     b.add_argument("--weights", help="random-bf16 | random-fp8 | a model folder (default: the "
-                                     "folder's own weights, or random-bf16 for a config)")
+                                     "folder's own weights, or random weights in the "
+                                     "config's precision)")
     b.add_argument("--prefill", type=int, default=256, help="prefill tokens (default 256)")
     b.add_argument("--decode", type=int, default=16, help="decode steps (default 16)")
     b.add_argument("--batch", type=int, default=1)

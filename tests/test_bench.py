@@ -1,0 +1,37 @@
+"""`csa2onnx bench` at the goldens' small dims: it runs, measures and reports (its timings
+are not asserted: speed is measured in benchmarks, not tested)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from helpers import GOLDENS
+
+from csa2onnx.export.bench import BenchOptions, read_bandwidth, run_bench
+from csa2onnx.export.cli import main
+
+
+def test_bench_reports_a_small_stack(capsys) -> None:
+    opts = BenchOptions(source=GOLDENS / "case1_r2_r1.json", layers=(0, 3), prefill=12,
+                        decode=3, threads=1)
+    result = run_bench(opts)
+    assert result.layers == [0, 1, 2, 3] and result.weight_format == "bf16"
+    assert result.weight_bytes > 0 and result.state_bytes > 0
+    assert len(result.ours.decode_ms) == 3 and result.ours.prefill_s > 0
+    assert result.read_bandwidth > 1e8 and result.weight_read_limit_ms > 0
+    table = result.table()
+    for text in ("prefill s", "decode median ms", "decode weight-read limit", "peak RSS"):
+        assert text in table
+
+
+def test_bench_command_json(capsys, tmp_path: Path) -> None:
+    assert main(["bench", str(GOLDENS / "case5_fp8.json"), "--layers", "0-1", "--prefill",
+                 "8", "--decode", "2", "--threads", "1", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["weight_format"] == "fp8" and data["layers"] == [0, 1]
+    assert data["weight_read_limit_ms"] > 0 and data["ours"]["decode_median_ms"] > 0
+
+
+def test_read_bandwidth_is_measured() -> None:
+    assert read_bandwidth(1, mib=64, repeat=2) > 1e8
