@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import functools
 import json
+import shutil
+import subprocess
 from pathlib import Path
 
 import numpy as np
 import onnx
+import pytest
+from onnx import helper
 
 from csa2onnx.custom_ops import make_session
 from csa2onnx.export.goldens import Comparison, GoldenCase, compare, load_case
@@ -57,3 +61,28 @@ class GoldenReport:
                           "max_abs_err": result.max_abs_err, "size": int(np.size(expected))})
         assert result.ok, f"{case} {component} {name}: {result.detail}"
         return result
+
+
+def custom_op_model(graph: onnx.GraphProto, *, portable: bool = False) -> bytes:
+    """A one-graph model importing ONNX 21 and the csa2onnx domain; `portable` attaches the
+    custom ops' standard-op function bodies."""
+    from csa2onnx.custom_ops.portable import portable_functions
+
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                    helper.make_opsetid("csa2onnx", 1)])
+    model.ir_version = 10
+    if portable:
+        model.functions.extend(portable_functions())
+    return model.SerializeToString()
+
+
+def build_cpp_driver(source: Path, folder: Path, *flags: str) -> Path:
+    """Compile a C++ test driver against custom_ops/src with g++ (skip without g++)."""
+    cxx = shutil.which("g++")
+    if cxx is None:
+        pytest.skip(f"g++ not found: needed to build {source.name}")
+    exe = folder / source.stem
+    subprocess.run([cxx, "-O2", "-std=c++17", "-Wall", "-Wextra", "-Werror", *flags,
+                    f"-I{ROOT / 'custom_ops' / 'src'}", str(source), "-o", str(exe)],
+                   check=True, capture_output=True, text=True)
+    return exe

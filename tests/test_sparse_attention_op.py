@@ -13,10 +13,10 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from helpers import custom_op_model
 from onnx import TensorProto, helper
 
 from csa2onnx.custom_ops import make_session
-from csa2onnx.custom_ops.portable import portable_functions
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDENS = ROOT / "goldens"
@@ -31,12 +31,7 @@ def sa_model(scale: float, idx_type: int = TensorProto.INT64, functions: bool = 
                        vi("KV", TensorProto.FLOAT, ["b", "n", "d"]),
                        vi("S", TensorProto.FLOAT, ["h"]), vi("I", idx_type, ["b", "s", "k"])],
         [vi("O", TensorProto.FLOAT, ["b", "s", "h", "d"])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
-                                                    helper.make_opsetid("csa2onnx", 1)])
-    model.ir_version = 10
-    if functions:
-        model.functions.extend(portable_functions())
-    return model.SerializeToString()
+    return custom_op_model(graph, portable=functions)
 
 
 @functools.cache

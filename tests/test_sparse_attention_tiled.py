@@ -6,13 +6,13 @@ and adversarial inputs: through the op (bf16 outputs), and through a C++ driver
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 import pytest
+from helpers import build_cpp_driver
 from onnx import TensorProto
 from test_sparse_attention_op import sa_model
 
@@ -126,20 +126,13 @@ def test_global_variable_forces_the_path(monkeypatch) -> None:
 
 
 # ------------------------------------------------ float32 quotients (tests/cpp driver)
-SRC = Path(__file__).resolve().parents[1] / "custom_ops" / "src"
 DRIVER = Path(__file__).resolve().parent / "cpp" / "sparse_attention_tiles.cc"
 
 
 @pytest.fixture(scope="module")
 def tiles_driver(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    cxx = shutil.which("g++")
-    if cxx is None:
-        pytest.skip("g++ not found: needed to build the tiles driver")
-    exe = tmp_path_factory.mktemp("sparse_tiles") / "sparse_attention_tiles"
-    cmd = [cxx, "-O2", "-std=c++17", "-Wall", "-Wextra", "-Werror", "-ffp-contract=off",
-           f"-I{SRC}", str(DRIVER), "-o", str(exe)]
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
-    return exe
+    return build_cpp_driver(DRIVER, tmp_path_factory.mktemp("sparse_tiles"),
+                            "-ffp-contract=off")
 
 
 @pytest.mark.parametrize("seed", [7, 2024])

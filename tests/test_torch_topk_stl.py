@@ -3,27 +3,19 @@
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+from helpers import build_cpp_driver
 
 ROOT = Path(__file__).resolve().parents[1]
-SRC = ROOT / "custom_ops" / "src"
 DRIVER = ROOT / "tests" / "cpp" / "topk_vs_stl.cc"
 
 
 @pytest.fixture(scope="module")
 def driver(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    cxx = shutil.which("g++")
-    if cxx is None:
-        pytest.skip("g++ not found: the driver compares against g++'s own libstdc++")
-    exe = tmp_path_factory.mktemp("topk_vs_stl") / "topk_vs_stl"
-    cmd = [cxx, "-O2", "-std=c++17", "-Wall", "-Wextra", "-Werror", f"-I{SRC}", str(DRIVER),
-           "-o", str(exe)]
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
-    return exe
+    return build_cpp_driver(DRIVER, tmp_path_factory.mktemp("topk_vs_stl"))
 
 
 @pytest.mark.parametrize("seed", [1234, 99])

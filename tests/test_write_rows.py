@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 import pytest
+from helpers import custom_op_model
 from onnx import TensorProto, helper
 
 from csa2onnx.custom_ops import make_session
-from csa2onnx.custom_ops.portable import portable_functions
 
 
 def write_rows_model(with_after: bool = False, functions: bool = False) -> bytes:
@@ -23,12 +23,7 @@ def write_rows_model(with_after: bool = False, functions: bool = False) -> bytes
         infos.append(helper.make_tensor_value_info("A", TensorProto.INT64, None))
     graph = helper.make_graph([node], "write_rows", infos, [
         helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
-                                                    helper.make_opsetid("csa2onnx", 1)])
-    model.ir_version = 10
-    if functions:
-        model.functions.extend(portable_functions())
-    return model.SerializeToString()
+    return custom_op_model(graph, portable=functions)
 
 
 def expected(cache: np.ndarray, rows: np.ndarray, start: int) -> np.ndarray:
