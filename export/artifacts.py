@@ -12,6 +12,7 @@ from typing import Any
 
 from csa2onnx.custom_ops.library import DOMAIN, DOMAIN_VERSION
 from csa2onnx.export.plan import StackPlan
+from csa2onnx.export.state_layout import StateLayout
 from csa2onnx.export.weights import linear_formats
 
 MANIFEST = "manifest.json"
@@ -31,8 +32,7 @@ class Manifest:
     index_keys: str
     portable: bool
     roles: list[dict[str, Any]]
-    state: list[dict[str, Any]]
-    prefill_state_inputs: list[str]
+    state: list[dict[str, Any]]  # the StateLayout (export/state_layout.py), as JSON
     external_slots: list[str]
     # layer (as a string, JSON's key type) -> linear -> weight format, from config + plan
     linear_formats: dict[str, dict[str, str]] = field(default_factory=dict)
@@ -45,8 +45,8 @@ class Manifest:
     custom_op_version: int = DOMAIN_VERSION
 
     @property
-    def state_names(self) -> list[str]:
-        return [t["name"] for t in self.state]
+    def state_layout(self) -> StateLayout:
+        return StateLayout.from_json(self.state)
 
     @property
     def dim(self) -> int:
@@ -72,10 +72,7 @@ def manifest_for(plan: StackPlan, portable: bool, weights_file: str | None = Non
         index_keys=plan.index_keys,
         portable=portable,
         roles=[{"layer": p.layer, "ratio": p.ratio, "role": p.role} for p in plan.layers],
-        state=[{"name": t.name, "shape": list(t.shape), "dtype": t.dtype,
-                "description": t.description, "read_ratio": t.read_ratio}
-               for t in plan.state()],
-        prefill_state_inputs=[t.name for t in plan.carried("prefill")],
+        state=plan.state_layout().to_json(),
         external_slots=list(plan.external_slots()),
         linear_formats={str(p.layer): linear_formats(plan.config, p) for p in plan.layers},
         state_bytes=state_bytes_per_layer(plan),
@@ -87,9 +84,10 @@ def state_bytes_per_layer(plan: StackPlan) -> dict[str, dict[str, int]]:
     """Per layer (batch 1): the state at max_seq_len, what 1024 more tokens of context add
     (the caches' rows; a runtime growing by doubling holds up to twice that), and the part
     that does not grow (window ring, compressor state)."""
-    fixed = plan.state_bytes(context=0)
-    at_1024 = plan.state_bytes(context=1024)
-    at_max = plan.state_bytes()
+    layout = plan.state_layout()
+    fixed = layout.bytes_per_layer(context=0)
+    at_1024 = layout.bytes_per_layer(context=1024)
+    at_max = layout.bytes_per_layer()
     return {str(layer): {"at_max_seq_len": at_max[layer],
                          "per_1024_tokens": at_1024[layer] - fixed[layer],
                          "fixed": fixed[layer]} for layer in at_max}

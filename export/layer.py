@@ -1,13 +1,16 @@
 """One attention layer, Attention.forward for any ratio, composed from the component graphs.
 
-The shared slots are explicit: the layer reads what earlier layers published (`Slots`) and
-records what it publishes there. State tensors come in and go out by name (plan.state()).
+A layer takes its state (`LayerState`, the StateLayout's roles) and what it reads from the
+shared slots (`SlotReads`), and returns what it produces as named tuples: a kv source's
+`compress` returns its `Publication` (caches written, keys published), `forward` the
+`LayerOutput` (out, new state, published selection and candidates). The stack wires them
+(export/stack.py); no function here mutates what it is handed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import onnx_ir as ir
 from onnxscript import OpBuilder, nn
@@ -25,28 +28,52 @@ from csa2onnx.graphs.rope import RopeTables, layer_rope_params
 from csa2onnx.graphs.sparse_attn import sparse_attn
 from csa2onnx.graphs.window import window_decode, window_prefill
 
+Debug = Callable[[str, ir.Value], None]  # records a named intermediate (debug exports)
 
-@dataclass
-class Slots:
-    """The SharedAttentionRuntime slots while one call is traced, as graph values.
 
-    compress_kv/index_k map a source layer to its cache as of now (a later layer's cache
-    is its state from the previous call, as the reference's mutable tensors would be);
-    topk_idxs/candidates hold the latest writer's value; publisher is the int64 [1] layer
-    id the index_k slot points to; external holds slot inputs from outside the range.
+class LayerState(NamedTuple):
+    """A layer's state tensors (StateLayout roles), as graph values; None where the layer
+    carries no such tensor or the call does not read it (prefill: no window ring, no
+    partial group)."""
 
-    Caches are written in place, so a value read from an owner's cache before the owner
-    writes it this call (`old_reads`) must be computed before that write: the write
-    takes it as an ordering edge."""
+    window_kv: ir.Value | None = None
+    kv_state: ir.Value | None = None
+    score_state: ir.Value | None = None
+    compress_kv: ir.Value | None = None
+    index_k: ir.Value | None = None
 
-    compress_kv: dict[int, ir.Value] = field(default_factory=dict)
-    index_k: dict[int, ir.Value] = field(default_factory=dict)
-    index_k_written: set[int] = field(default_factory=set)
-    old_reads: dict[int, list[ir.Value]] = field(default_factory=dict)
-    topk_idxs: dict[int, ir.Value] = field(default_factory=dict)
+
+# StateLayout role -> LayerState field
+STATE_FIELDS: dict[str, str] = {"window_kv": "window_kv", "compressor.kv_state": "kv_state",
+                                "compressor.score_state": "score_state",
+                                "compress_kv": "compress_kv", "index_k": "index_k"}
+
+
+class Publication(NamedTuple):
+    """What a kv source publishes in the compress_kv/index_k slots during a call."""
+
+    state: LayerState  # the state after the compressor, the cache writes included
+    compress_kv: ir.Value  # its compressed-KV cache, this call's rows written
+    index_k: ir.Value | None  # owners: the key cache, this call's keys written
+    new_rows: ir.Value | None  # owners: int64 [1], rows written (0: nothing published)
+
+
+class SlotReads(NamedTuple):
+    """What a compressed layer reads from the slots: the cache of the layer it takes KV
+    from, the first end_pos // r rows of the index_k slot (index sources), the selection
+    of the layer it takes top-k from (others), the candidates (candidate users)."""
+
+    compress_kv: ir.Value
+    index_k: ir.Value | None = None
+    topk_idxs: ir.Value | None = None
     candidates: ir.Value | None = None
-    publisher: ir.Value | None = None
-    external: dict[str, ir.Value] = field(default_factory=dict)
+
+
+class LayerOutput(NamedTuple):
+    out: ir.Value
+    state: LayerState
+    topk_idxs: ir.Value | None  # index sources: the selection they publish
+    candidates: ir.Value | None  # the candidate source: the blocks it publishes
 
 
 class AttentionLayer(nn.Module):
@@ -80,13 +107,44 @@ class AttentionLayer(nn.Module):
                                    window_size=c.window_size, candidates=candidates,
                                    uses_candidates=plan.uses_candidates)
 
-    def forward(self, op: OpBuilder, x: ir.Value, start_pos: ir.Value | None,
-                state: dict[str, ir.Value], slots: Slots, mode: Mode,
-                debug: Callable[[str, ir.Value], None]) -> ir.Value:
-        """Attention.forward: returns `out`; updates `state` (by name) and `slots`."""
+
+    def compress(self, op: OpBuilder, x: ir.Value, pos: ir.Value, state: LayerState,
+                 mode: Mode, debug: Debug, after: Sequence[ir.Value] = ()) -> Publication:
+        """A kv source's compressor, then (owners) its index keys, then RoPE + fp4 rows into
+        its KV cache. `after`: values read from the old key cache, computed before the
+        in-place key write."""
+        op.builder.push_module(self.name or "", type(self).__qualname__)  # as __call__ does
+        try:
+            return self._compress(op, x, pos, state, mode, debug, after)
+        finally:
+            op.builder.pop_module()
+
+    def _compress(self, op: OpBuilder, x: ir.Value, pos: ir.Value, state: LayerState,
+                  mode: Mode, debug: Debug, after: Sequence[ir.Value]) -> Publication:
         c, p = self.config, self.plan
-        name = f"L{p.layer}"
-        pos = op.Constant(value_ints=[0]) if start_pos is None else start_pos
+        if mode == "decode":
+            out = self.compressor(op, x, state.kv_state, state.score_state, pos, mode="decode")
+        else:
+            out = self.compressor(op, x, mode="prefill")
+        debug("latent", out.latent)
+        row_start = cache_row_start(op, pos, p.ratio)
+        index_k = new_rows = None
+        if p.owns_index_k:
+            keys = self.indexer.keys(op, out.latent, out.positions)
+            index_k = write_rows(op, state.index_k, keys.rows, row_start, after=after)
+            new_rows = op.Slice(op.Shape(out.latent), [1], [2])
+        cos, sin = self.latent_rope(op, out.positions)
+        _, rows = latent_to_cache_rows(op, out.latent, cos, sin, c.rope_head_dim)
+        compress_kv = write_rows(op, state.compress_kv, rows, row_start)
+        state = state._replace(kv_state=out.kv_state, score_state=out.score_state,
+                               compress_kv=compress_kv, index_k=index_k)
+        return Publication(state, compress_kv, index_k, new_rows)
+
+    def forward(self, op: OpBuilder, x: ir.Value, pos: ir.Value, state: LayerState,
+                slots: SlotReads | None, mode: Mode, debug: Debug) -> LayerOutput:
+        """Attention.forward after the compressor (a kv source runs `compress` first and
+        passes the state it returns): window, indexer, sparse attention, output."""
+        c, p = self.config, self.plan
         qr, q = self.attn_q(op, x, pos)
         _, kv = self.window_kv(op, x, pos)  # (before fp8, after): the window reads the latter
         debug("qr", qr)
@@ -96,117 +154,30 @@ class AttentionLayer(nn.Module):
             window_idx, ring = window_prefill(op, kv, c.window_size)
             window_rows = kv
         else:
-            window_idx, ring = window_decode(op, kv, state[f"{name}.window_kv"], pos,
-                                             c.window_size)
+            window_idx, ring = window_decode(op, kv, state.window_kv, pos, c.window_size)
             window_rows = ring
-        state[f"{name}.window_kv"] = ring
+        state = state._replace(window_kv=ring)
 
-        idx, attn_kv = window_idx, window_rows
+        idx, attn_kv, topk, candidates = window_idx, window_rows, None, None
         if p.compressed:
-            end_pos = op.Add(pos, op.Slice(op.Shape(x), [1], [2]))
-            n_rows = op.Div(end_pos, p.ratio)
-            if p.kv_source:
-                self._compress(op, x, pos, state, slots, mode, debug)
+            if slots is None:
+                raise ValueError(f"L{p.layer}: a compressed layer reads the slots")
+            topk = slots.topk_idxs
             if p.index_source:
-                self._index(op, x, qr, pos, slots, mode, debug)
-            topk = slots.topk_idxs.get(p.topk_from) if p.topk_from is not None else None
-            topk = slots.external["topk_idxs"] if topk is None else topk
-            cache = slots.compress_kv.get(p.kv_from) if p.kv_from is not None else None
-            cache = slots.external["compress_kv"] if cache is None else cache
-            attn_kv = op.Concat(window_rows, op.Slice(cache, [0], n_rows, [1]), axis=1)
+                selection = self.indexer.select(
+                    op, x, qr, slots.index_k, candidates=slots.candidates, mode=mode,
+                    start_pos=pos if mode == "decode" else None)
+                debug("index_score", selection.score)
+                debug("index_topk_idxs", selection.topk_idxs)
+                topk, candidates = selection.topk_idxs, selection.candidates
+                if candidates is not None:
+                    debug("candidates", candidates)
+            n_rows = op.Div(op.Add(pos, op.Slice(op.Shape(x), [1], [2])), p.ratio)
+            attn_kv = op.Concat(window_rows, op.Slice(slots.compress_kv, [0], n_rows, [1]),
+                                axis=1)
             idx = op.Concat(window_idx, op.Cast(topk, to=INT64), axis=-1)
         debug("attn_topk_idxs", idx)
         o = sparse_attn(op, q, attn_kv, self.attn_sink, idx, c.head_dim ** -0.5)
         debug("attn_o", o)
-        return self.output(op, o, pos)
-
-    def _compress(self, op: OpBuilder, x: ir.Value, pos: ir.Value, state: dict[str, ir.Value],
-                  slots: Slots, mode: Mode, debug: Callable[[str, ir.Value], None]) -> None:
-        """Compressor, then (owners) index keys, then RoPE + fp4 rows into the KV cache."""
-        c, p = self.config, self.plan
-        name = f"L{p.layer}"
-        if p.ratio > 1 and mode == "decode":
-            out = self.compressor(op, x, state[f"{name}.compressor.kv_state"],
-                                  state[f"{name}.compressor.score_state"], pos, mode="decode")
-        elif mode == "decode":
-            out = self.compressor(op, x, start_pos=pos, mode="decode")
-        else:
-            out = self.compressor(op, x, mode="prefill")
-        if p.ratio > 1:
-            state[f"{name}.compressor.kv_state"] = out.kv_state
-            state[f"{name}.compressor.score_state"] = out.score_state
-        debug("latent", out.latent)
-        row_start = cache_row_start(op, pos, p.ratio)
-        n_new = op.Slice(op.Shape(out.latent), [1], [2])
-        if p.owns_index_k:
-            keys = self.indexer.keys(op, out.latent, out.positions)
-            k_cache = write_rows(op, state[f"{name}.index_k"], keys.rows, row_start,
-                                 after=slots.old_reads.pop(p.layer, []))
-            state[f"{name}.index_k"] = slots.index_k[p.layer] = k_cache
-            slots.index_k_written.add(p.layer)
-            if slots.publisher is not None:  # the slot now points here iff keys were written
-                slots.publisher = op.Where(op.Greater(n_new, 0),
-                                           op.Constant(value_ints=[p.layer]), slots.publisher)
-        cos, sin = self.latent_rope(op, out.positions)
-        _, rows = latent_to_cache_rows(op, out.latent, cos, sin, c.rope_head_dim)
-        kv_cache = write_rows(op, state[f"{name}.compress_kv"], rows, row_start)
-        state[f"{name}.compress_kv"] = slots.compress_kv[p.layer] = kv_cache
-
-    def _index(self, op: OpBuilder, x: ir.Value, qr: ir.Value, pos: ir.Value, slots: Slots,
-               mode: Mode, debug: Callable[[str, ir.Value], None]) -> None:
-        p = self.plan
-        rows = op.Div(op.Add(pos, op.Slice(op.Shape(x), [1], [2])), p.ratio)  # end_pos // r
-        if self.stack.reads_index_k_slot(p):
-            index_k = read_index_k_slot(op, slots, rows)
-        else:  # index_keys="own": an owner reads its own cache
-            index_k = slots.index_k[p.layer]
-        candidates = None
-        if p.uses_candidates:
-            candidates = (slots.candidates if slots.candidates is not None
-                          else slots.external["candidates"])
-        out = self.indexer.select(op, x, qr, index_k, candidates=candidates, mode=mode,
-                                  start_pos=pos if mode == "decode" else None)
-        debug("index_score", out.score)
-        debug("index_topk_idxs", out.topk_idxs)
-        slots.topk_idxs[p.layer] = out.topk_idxs
-        if out.candidates is not None:
-            debug("candidates", out.candidates)
-            slots.candidates = out.candidates
-
-
-def read_index_k_slot(op: OpBuilder, slots: Slots, rows: ir.Value) -> ir.Value:
-    """The first `rows` rows of the key cache the index_k slot points to: an in-range
-    owner's current cache when `publisher` names it, else the external slot input (or,
-    with none, the last owner). Slicing clamps, as the reference's [:end_pos // r] does."""
-    owners = list(slots.index_k.items())
-    fallback = slots.external.get("index_k")
-    if not owners and fallback is None:
-        raise ValueError("an indexer reads the index_k slot but nothing can fill it")
-    if owners and slots.publisher is None:
-        raise ValueError("index_k publisher state missing for a stack with owners")
-    if fallback is None:
-        *owners, (_, fallback) = owners
-    result = op.Slice(fallback, [0], rows, [1])
-    for layer, cache in reversed(owners):
-        result = _if(op, op.Equal(slots.publisher, layer),
-                     lambda o, c=cache: o.Slice(c, [0], rows, [1]), result)
-    # Owners later in the stack have not written yet: this read sees their previous call's
-    # cache, so their in-place writes must wait for it.
-    for layer in slots.index_k:
-        if layer not in slots.index_k_written:
-            slots.old_reads.setdefault(layer, []).append(result)
-    return result
-
-
-def _if(op: OpBuilder, condition: ir.Value, then: Callable[[OpBuilder], ir.Value],
-        otherwise: ir.Value) -> ir.Value:
-    """If(condition) then the `then` subgraph else `otherwise`: the candidate caches differ
-    in rows, so Where cannot choose between them; only the chosen rows are copied."""
-    builder = op.builder
-    then_graph = builder.subgraph(then, inputs=[], outputs=[ir.Value(name="k_rows")],
-                                  name="slot_is_this_owner")
-    else_graph = builder.subgraph(lambda o: o.Identity(otherwise), inputs=[],
-                                  outputs=[ir.Value(name="k_rows")], name="slot_is_another")
-    result = op.If(op.Squeeze(condition, [0]), then_branch=then_graph, else_branch=else_graph)
-    result.type = ir.TensorType(FLOAT)
-    return result
+        out = self.output(op, o, pos)
+        return LayerOutput(out, state, topk if p.index_source else None, candidates)

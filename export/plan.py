@@ -15,43 +15,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from csa2onnx.export.config import AttentionConfig, ConfigError
+from csa2onnx.export.state_layout import StateLayout, StateTensor
 
 IndexKeys = Literal["shared", "own"]
-
-
-@dataclass(frozen=True)
-class StateTensor:
-    """One state tensor carried between calls (a graph input and output).
-
-    A cache (`grows`) is written in place: its past input and present output are one
-    buffer, and only the new rows are written (custom_ops WriteRows). Its rows axis is
-    dynamic in the graphs, so the runtime can hold fewer rows than `shape` (the size at
-    max_seq_len): a call with context end_pos reads at most
-    min(max_rows, end_pos // read_ratio) rows of it."""
-
-    name: str
-    shape: tuple[int | str, ...]  # "batch" is the dynamic batch dimension; rows at max_seq_len
-    dtype: Literal["float32", "int64"]
-    description: str
-    read_ratio: int = 0  # caches: the smallest ratio any reader slices it with; else 0
-
-    @property
-    def grows(self) -> bool:
-        return self.read_ratio > 0
-
-    @property
-    def max_rows(self) -> int:
-        return int(self.shape[1])
-
-    def rows_for(self, end_pos: int) -> int:
-        """Rows a call with context end_pos may write or read (slices clamp at max_rows)."""
-        return min(self.max_rows, end_pos // self.read_ratio)
-
-    def graph_shape(self) -> list[int | str]:
-        """The graphs' shape: a cache's rows are a named dynamic dimension."""
-        if not self.grows:
-            return list(self.shape)
-        return [self.shape[0], f"{self.name}.rows", *self.shape[2:]]
 
 
 @dataclass(frozen=True)
@@ -138,61 +104,43 @@ class StackPlan:
             needed.append("index_k")
         return tuple(dict.fromkeys(needed))
 
-    def state(self, batch: int | str = "batch") -> tuple[StateTensor, ...]:
-        """Every tensor carried between calls, in a fixed order."""
+    def state_layout(self) -> StateLayout:
+        """Every tensor carried between calls, in a fixed order: per layer the window
+        ring, the compressor's partial group (r > 1 kv sources), the compressed-KV cache
+        (kv sources) and the index-key cache (owners); then the index_k publisher.
+
+        Prefill reads the caches (written in place from row 0: a new sequence overwrites)
+        and the publisher (the slot persists across sequences); the window ring and the
+        partial group start afresh."""
         c = self.config
         tensors: list[StateTensor] = []
         for p in self.layers:
-            prefix = f"L{p.layer}"
-            tensors.append(StateTensor(f"{prefix}.window_kv", (batch, c.window_size, c.head_dim),
-                                       "float32", "ring buffer: position p in slot p % window"))
+            tensors.append(StateTensor("window_kv", p.layer, c.window_size, c.head_dim,
+                                       "bf16_in_f32", "replaced", False,
+                                       "ring buffer: position p in slot p % window"))
             if p.kv_source and p.ratio > 1:
-                for name in ("kv_state", "score_state"):
-                    tensors.append(StateTensor(f"{prefix}.compressor.{name}",
-                                               (batch, p.ratio, c.head_dim), "float32",
+                for role in ("compressor.kv_state", "compressor.score_state"):
+                    tensors.append(StateTensor(role, p.layer, p.ratio, c.head_dim, "f32",
+                                               "replaced", False,
                                                "compressor's partial group (f32)"))
             if p.kv_source:
                 kv_readers = [q.ratio for q in self.layers if q.kv_from == p.layer]
-                tensors.append(StateTensor(f"{prefix}.compress_kv",
-                                           (batch, c.max_seq_len // p.ratio, c.head_dim),
-                                           "float32", "compressed-KV cache (bf16 values)",
+                tensors.append(StateTensor("compress_kv", p.layer, c.max_seq_len // p.ratio,
+                                           c.head_dim, "bf16_in_f32", "in_place", True,
+                                           "compressed-KV cache",
                                            read_ratio=min([p.ratio, *kv_readers])))
             if p.owns_index_k:
                 # Through the shared slot any slot reader may slice this cache, at its ratio.
                 slot_readers = [self.layer(i).ratio for i in self.slot_readers]
-                tensors.append(StateTensor(f"{prefix}.index_k",
-                                           (batch, c.max_seq_len // p.ratio, c.index_head_dim),
-                                           "float32", "index-key cache (bf16 values)",
+                tensors.append(StateTensor("index_k", p.layer, c.max_seq_len // p.ratio,
+                                           c.index_head_dim, "bf16_in_f32", "in_place", True,
+                                           "index-key cache",
                                            read_ratio=min([p.ratio, *slot_readers])))
         if self.slot_readers and self.owners:
-            tensors.append(StateTensor("index_k_publisher", (1,), "int64",
-                                       "layer whose index-key cache the shared slot holds "
-                                       "(-1: none yet)"))
-        return tuple(tensors)
-
-    def carried(self, mode: Literal["prefill", "decode"]) -> tuple[StateTensor, ...]:
-        """The state a `mode` call takes in (past.*): everything in decode; in prefill the
-        caches (written in place) and the index_k publisher (the slot persists across
-        sequences), as the window ring and the compressor's partial group start afresh."""
-        return tuple(t for t in self.state()
-                     if mode == "decode" or t.grows or t.name == "index_k_publisher")
-
-    def state_bytes(self, batch: int = 1, context: int | None = None) -> dict[int, int]:
-        """Bytes of state per layer at `context` tokens (default max_seq_len): caches
-        hold rows_for(context) rows (publisher: not a layer's, left out)."""
-        context = self.config.max_seq_len if context is None else context
-        sizes: dict[int, int] = {p.layer: 0 for p in self.layers}
-        for t in self.state(batch):
-            if not t.name.startswith("L"):
-                continue
-            shape = [int(d) for d in t.shape]
-            if t.grows:
-                shape[1] = t.rows_for(context)
-            count = 1
-            for d in shape:
-                count *= d
-            sizes[int(t.name[1:].split(".")[0])] += count * (8 if t.dtype == "int64" else 4)
-        return sizes
+            tensors.append(StateTensor("index_k_publisher", None, 1, 1, "int64", "replaced",
+                                       True, "layer whose index-key cache the shared slot "
+                                       "holds (-1: none yet)"))
+        return StateLayout(tuple(tensors))
 
 
 def plan_layer(config: AttentionConfig, layer: int) -> LayerPlan:

@@ -22,6 +22,7 @@ import onnxruntime as ort
 from csa2onnx.custom_ops import session_options
 from csa2onnx.export.artifacts import Manifest, read_manifest
 from csa2onnx.export.shared_weights import SharedWeights
+from csa2onnx.export.state_layout import STORAGES, StateTensor
 
 _ELEMENT_BYTES = {"tensor(float)": 4, "tensor(int64)": 8, "tensor(int32)": 4,
                   "tensor(bool)": 1, "tensor(bfloat16)": 2, "tensor(float16)": 2,
@@ -41,19 +42,6 @@ class StepOutputs:
 
 
 MIN_CACHE_ROWS = 256  # a cache's first capacity (or all its rows, if fewer)
-
-
-@dataclass(frozen=True)
-class CacheSpec:
-    """A cache written in place (manifest state entry with a read_ratio)."""
-
-    name: str
-    max_rows: int
-    width: int
-    read_ratio: int
-
-    def rows_for(self, end_pos: int) -> int:
-        return min(self.max_rows, end_pos // self.read_ratio)
 
 
 class AttentionRuntime:
@@ -76,9 +64,8 @@ class AttentionRuntime:
         # onnxruntime inlines, dropping the unused ordering input: copy there instead.
         self.in_place = in_place and not self.manifest.portable
         self.share_weights = share_weights
-        self.caches = {t["name"]: CacheSpec(t["name"], int(t["shape"][1]), int(t["shape"][2]),
-                                            int(t["read_ratio"]))
-                       for t in self.manifest.state if t.get("read_ratio")}
+        self.layout = self.manifest.state_layout
+        self.caches = {t.name: t for t in self.layout.caches}
         providers = ["CPUExecutionProvider"]
         if provider == "cuda":
             if "CUDAExecutionProvider" not in ort.get_available_providers():
@@ -117,8 +104,8 @@ class AttentionRuntime:
                                     f"{self.manifest.max_batch_size}")
         feeds = self._feeds(xs, slots)
         self._ensure_caches(batch, seqlen)
-        for name in self.manifest.prefill_state_inputs:
-            feeds[f"past.{name}"] = self._carried(name)
+        for t in self.layout.read_by("prefill"):
+            feeds[t.input_name] = self._carried(t)
         result = self._run("prefill", feeds)
         self.batch, self.position, self.started = batch, seqlen, True
         return result
@@ -140,8 +127,8 @@ class AttentionRuntime:
         feeds = self._feeds(xs, slots)
         self._ensure_caches(batch, self.position + 1)
         feeds["start_pos"] = self._ortvalue(np.array([self.position], np.int64))
-        for name in self.manifest.state_names:
-            feeds[f"past.{name}"] = self.state[name]
+        for t in self.layout.read_by("decode"):
+            feeds[t.input_name] = self.state[t.name]
         result = self._run("decode", feeds)
         self.position += 1
         return result
@@ -191,12 +178,12 @@ class AttentionRuntime:
             if value is not None and old_batch == batch and old_rows >= need:
                 continue
             if not self.grow_caches:
-                rows = spec.max_rows
+                rows = spec.rows
             elif value is None or old_batch != batch:
-                rows = min(spec.max_rows, max(need, old_rows, MIN_CACHE_ROWS))
+                rows = min(spec.rows, max(need, old_rows, MIN_CACHE_ROWS))
             else:
-                rows = min(spec.max_rows, max(need, 2 * old_rows))
-            array = np.zeros((batch, rows, spec.width), np.float32)
+                rows = min(spec.rows, max(need, 2 * old_rows))
+            array = np.zeros((batch, rows, spec.row_elements), np.dtype(spec.dtype))
             if value is not None:  # a batch change keeps the entries both have
                 keep_b, keep_r = min(batch, old_batch), min(rows, old_rows)
                 old = self._host.get(spec.name)
@@ -240,12 +227,14 @@ class AttentionRuntime:
         return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array, dtype=dtype),
                                                 self.device, 0)
 
-    def _carried(self, name: str) -> ort.OrtValue:
+    def _carried(self, t: StateTensor) -> ort.OrtValue:
         # Caches and slots never reset (the reference's module buffers and its
         # SharedAttentionRuntime persist across calls).
-        if name in self.state:
-            return self.state[name]
-        return self._ortvalue(np.full([1], -1, np.int64))
+        if t.name in self.state:
+            return self.state[t.name]
+        if t.role != "index_k_publisher":
+            raise RuntimeStateError(f"state {t.name} was never allocated")
+        return self._ortvalue(np.full([1], -1, np.int64))  # no owner has published yet
 
     def _run(self, mode: str, feeds: dict[str, ort.OrtValue]) -> StepOutputs:
         session = self.sessions[mode]
@@ -253,18 +242,17 @@ class AttentionRuntime:
         for name, value in feeds.items():
             binding.bind_ortvalue_input(name, value)
         names = [o.name for o in session.get_outputs()]
+        state_out = {t.output_name: t for t in self.layout}
+        in_place = {name for name, t in state_out.items() if t.in_place and self.in_place}
         for name in names:
-            state = name.removeprefix("present.")
-            if name.startswith("present.") and state in self.caches and self.in_place:
-                # The past input's own buffer: WriteRows writes the new rows into it.
-                binding.bind_ortvalue_output(name, feeds[f"past.{state}"])
+            if name in in_place:  # the past input's own buffer: WriteRows writes into it
+                binding.bind_ortvalue_output(name, feeds[state_out[name].input_name])
             else:
                 binding.bind_output(name, self.device)
         session.run_with_iobinding(binding)
         values = dict(zip(names, binding.get_outputs(), strict=True))
-        self.state.update({name[len("present."):]: v for name, v in values.items()
-                           if name.startswith("present.")
-                           and (name[len("present."):] not in self.caches or not self.in_place)})
+        self.state.update({state_out[name].name: v for name, v in values.items()
+                           if name in state_out and name not in in_place})
         if not self.in_place:
             self._host.clear()  # the caches are onnxruntime's outputs now
         out = {int(name[len("out.L"):]): v.numpy() for name, v in values.items()
@@ -293,10 +281,10 @@ def describe(folder: str | Path) -> str:
             lines.append("    linears: " + ", ".join(f"{k} {v}" for k, v in formats.items()))
     lines.append("  state (caches written in place, grown with the context up to the shape "
                  "shown, which is at max_seq_len):")
-    for tensor in manifest.state:
-        how = " in place" if tensor.get("read_ratio") else ""
-        lines.append(f"    {tensor['name']}: {tensor['dtype']}{tensor['shape']}{how} "
-                     f"({tensor['description']})")
+    for t in manifest.state_layout:
+        how = " in place" if t.in_place else ""
+        lines.append(f"    {t.name}: {t.dtype}{t.shape()}{how}, {STORAGES[t.storage].what} "
+                     f"({t.description})")
     if manifest.state_bytes:  # manifests from before state_bytes have none
         lines.append(f"  state bytes per layer, batch 1 (at max_seq_len {manifest.max_seq_len}; "
                      "per 1024 tokens of context, before doubling's slack; fixed):")

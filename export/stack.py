@@ -21,9 +21,10 @@ from csa2onnx.custom_ops.portable import portable_functions
 from csa2onnx.export.artifacts import manifest_for, write_manifest
 from csa2onnx.export.config import AttentionConfig
 from csa2onnx.export.in_place import check_in_place_order, in_place_writes
-from csa2onnx.export.layer import AttentionLayer, Mode, Slots
+from csa2onnx.export.layer import STATE_FIELDS, AttentionLayer, LayerState, Mode
 from csa2onnx.export.plan import StackPlan
 from csa2onnx.export.shared_weights import WEIGHTS_FILE, SharedWeightsWriter
+from csa2onnx.export.slots import Slots
 from csa2onnx.export.weights import LayerWeights, check_layer
 from csa2onnx.graphs.numerics import Fp8Weight
 from csa2onnx.graphs.standalone import IR_VERSION, OPSET, check_parameter_names
@@ -34,7 +35,7 @@ DEBUG_OUTPUTS = ("qr", "q_rope", "window_kv", "latent", "index_score", "index_to
 _RANK_4 = ("q_rope", "attn_o")  # [b, s, heads, d]; every other output is rank 3 (or state)
 EXTERNAL_DATA_BYTES = 256 << 20  # larger models keep their weights beside them
 
-_DTYPES = {"float32": ir.DataType.FLOAT, "int64": ir.DataType.INT64}
+_DTYPES = {"float32": ir.DataType.FLOAT, "int64": ir.DataType.INT64, "uint8": ir.DataType.UINT8}
 
 
 def build_stack_model(plan: StackPlan, weights: dict[int, LayerWeights], mode: Mode, *,
@@ -53,23 +54,27 @@ def build_stack_model(plan: StackPlan, weights: dict[int, LayerWeights], mode: M
           for p in plan.layers}
     start_pos = builder.input("start_pos", ir.DataType.INT64, [1]) if mode == "decode" else None
 
-    state: dict[str, ir.Value] = {}
+    layout = plan.state_layout()
     # Caches come in on both calls, written in place from row start_pos // r on: a new
     # sequence overwrites rows from 0. Rows past what a sequence wrote are read only by a
     # reader with a smaller ratio than the cache's (through the index_k slot, or a consumer
     # of a coarser kv source), and then hold what earlier sequences wrote (zeros if none),
     # as upstream's never-reset caches do. The window ring and the compressor's partial
     # group are small: a prefill rebuilds them, and each call outputs new copies.
-    for t in plan.carried(mode):
-        state[t.name] = builder.input(f"past.{t.name}", _DTYPES[t.dtype], t.graph_shape())
+    past = {t: builder.input(t.input_name, _DTYPES[t.dtype], t.graph_shape())
+            for t in layout.read_by(mode)}
+    states = {p.layer: LayerState(**{STATE_FIELDS[t.role]: v for t, v in past.items()
+                                     if t.layer == p.layer}) for p in plan.layers}
+    publisher = layout.get(None, "index_k_publisher")
     # An owner's key cache is visible through the index_k slot before the owner runs in
     # this call (the reference's slot holds a reference to the cache tensor).
-    slots = Slots(publisher=state.get("index_k_publisher"),
-                  index_k={o: state[f"L{o}.index_k"] for o in plan.owners})
+    slots = Slots(plan, publisher=past.get(publisher) if publisher else None,
+                  index_k={o: states[o].index_k for o in plan.owners})
     for name in plan.external_slots():
         slots.external[name] = builder.input(f"slot_in.{name}", *_slot_type(plan, name, seq))
 
     outputs: list[tuple[str, ir.Value]] = []
+    pos = op.Constant(value_ints=[0]) if start_pos is None else start_pos
     for i, p in enumerate(plan.layers):
         if progress:
             progress(f"[{i + 1}/{len(plan.layers)}] {mode} layer {p.layer} ({p.role})")
@@ -79,19 +84,28 @@ def build_stack_model(plan: StackPlan, weights: dict[int, LayerWeights], mode: M
             if debug_outputs:
                 outputs.append((f"L{layer_id}.{name}", value))
 
-        out = layer(op, xs[p.layer], start_pos, state, slots, mode, debug)
-        outputs.append((f"out.L{p.layer}", out))
-    if slots.publisher is not None:
-        state["index_k_publisher"] = slots.publisher
-    for t in plan.state():
-        outputs.append((f"present.{t.name}", state[t.name]))
+        x = xs[p.layer]
+        if p.kv_source:
+            published = layer.compress(op, x, pos, states[p.layer], mode, debug,
+                                       after=slots.reads_before_write(p.layer))
+            slots.publish(op, p.layer, published)
+            states[p.layer] = published.state
+        end_pos = op.Add(pos, op.Slice(op.Shape(x), [1], [2]))
+        result = layer(op, x, pos, states[p.layer], slots.reads(op, p, end_pos), mode, debug)
+        slots.publish_selection(p.layer, result)
+        states[p.layer] = result.state
+        outputs.append((f"out.L{p.layer}", result.out))
+    for t in layout:
+        value = (slots.publisher if t.layer is None
+                 else getattr(states[t.layer], STATE_FIELDS[t.role]))
+        outputs.append((t.output_name, value))
     last_topk = [slots.topk_idxs[p.layer] for p in plan.layers if p.layer in slots.topk_idxs]
     if last_topk:
         outputs.append(("slot_out.topk_idxs", last_topk[-1]))
     if slots.candidates is not None:
         outputs.append(("slot_out.candidates", slots.candidates))
 
-    state_shapes = {f"present.{t.name}": t.graph_shape() for t in plan.state()}
+    state_shapes = {t.output_name: t.graph_shape() for t in layout}
     seen: set[int] = set()
     for name, value in outputs:
         # A value can leave the graph once; a second name (or an input) needs its own node.
@@ -105,7 +119,7 @@ def build_stack_model(plan: StackPlan, weights: dict[int, LayerWeights], mode: M
         builder.add_output(value, name)
     check_parameter_names(graph)
     written = set(in_place_writes(graph))
-    if written != {f"present.{t.name}" for t in plan.state() if t.grows}:
+    if written != {t.output_name for t in layout.caches}:
         raise RuntimeError(f"caches not written in place by WriteRows: {sorted(written)}")
     check_in_place_order(graph)
     _share_identical_initializers(graph)

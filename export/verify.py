@@ -20,7 +20,7 @@ from csa2onnx.export.weights import from_golden
 
 # Arrays compared exactly (selections and masks); everything else at bf16 tolerance.
 EXACT = ("index_topk_idxs", "attn_topk_idxs", "candidates")
-# State compared with the golden caches after the last step.
+# State (StateLayout roles) compared with the golden caches after the last step.
 FINAL_STATE = {"window_kv_cache_after": "window_kv", "compress_kv_cache_after": "compress_kv"}
 
 
@@ -139,11 +139,12 @@ def verify_case(path: str | Path, *, portable: bool = False, index_keys: IndexKe
                             exact=name in EXACT, name=name, rule=report.rule)))
         last = case.meta["schedule"][-1]["step"]
         for layer in layers:
-            for golden_name, state_name in FINAL_STATE.items():
-                if case.has(last, layer, golden_name):
+            for golden_name, role in FINAL_STATE.items():
+                tensor = runtime.layout.get(layer, role)
+                if tensor is not None and case.has(last, layer, golden_name):
                     want = case.step(last, layer, golden_name)
                     # The golden holds the rows written so far; the cache at least as many.
-                    got = runtime.state_array(f"L{layer}.{state_name}")[:, :want.shape[1]]
+                    got = runtime.state_array(tensor.name)[:, :want.shape[1]]
                     report.rows.append(Row(last, layer, golden_name, compare(
                         got, want, name=golden_name, rule=report.rule), "state"))
     return report

@@ -12,6 +12,7 @@ from helpers import CASES, GOLDENS, golden
 
 from csa2onnx.export.config import AttentionConfig, ConfigError
 from csa2onnx.export.plan import plan_stack
+from csa2onnx.export.state_layout import StateLayout
 
 RELEASED = Path(__file__).resolve().parents[1] / "export" / "configs" / "v41_flash_attention.json"
 
@@ -34,12 +35,16 @@ def test_released_layout_plan() -> None:
     assert roles[13].kv_from == 8 and roles[13].topk_from == 8
     assert roles[25].topk_from == 24 and roles[39].topk_from == 36
     assert plan.external_slots() == ()
-    state = {t.name: t for t in plan.state()}
-    assert state["L2.compressor.kv_state"].shape == ("batch", 2, 512)
-    assert "L20.compressor.kv_state" not in state  # ratio 1: no partial group
-    assert state["L8.index_k"].shape == ("batch", 1048576 // 2, 128)
-    assert state["index_k_publisher"].dtype == "int64"
-    assert "L24.index_k" not in state and "L3.compress_kv" not in state
+    layout = plan.state_layout()
+    assert layout.get(2, "compressor.kv_state").shape() == ["batch", 2, 512]
+    assert layout.get(20, "compressor.kv_state") is None  # ratio 1: no partial group
+    assert layout.get(8, "index_k").shape() == ["batch", 1048576 // 2, 128]
+    assert layout.get(8, "index_k").in_place  # read at ratio 1 by layer 20 (the slot)
+    assert layout.get(8, "index_k").read_ratio == 1
+    assert layout.get(None, "index_k_publisher").dtype == "int64"
+    assert layout.get(24, "index_k") is None and layout.get(3, "compress_kv") is None
+    assert layout["L8.compress_kv"].input_name == "past.L8.compress_kv"
+    assert StateLayout.from_json(layout.to_json()) == layout  # the manifest round trip
 
 
 def test_hf_nested_text_config_and_overrides() -> None:

@@ -197,7 +197,7 @@ def test_capacity_grows_by_doubling_with_identical_outputs(tmp_path: Path,
     export_stack(plan, weights, tmp_path)
     monkeypatch.setattr(runtime_module, "MIN_CACHE_ROWS", 4)
     growing, full = AttentionRuntime(tmp_path), AttentionRuntime(tmp_path, grow_caches=False)
-    max_rows = {t.name: t.max_rows for t in plan.state() if t.grows}
+    max_rows = {t.name: t.rows for t in plan.state_layout().caches}
     seen: dict[str, set[int]] = {name: set() for name in max_rows}
     for entry in g.meta["schedule"]:
         xs = {layer: g.step(entry["step"], layer, "x") for layer in range(n)}

@@ -1,0 +1,125 @@
+"""The SharedAttentionRuntime slots while the stack traces one call (reference.md "Shared
+slots"): what each layer published, and what a reader gets from them.
+
+Within a call `compress_kv`, `topk_idxs` and `candidates` are dataflow edges from the most
+recent writer to its readers. `index_k` can carry over from an earlier call: an owner
+republishes its key cache only on a call where its compressor completed a group, so the
+slot is read through a `publisher` state (which owner published last).
+
+Caches are written in place, so a value read from an owner's key cache before the owner
+writes it this call must be computed before that write: the slots keep those reads and
+hand them to the owner's write as ordering edges (`reads_before_write`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import onnx_ir as ir
+from onnxscript import OpBuilder
+
+from csa2onnx.export.layer import LayerOutput, Publication, SlotReads
+from csa2onnx.export.plan import LayerPlan, StackPlan
+from csa2onnx.graphs.numerics import FLOAT
+
+
+@dataclass
+class Slots:
+    """The slots as graph values, owned by the stack builder that traces the call.
+
+    compress_kv/index_k map a source layer to its cache as of now (a later layer's cache is
+    its state from the previous call, as the reference's mutable tensors would be);
+    topk_idxs/candidates hold the latest writer's value; publisher is the int64 [1] layer
+    id the index_k slot points to; external holds slot inputs from outside the range."""
+
+    plan: StackPlan
+    compress_kv: dict[int, ir.Value] = field(default_factory=dict)
+    index_k: dict[int, ir.Value] = field(default_factory=dict)
+    publisher: ir.Value | None = None
+    external: dict[str, ir.Value] = field(default_factory=dict)
+    topk_idxs: dict[int, ir.Value] = field(default_factory=dict)
+    candidates: ir.Value | None = None
+    _written: set[int] = field(default_factory=set)
+    _old_reads: dict[int, list[ir.Value]] = field(default_factory=dict)
+
+    def reads_before_write(self, owner: int) -> list[ir.Value]:
+        """Reads of `owner`'s key cache made this call before its write (ordering edges)."""
+        return self._old_reads.pop(owner, [])
+
+    def publish(self, op: OpBuilder, layer: int, pub: Publication) -> None:
+        """A kv source's caches after its writes; an owner points the index_k slot at its
+        keys iff it wrote some (new_rows > 0)."""
+        self.compress_kv[layer] = pub.compress_kv
+        if pub.index_k is None:
+            return
+        self.index_k[layer] = pub.index_k
+        self._written.add(layer)
+        if self.publisher is not None and pub.new_rows is not None:
+            self.publisher = op.Where(op.Greater(pub.new_rows, 0),
+                                      op.Constant(value_ints=[layer]), self.publisher)
+
+    def publish_selection(self, layer: int, out: LayerOutput) -> None:
+        if out.topk_idxs is not None:
+            self.topk_idxs[layer] = out.topk_idxs
+        if out.candidates is not None:
+            self.candidates = out.candidates
+
+    def reads(self, op: OpBuilder, p: LayerPlan, end_pos: ir.Value) -> SlotReads | None:
+        """What compressed layer `p` reads (None for a window-only layer)."""
+        if not p.compressed:
+            return None
+        cache = self.compress_kv.get(p.kv_from) if p.kv_from is not None else None
+        topk = self.topk_idxs.get(p.topk_from) if p.topk_from is not None else None
+        index_k = candidates = None
+        if p.index_source:
+            # index_keys="own": an owner reads its own cache (the indexer slices it)
+            index_k = (self._read_index_k(op, op.Div(end_pos, p.ratio))
+                       if self.plan.reads_index_k_slot(p) else self.index_k[p.layer])
+            topk = None  # it selects its own
+        if p.uses_candidates:
+            candidates = self.candidates if self.candidates is not None \
+                else self.external["candidates"]
+        return SlotReads(
+            compress_kv=self.external["compress_kv"] if cache is None else cache,
+            index_k=index_k,
+            topk_idxs=(self.external["topk_idxs"] if topk is None and not p.index_source
+                       else topk),
+            candidates=candidates)
+
+    def _read_index_k(self, op: OpBuilder, rows: ir.Value) -> ir.Value:
+        """The first `rows` rows of the key cache the index_k slot points to: an in-range
+        owner's current cache when `publisher` names it, else the external slot input (or,
+        with none, the last owner). Slicing clamps, as the reference's [:end_pos // r]."""
+        owners = list(self.index_k.items())
+        fallback = self.external.get("index_k")
+        if not owners and fallback is None:
+            raise ValueError("an indexer reads the index_k slot but nothing can fill it")
+        if owners and self.publisher is None:
+            raise ValueError("index_k publisher state missing for a stack with owners")
+        if fallback is None:
+            *owners, (_, fallback) = owners
+        result = op.Slice(fallback, [0], rows, [1])
+        for layer, cache in reversed(owners):
+            result = _if(op, op.Equal(self.publisher, layer),
+                         lambda o, c=cache: o.Slice(c, [0], rows, [1]), result)
+        # Owners later in the stack have not written yet: this read sees their previous
+        # call's cache, so their in-place writes must wait for it.
+        for layer in self.index_k:
+            if layer not in self._written:
+                self._old_reads.setdefault(layer, []).append(result)
+        return result
+
+
+def _if(op: OpBuilder, condition: ir.Value, then: Callable[[OpBuilder], ir.Value],
+        otherwise: ir.Value) -> ir.Value:
+    """If(condition) then the `then` subgraph else `otherwise`: the candidate caches differ
+    in rows, so Where cannot choose between them; only the chosen rows are copied."""
+    builder = op.builder
+    then_graph = builder.subgraph(then, inputs=[], outputs=[ir.Value(name="k_rows")],
+                                  name="slot_is_this_owner")
+    else_graph = builder.subgraph(lambda o: o.Identity(otherwise), inputs=[],
+                                  outputs=[ir.Value(name="k_rows")], name="slot_is_another")
+    result = op.If(op.Squeeze(condition, [0]), then_branch=then_graph, else_branch=else_graph)
+    result.type = ir.TensorType(FLOAT)
+    return result

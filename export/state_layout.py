@@ -1,0 +1,176 @@
+"""The state layout: every tensor a stack carries between calls, typed, in one place.
+
+One `StateTensor` per (layer, role) says what the tensor holds, how its values are stored,
+its shape, and which call reads and writes it. The plan builds the layout
+(`StackPlan.state_layout()`); the graphs' inputs and outputs, the manifest, the runtime's
+buffers, `inspect` and the state-bytes report are all derived from it, and nothing parses a
+state name: names are made here and only here.
+
+Two kinds of access:
+- `in_place` caches (compressed KV, index keys) come into every call as `past.*` and leave
+  as `present.*` written in place (custom_ops WriteRows; the runtime binds both to one
+  buffer). Their rows axis is dynamic: the runtime holds the rows the context needs.
+- `replaced` tensors (window ring, the compressor's partial group, the index_k publisher)
+  are small; each call that carries them returns a new copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from typing import Literal, get_args
+
+StateRole = Literal["window_kv", "compressor.kv_state", "compressor.score_state",
+                    "compress_kv", "index_k", "index_k_publisher"]
+Access = Literal["in_place", "replaced"]
+Call = Literal["prefill", "decode"]
+
+
+@dataclass(frozen=True)
+class Storage:
+    """How one row of `width` values is stored: element type and elements per row."""
+
+    name: str
+    dtype: Literal["float32", "int64", "uint8"]
+    itemsize: int
+    what: str
+
+    def row_elements(self, width: int) -> int:
+        return width
+
+
+# The storages the layout uses (the reference keeps bf16 caches; bf16 values are exact in f32).
+STORAGES = {s.name: s for s in (
+    Storage("f32", "float32", 4, "float32"),
+    Storage("bf16_in_f32", "float32", 4, "bf16 values held as float32"),
+    Storage("int64", "int64", 8, "int64"),
+)}
+
+
+@dataclass(frozen=True)
+class StateTensor:
+    """One tensor carried between calls.
+
+    `rows` is the second dimension at max_seq_len for a cache (in_place), else fixed;
+    `width` is the number of VALUES per row (a packed storage holds fewer elements).
+    A cache read by a layer of ratio r at context end_pos needs end_pos // r rows:
+    `read_ratio` is the smallest ratio any reader slices it with."""
+
+    role: StateRole
+    layer: int | None  # None: the stack's own (the index_k publisher)
+    rows: int
+    width: int
+    storage: str
+    access: Access
+    prefill_reads: bool  # decode always reads everything; prefill only these
+    description: str
+    read_ratio: int = 0
+
+    def __post_init__(self) -> None:
+        if self.role not in get_args(StateRole):
+            raise ValueError(f"unknown state role {self.role!r}")
+        if self.storage not in STORAGES:
+            raise ValueError(f"unknown state storage {self.storage!r}")
+        if (self.access == "in_place") != (self.read_ratio > 0):
+            raise ValueError(f"{self.name}: in-place caches and only they have a read_ratio")
+
+    @property
+    def name(self) -> str:
+        return self.role if self.layer is None else f"L{self.layer}.{self.role}"
+
+    @property
+    def input_name(self) -> str:
+        return f"past.{self.name}"
+
+    @property
+    def output_name(self) -> str:
+        return f"present.{self.name}"
+
+    @property
+    def dtype(self) -> str:
+        return STORAGES[self.storage].dtype
+
+    @property
+    def in_place(self) -> bool:
+        return self.access == "in_place"
+
+    @property
+    def row_elements(self) -> int:
+        return STORAGES[self.storage].row_elements(self.width)
+
+    def reads(self, call: Call) -> bool:
+        return call == "decode" or self.prefill_reads
+
+    def rows_for(self, end_pos: int) -> int:
+        """Rows a call with context end_pos may write or read (slices clamp at `rows`)."""
+        return min(self.rows, end_pos // self.read_ratio) if self.in_place else self.rows
+
+    def shape(self, batch: int | str = "batch") -> list[int | str]:
+        """The stored shape at max_seq_len (the publisher is one int64, no batch)."""
+        if self.layer is None:
+            return [self.row_elements]
+        return [batch, self.rows, self.row_elements]
+
+    def graph_shape(self) -> list[int | str]:
+        """The graphs' shape: a cache's rows are a named dynamic dimension."""
+        shape = self.shape()
+        if self.in_place:
+            shape[1] = f"{self.name}.rows"
+        return shape
+
+    def nbytes(self, batch: int = 1, context: int | None = None) -> int:
+        """Bytes held at `context` tokens (a cache: rows_for(context); default: all rows)."""
+        rows = self.rows if context is None else self.rows_for(context)
+        count = self.row_elements if self.layer is None else batch * rows * self.row_elements
+        return count * STORAGES[self.storage].itemsize
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "name": self.name, "dtype": self.dtype,
+                "shape": self.shape()}
+
+    @classmethod
+    def from_json(cls, entry: dict) -> StateTensor:
+        fields = {k: entry[k] for k in cls.__dataclass_fields__}
+        return cls(**fields)
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """A stack's state, in a fixed order (the graphs' input and output order)."""
+
+    tensors: tuple[StateTensor, ...]
+
+    def __iter__(self) -> Iterator[StateTensor]:
+        return iter(self.tensors)
+
+    def get(self, layer: int | None, role: StateRole) -> StateTensor | None:
+        return next((t for t in self.tensors if t.layer == layer and t.role == role), None)
+
+    def __getitem__(self, name: str) -> StateTensor:
+        for t in self.tensors:
+            if t.name == name:
+                return t
+        raise KeyError(f"no state tensor {name!r}")
+
+    def read_by(self, call: Call) -> tuple[StateTensor, ...]:
+        return tuple(t for t in self.tensors if t.reads(call))
+
+    @property
+    def caches(self) -> tuple[StateTensor, ...]:
+        return tuple(t for t in self.tensors if t.in_place)
+
+    def bytes_per_layer(self, batch: int = 1, context: int | None = None) -> dict[int, int]:
+        """Bytes per layer at `context` tokens (default max_seq_len); the publisher, the
+        stack's own, is left out."""
+        sizes: dict[int, int] = {}
+        for t in self.tensors:
+            if t.layer is not None:
+                sizes[t.layer] = sizes.get(t.layer, 0) + t.nbytes(batch, context)
+        return sizes
+
+    def to_json(self) -> list[dict]:
+        return [t.to_json() for t in self.tensors]
+
+    @classmethod
+    def from_json(cls, entries: list[dict]) -> StateLayout:
+        return cls(tuple(StateTensor.from_json(e) for e in entries))
