@@ -22,6 +22,13 @@ def _progress(message: str) -> None:
     print(f"  {message}", file=sys.stderr, flush=True)
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def _layer_range(text: str | None, n_layers: int) -> tuple[int, int]:
     if not text:
         return 0, n_layers - 1
@@ -80,6 +87,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     rule = None if args.rule == "auto" else args.rule.replace("-", "_")
     report = verify_case(args.golden, portable=args.portable, index_keys=args.index_keys,
                          provider=args.provider, threads=args.threads, rule=rule,
+                         prefill_chunk=args.prefill_chunk,
                          progress=_progress if args.verbose else None)
     print(report.table())
     return 0 if report.ok else 1
@@ -156,6 +164,9 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("--rule", choices=["auto", "same-cpu", "cross-cpu"], default="auto",
                    help="comparison rule; auto: cross-cpu when the golden's `machine` is not "
                         "the class csa2onnx reproduces (README)")
+    v.add_argument("--prefill-chunk", type=_positive, metavar="N",
+                   help="run the prefill in chunks of N tokens (chunked prefill) and judge "
+                        "it against the one-shot golden")
     v.add_argument("-v", "--verbose", action="store_true")
     v.set_defaults(fn=cmd_verify)
 

@@ -26,7 +26,7 @@ from csa2onnx.graphs.numerics import FLOAT, INT64, weight
 from csa2onnx.graphs.output import OutputProjection
 from csa2onnx.graphs.rope import RopeTables, layer_rope_params
 from csa2onnx.graphs.sparse_attn import sparse_attn
-from csa2onnx.graphs.window import window_decode, window_prefill
+from csa2onnx.graphs.window import window_chunk, window_decode
 
 Debug = Callable[[str, ir.Value], None]  # records a named intermediate (debug exports)
 
@@ -55,7 +55,11 @@ class Publication(NamedTuple):
     state: LayerState  # the state after the compressor, the cache writes included
     compress_kv: ir.Value  # its compressed-KV cache, this call's rows written
     index_k: ir.Value | None  # owners: the key cache, this call's keys written
-    new_rows: ir.Value | None  # owners: int64 [1], rows written (0: nothing published)
+    # owners: bool [1], whether the index_k slot now points at index_k. A decode step
+    # publishes when it completes a group (reference.md "Shared slots"); a prefill when
+    # the sequence so far holds a group: at start_pos 0 the same thing, and chunks of a
+    # prefill then read the slot as the one-shot prefill's queries do.
+    published: ir.Value | None
 
 
 class SlotReads(NamedTuple):
@@ -122,23 +126,27 @@ class AttentionLayer(nn.Module):
     def _compress(self, op: OpBuilder, x: ir.Value, pos: ir.Value, state: LayerState,
                   mode: Mode, debug: Debug, after: Sequence[ir.Value]) -> Publication:
         c, p = self.config, self.plan
-        if mode == "decode":
-            out = self.compressor(op, x, state.kv_state, state.score_state, pos, mode="decode")
+        if p.ratio > 1:  # a prefill may continue a sequence: the open group is in the state
+            out = self.compressor(op, x, state.kv_state, state.score_state, pos, mode=mode)
         else:
-            out = self.compressor(op, x, mode="prefill")
+            out = self.compressor(op, x, start_pos=pos, mode=mode)
         debug("latent", out.latent)
         row_start = cache_row_start(op, pos, p.ratio)
-        index_k = new_rows = None
+        index_k = published = None
         if p.owns_index_k:
             keys = self.indexer.keys(op, out.latent, out.positions)
             index_k = write_rows(op, state.index_k, keys.rows, row_start, after=after)
-            new_rows = op.Slice(op.Shape(out.latent), [1], [2])
+            if mode == "decode":
+                published = op.Greater(op.Slice(op.Shape(out.latent), [1], [2]), 0)
+            else:
+                end_pos = op.Add(pos, op.Slice(op.Shape(x), [1], [2]))
+                published = op.GreaterOrEqual(end_pos, p.ratio)
         cos, sin = self.latent_rope(op, out.positions)
         _, rows = latent_to_cache_rows(op, out.latent, cos, sin, c.rope_head_dim)
         compress_kv = write_rows(op, state.compress_kv, rows, row_start)
         state = state._replace(kv_state=out.kv_state, score_state=out.score_state,
                                compress_kv=compress_kv, index_k=index_k)
-        return Publication(state, compress_kv, index_k, new_rows)
+        return Publication(state, compress_kv, index_k, published)
 
     def forward(self, op: OpBuilder, x: ir.Value, pos: ir.Value, state: LayerState,
                 slots: SlotReads | None, mode: Mode, debug: Debug) -> LayerOutput:
@@ -150,9 +158,9 @@ class AttentionLayer(nn.Module):
         debug("qr", qr)
         debug("q_rope", q)
         debug("window_kv", kv)
-        if mode == "prefill":
-            window_idx, ring = window_prefill(op, kv, c.window_size)
-            window_rows = kv
+        if mode == "prefill":  # at start_pos 0 (rows = kv) or continuing a sequence
+            window_idx, window_rows, ring = window_chunk(op, kv, state.window_kv, pos,
+                                                         c.window_size)
         else:
             window_idx, ring = window_decode(op, kv, state.window_kv, pos, c.window_size)
             window_rows = ring
@@ -166,7 +174,7 @@ class AttentionLayer(nn.Module):
             if p.index_source:
                 selection = self.indexer.select(
                     op, x, qr, slots.index_k, candidates=slots.candidates, mode=mode,
-                    start_pos=pos if mode == "decode" else None)
+                    start_pos=pos, window_rows=op.Slice(op.Shape(window_rows), [1], [2]))
                 debug("index_score", selection.score)
                 debug("index_topk_idxs", selection.topk_idxs)
                 topk, candidates = selection.topk_idxs, selection.candidates

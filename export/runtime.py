@@ -22,7 +22,7 @@ import onnxruntime as ort
 from csa2onnx.custom_ops import session_options
 from csa2onnx.export.artifacts import Manifest, read_manifest
 from csa2onnx.export.shared_weights import SharedWeights
-from csa2onnx.export.state_layout import STORAGES, StateTensor
+from csa2onnx.export.state_layout import STORAGES
 
 _ELEMENT_BYTES = {"tensor(float)": 4, "tensor(int64)": 8, "tensor(int32)": 4,
                   "tensor(bool)": 1, "tensor(bfloat16)": 2, "tensor(float16)": 2,
@@ -91,23 +91,38 @@ class AttentionRuntime:
         return list(self.manifest.layers)
 
     # ---------------------------------------------------------------- calls
-    def prefill(self, xs: dict[int, np.ndarray],
-                slots: dict[str, np.ndarray] | None = None) -> StepOutputs:
-        """Start a sequence: xs[layer] is [batch, seqlen, dim]; `slots` fills the slots a
-        sub-stack reads from layers outside it (manifest.external_slots)."""
+    def prefill(self, xs: dict[int, np.ndarray], slots: dict[str, np.ndarray] | None = None,
+                *, start_pos: int = 0) -> StepOutputs:
+        """Start a sequence (start_pos 0), or continue it with more prompt tokens
+        (chunked prefill: start_pos = the tokens seen so far). xs[layer] is [batch, seqlen,
+        dim]; `slots` fills the slots a sub-stack reads from layers outside it
+        (manifest.external_slots)."""
         batch, seqlen = self._check_inputs(xs)
-        if seqlen > self.manifest.max_seq_len:
-            raise RuntimeStateError(f"prefill of {seqlen} tokens is past max_seq_len "
-                                    f"{self.manifest.max_seq_len}")
+        if start_pos != 0:
+            if not self.started:
+                raise RuntimeStateError(f"a prefill at start_pos {start_pos} continues a "
+                                        "sequence: run one at start_pos 0 first")
+            if start_pos != self.position:
+                raise RuntimeStateError(f"start_pos {start_pos} is not the sequence's next "
+                                        f"position {self.position}")
+            if batch != self.batch:
+                raise RuntimeStateError(f"prefill batch {batch} differs from the "
+                                        f"sequence's batch {self.batch}")
+        if start_pos + seqlen > self.manifest.max_seq_len:
+            raise RuntimeStateError(f"prefill of {seqlen} tokens at start_pos {start_pos} is "
+                                    f"past max_seq_len {self.manifest.max_seq_len}")
         if batch > self.manifest.max_batch_size:
             raise RuntimeStateError(f"batch {batch} is larger than max_batch_size "
                                     f"{self.manifest.max_batch_size}")
         feeds = self._feeds(xs, slots)
-        self._ensure_caches(batch, seqlen)
-        for t in self.layout.read_by("prefill"):
-            feeds[t.input_name] = self._carried(t)
+        self._ensure_caches(batch, start_pos + seqlen)
+        if start_pos == 0:
+            self._fresh_sequence(batch)
+        feeds["start_pos"] = self._ortvalue(np.array([start_pos], np.int64))
+        for t in self.layout:
+            feeds[t.input_name] = self.state[t.name]
         result = self._run("prefill", feeds)
-        self.batch, self.position, self.started = batch, seqlen, True
+        self.batch, self.position, self.started = batch, start_pos + seqlen, True
         return result
 
     def decode(self, xs: dict[int, np.ndarray],
@@ -127,7 +142,7 @@ class AttentionRuntime:
         feeds = self._feeds(xs, slots)
         self._ensure_caches(batch, self.position + 1)
         feeds["start_pos"] = self._ortvalue(np.array([self.position], np.int64))
-        for t in self.layout.read_by("decode"):
+        for t in self.layout:
             feeds[t.input_name] = self.state[t.name]
         result = self._run("decode", feeds)
         self.position += 1
@@ -223,18 +238,24 @@ class AttentionRuntime:
         return int(shape[0]), int(shape[1])
 
     def _ortvalue(self, array: np.ndarray) -> ort.OrtValue:
-        dtype = np.int64 if np.asarray(array).dtype.kind in "iu" else np.float32
+        array = np.asarray(array)
+        dtype = (array.dtype if array.dtype in (np.uint8, np.bool_)
+                 else np.int64 if array.dtype.kind in "iu" else np.float32)
         return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array, dtype=dtype),
                                                 self.device, 0)
 
-    def _carried(self, t: StateTensor) -> ort.OrtValue:
-        # Caches and slots never reset (the reference's module buffers and its
-        # SharedAttentionRuntime persist across calls).
-        if t.name in self.state:
-            return self.state[t.name]
-        if t.role != "index_k_publisher":
-            raise RuntimeStateError(f"state {t.name} was never allocated")
-        return self._ortvalue(np.full([1], -1, np.int64))  # no owner has published yet
+    def _fresh_sequence(self, batch: int) -> None:
+        """A prefill at start_pos 0 reads the window ring and the open group but ignores
+        them: give it zeros of its batch. Caches and the index_k publisher carry over (the
+        reference's module buffers and its SharedAttentionRuntime are never reset)."""
+        for t in self.layout:
+            if t.in_place:
+                continue
+            if t.role == "index_k_publisher":
+                if t.name not in self.state:  # no owner has published yet
+                    self.state[t.name] = self._ortvalue(np.full([1], -1, np.int64))
+                continue
+            self.state[t.name] = self._ortvalue(np.zeros(t.shape(batch), np.dtype(t.dtype)))
 
     def _run(self, mode: str, feeds: dict[str, ort.OrtValue]) -> StepOutputs:
         session = self.sessions[mode]

@@ -49,15 +49,15 @@ class Slots:
 
     def publish(self, op: OpBuilder, layer: int, pub: Publication) -> None:
         """A kv source's caches after its writes; an owner points the index_k slot at its
-        keys iff it wrote some (new_rows > 0)."""
+        keys when it publishes (Publication.published)."""
         self.compress_kv[layer] = pub.compress_kv
         if pub.index_k is None:
             return
         self.index_k[layer] = pub.index_k
         self._written.add(layer)
-        if self.publisher is not None and pub.new_rows is not None:
-            self.publisher = op.Where(op.Greater(pub.new_rows, 0),
-                                      op.Constant(value_ints=[layer]), self.publisher)
+        if self.publisher is not None and pub.published is not None:
+            self.publisher = op.Where(pub.published, op.Constant(value_ints=[layer]),
+                                      self.publisher)
 
     def publish_selection(self, layer: int, out: LayerOutput) -> None:
         if out.topk_idxs is not None:

@@ -52,17 +52,16 @@ def build_stack_model(plan: StackPlan, weights: dict[int, LayerWeights], mode: M
     seq = "seq" if mode == "prefill" else 1
     xs = {p.layer: builder.input(f"x.L{p.layer}", ir.DataType.FLOAT, ["batch", seq, c.dim])
           for p in plan.layers}
-    start_pos = builder.input("start_pos", ir.DataType.INT64, [1]) if mode == "decode" else None
+    start_pos = builder.input("start_pos", ir.DataType.INT64, [1])  # prefill: 0 or a chunk's
 
     layout = plan.state_layout()
     # Caches come in on both calls, written in place from row start_pos // r on: a new
     # sequence overwrites rows from 0. Rows past what a sequence wrote are read only by a
     # reader with a smaller ratio than the cache's (through the index_k slot, or a consumer
     # of a coarser kv source), and then hold what earlier sequences wrote (zeros if none),
-    # as upstream's never-reset caches do. The window ring and the compressor's partial
-    # group are small: a prefill rebuilds them, and each call outputs new copies.
-    past = {t: builder.input(t.input_name, _DTYPES[t.dtype], t.graph_shape())
-            for t in layout.read_by(mode)}
+    # as upstream's never-reset caches do. The window ring and the compressor's open group
+    # are small: each call outputs new copies (a prefill at start_pos 0 ignores them).
+    past = {t: builder.input(t.input_name, _DTYPES[t.dtype], t.graph_shape()) for t in layout}
     states = {p.layer: LayerState(**{STATE_FIELDS[t.role]: v for t, v in past.items()
                                      if t.layer == p.layer}) for p in plan.layers}
     publisher = layout.get(None, "index_k_publisher")
@@ -74,7 +73,7 @@ def build_stack_model(plan: StackPlan, weights: dict[int, LayerWeights], mode: M
         slots.external[name] = builder.input(f"slot_in.{name}", *_slot_type(plan, name, seq))
 
     outputs: list[tuple[str, ir.Value]] = []
-    pos = op.Constant(value_ints=[0]) if start_pos is None else start_pos
+    pos = start_pos
     for i, p in enumerate(plan.layers):
         if progress:
             progress(f"[{i + 1}/{len(plan.layers)}] {mode} layer {p.layer} ({p.role})")

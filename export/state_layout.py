@@ -6,7 +6,9 @@ its shape, and which call reads and writes it. The plan builds the layout
 buffers, `inspect` and the state-bytes report are all derived from it, and nothing parses a
 state name: names are made here and only here.
 
-Two kinds of access:
+Both calls read and write every tensor (a prefill may continue a sequence; one at
+start_pos 0 ignores what it reads, except that caches are never reset, as upstream's
+buffers are not). Two kinds of access:
 - `in_place` caches (compressed KV, index keys) come into every call as `past.*` and leave
   as `present.*` written in place (custom_ops WriteRows; the runtime binds both to one
   buffer). Their rows axis is dynamic: the runtime holds the rows the context needs.
@@ -23,7 +25,6 @@ from typing import Literal, get_args
 StateRole = Literal["window_kv", "compressor.kv_state", "compressor.score_state",
                     "compress_kv", "index_k", "index_k_publisher"]
 Access = Literal["in_place", "replaced"]
-Call = Literal["prefill", "decode"]
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,6 @@ class StateTensor:
     width: int
     storage: str
     access: Access
-    prefill_reads: bool  # decode always reads everything; prefill only these
     description: str
     read_ratio: int = 0
 
@@ -97,9 +97,6 @@ class StateTensor:
     @property
     def row_elements(self) -> int:
         return STORAGES[self.storage].row_elements(self.width)
-
-    def reads(self, call: Call) -> bool:
-        return call == "decode" or self.prefill_reads
 
     def rows_for(self, end_pos: int) -> int:
         """Rows a call with context end_pos may write or read (slices clamp at `rows`)."""
@@ -151,9 +148,6 @@ class StateLayout:
             if t.name == name:
                 return t
         raise KeyError(f"no state tensor {name!r}")
-
-    def read_by(self, call: Call) -> tuple[StateTensor, ...]:
-        return tuple(t for t in self.tensors if t.reads(call))
 
     @property
     def caches(self) -> tuple[StateTensor, ...]:

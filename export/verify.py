@@ -10,11 +10,12 @@ from pathlib import Path
 
 import numpy as np
 
+from csa2onnx.export.chunked_prefill import as_positions, run_chunked_prefill, valid_topk
 from csa2onnx.export.config import AttentionConfig
 from csa2onnx.export.cross_cpu import MovedCounts, Rule, cpu_class, rule_for, step_group
 from csa2onnx.export.goldens import Comparison, GoldenCase, compare, load_case
-from csa2onnx.export.plan import IndexKeys, plan_stack
-from csa2onnx.export.runtime import AttentionRuntime
+from csa2onnx.export.plan import IndexKeys, StackPlan, plan_stack
+from csa2onnx.export.runtime import AttentionRuntime, StepOutputs
 from csa2onnx.export.stack import DEBUG_OUTPUTS, export_stack
 from csa2onnx.export.weights import from_golden
 
@@ -85,6 +86,61 @@ class VerifyReport:
         return "\n".join(lines)
 
 
+def _compare_chunked(report: VerifyReport, case: GoldenCase, step: str, plan: StackPlan,
+                     result: StepOutputs) -> None:
+    """A chunked prefill (merged) against the one-shot golden prefill. A tie-decided row
+    whose chunk picked another valid top-k attends to other rows: its attn_o and out (in
+    the layers using that selection) are not comparable and are left out, counted."""
+    settled: dict[int, np.ndarray] = {}
+    left_out = 0
+    for p in plan.layers:
+        layer = p.layer
+        for name in (*DEBUG_OUTPUTS, "out"):
+            key = f"L{layer}.{name}"
+            if not case.has(step, layer, name) or name == "attn_topk_idxs":
+                continue
+            want = case.step(step, layer, name)
+            if name == "index_topk_idxs":
+                want = as_positions(want, want.shape[1])  # one-shot offset: s
+                got, settled[layer] = _settle_ties(
+                    result.extra[f"L{layer}.index_topk_positions"], want, case, step, layer,
+                    result.extra)
+            elif name == "out":
+                got = result.out[layer]
+            elif key in result.extra:
+                got = result.extra[key]
+            else:
+                continue
+            rows = settled.get(p.topk_from) if p.topk_from is not None else None
+            if name in ("attn_o", "out") and rows is not None and rows.any():
+                got = np.where(rows.reshape(rows.shape + (1,) * (got.ndim - 2)), want, got)
+                left_out += int(rows.sum())
+            report.rows.append(Row(step, layer, name, compare(
+                got, want, exact=name in EXACT, name=name, rule=report.rule)))
+    if left_out:
+        report.notes.append(f"{left_out // 2} (layer, row) pairs of attn_o/out left out: a "
+                            "tie-decided selection picked another valid top-k there")
+
+
+def _settle_ties(got: np.ndarray, want: np.ndarray, case: GoldenCase, step: str, layer: int,
+                 extra: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """On rows the golden flags tie-decided, a chunk's different pick counts as the
+    golden's when it is a valid top-k of the chunk's own scores. Returns the selections
+    to compare and the rows [b, s] settled that way."""
+    settled = np.zeros(want.shape[:2], bool)
+    if got.shape[-1] != want.shape[-1] or not case.has(step, layer, "index_topk_ambiguous"):
+        return got, settled
+    ambiguous = case.step(step, layer, "index_topk_ambiguous")
+    score = extra[f"L{layer}.index_score"]
+    k = extra[f"L{layer}.index_topk_k"]
+    got = got.copy()
+    for b, t in zip(*np.nonzero(ambiguous & (got != want).any(-1)), strict=True):
+        if valid_topk(got[b, t], score[b, t], int(k[t])):
+            got[b, t] = want[b, t]
+            settled[b, t] = True
+    return got, settled
+
+
 def index_keys_of(case: GoldenCase) -> IndexKeys:
     patch = case.meta.get("behaviour_patch") or {}
     text = patch if isinstance(patch, str) else " ".join(f"{k} {v}" for k, v in patch.items())
@@ -93,9 +149,12 @@ def index_keys_of(case: GoldenCase) -> IndexKeys:
 
 def verify_case(path: str | Path, *, portable: bool = False, index_keys: IndexKeys | None = None,
                 provider: str = "cpu", threads: int = 0, out_dir: Path | None = None,
-                rule: Rule | None = None,
+                rule: Rule | None = None, prefill_chunk: int | None = None,
                 progress: Callable[[str], None] | None = None) -> VerifyReport:
-    """`rule`: same_cpu or cross_cpu; by default from the golden's `machine`."""
+    """`rule`: same_cpu or cross_cpu; by default from the golden's `machine`.
+    `prefill_chunk`: run the prefill in chunks of this many tokens (export/chunked_prefill.py)
+    and judge it against the one-shot golden: floats by the cross-CPU rule, selections
+    exact except on tie-decided rows, which must be a valid top-k of the scores."""
     case = load_case(path)
     keys = index_keys or index_keys_of(case)
     config = AttentionConfig.from_model_args(case.model_args)
@@ -108,6 +167,12 @@ def verify_case(path: str | Path, *, portable: bool = False, index_keys: IndexKe
         report.notes.append(f"{made_on}, not the class csa2onnx reproduces: cross-CPU rule")
     elif rule is not None and rule != rule_for(case.meta):
         report.notes.append(f"{made_on}; rule {rule} as asked")
+    if prefill_chunk is not None:
+        report.rule = "cross_cpu"
+        report.notes.append(f"prefill in chunks of {prefill_chunk} against the one-shot "
+                            "golden: cross-CPU rule; selections exact except tie-decided rows "
+                            "(a valid top-k instead); the window part of attn_topk_idxs is "
+                            "laid out per chunk and not compared")
     tiebreak = case.meta.get("topk_tiebreak", "torch_cpu")
     if tiebreak == "lowest_index" and not portable:
         report.notes.append("this case breaks top-k ties lowest-index-first (ONNX TopK); the "
@@ -124,9 +189,13 @@ def verify_case(path: str | Path, *, portable: bool = False, index_keys: IndexKe
         for entry in case.meta["schedule"]:
             step = entry["step"]
             xs = {layer: case.step(step, layer, "x") for layer in layers}
-            result = runtime.prefill(xs) if entry["start_pos"] == 0 else runtime.decode(xs)
             if progress:
                 progress(f"{case.name}: {step}")
+            if entry["start_pos"] == 0 and prefill_chunk is not None:
+                result, _ = run_chunked_prefill(runtime, xs, prefill_chunk)
+                _compare_chunked(report, case, step, plan, result)
+                continue
+            result = runtime.prefill(xs) if entry["start_pos"] == 0 else runtime.decode(xs)
             for layer in layers:
                 report.rows.append(Row(step, layer, "out", compare(
                     result.out[layer], case.step(step, layer, "out"), name="out",

@@ -37,10 +37,11 @@ class CompressorOutput(NamedTuple):
 class Compressor(nn.Module):
     """Compressor(wkv, wgate, norm, ratio, head_dim, norm_eps), names as upstream.
 
-    Call `compressor(op, x, mode="prefill")` or
-    `compressor(op, x, kv_state, score_state, start_pos, mode="decode")`; both return a
-    CompressorOutput. At ratio 1 pass no state (decode needs only start_pos, given by
-    keyword). Build a fresh module per exported model: parameters bind to one graph.
+    Call `compressor(op, x, mode="prefill")`, or with `kv_state, score_state, start_pos`
+    for a prefill that continues a sequence (chunked prefill) or a decode step
+    (`mode="decode"`); all return a CompressorOutput. At ratio 1 pass no state (start_pos
+    by keyword, when not 0). Build a fresh module per exported model: parameters bind to
+    one graph.
     """
 
     def __init__(self, wkv: np.ndarray, wgate: np.ndarray | None, norm: np.ndarray, *,
@@ -79,9 +80,13 @@ class Compressor(nn.Module):
         if self.ratio == 1:
             if kv_state is not None or score_state is not None:
                 raise ValueError("a ratio-1 compressor keeps no state")
-            return self._per_token(op, x, start_pos if mode == "decode" else None)
+            return self._per_token(op, x, start_pos)
         if mode == "prefill":
-            return self._prefill(op, x)
+            if (kv_state is None) != (start_pos is None) or (kv_state is None) != (
+                    score_state is None):
+                raise ValueError("a prefill that continues a sequence needs kv_state, "
+                                 "score_state and start_pos; a first one none of them")
+            return self._prefill(op, x, kv_state, score_state, start_pos)
         if kv_state is None or score_state is None:
             raise ValueError(f"a ratio-{self.ratio} decode step needs kv_state and score_state")
         return self._decode(op, x, kv_state, score_state, start_pos)
@@ -100,10 +105,22 @@ class Compressor(nn.Module):
         pooled = op.ReduceSum(op.Mul(kv, op.Softmax(score, axis=-2)), [-2], keepdims=0)
         return self.norm(op, round_bf16(op, pooled))
 
-    def _prefill(self, op: OpBuilder, x: ir.Value) -> CompressorOutput:
+    def _prefill(self, op: OpBuilder, x: ir.Value, kv_state: ir.Value | None = None,
+                 score_state: ir.Value | None = None,
+                 start_pos: ir.Value | None = None) -> CompressorOutput:
+        """A prefill from start_pos 0, or (with the state and start_pos P) one that
+        continues a sequence: the P % r tokens of the open group, kept in slots 0.. of the
+        state, go in front of the new ones, so groups start at P - P % r."""
         r = self.ratio
         kv, score = self.wkv(op, x), self.wgate(op, x)
-        shape = op.Shape(x)
+        group_start: ir.Value | int = 0
+        if start_pos is not None:
+            pos = scalar_i64(op, start_pos)
+            pending = op.Mod(pos, r)
+            kv = op.Concat(op.Slice(kv_state, [0], pending, [1]), kv, axis=1)
+            score = op.Concat(op.Slice(score_state, [0], pending, [1]), score, axis=1)
+            group_start = op.Squeeze(op.Sub(pos, pending), [0])
+        shape = op.Shape(kv)
         s = op.Slice(shape, [1], [2])
         n = op.Div(s, r)  # complete groups (s >= 0, so truncation is floor)
         cutoff = op.Mul(n, r)
@@ -117,6 +134,8 @@ class Compressor(nn.Module):
         latent = self._pool(op, groups(kv), groups(score))
         positions = op.Mul(op.Range(op.Constant(value_int=0), op.Squeeze(n, [0]),
                                     op.Constant(value_int=1)), r)
+        if start_pos is not None:
+            positions = op.Add(positions, group_start)
 
         # The s % r leftovers fill slots 0.., the other slots keep their initial fill.
         empty = op.Sub(r, op.Sub(s, cutoff))

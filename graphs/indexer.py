@@ -145,29 +145,32 @@ class Indexer(nn.Module):
 
     def select(self, op: OpBuilder, x: ir.Value, qr: ir.Value, index_k: ir.Value, *,
                start_pos: ir.Value | None = None, candidates: ir.Value | None = None,
-               mode: Mode = "prefill") -> IndexerOutput:
+               window_rows: ir.Value | None = None, mode: Mode = "prefill") -> IndexerOutput:
         """x [b, s, dim], qr [b, s, q_lora_rank]; index_k [b, R, D] the key cache in the
-        shared slot (R >= end_pos // r); start_pos int64 scalar or [1] (decode only;
-        prefill is start_pos 0); candidates bool [b, s, end_pos // r] when uses_candidates."""
+        shared slot (R >= end_pos // r); start_pos int64 scalar or [1] (decode; in prefill
+        only when continuing a sequence, else 0); candidates bool [b, s, end_pos // r] when
+        uses_candidates; window_rows int64 [1]: how many window rows precede the compressed
+        ones in this call's KV list (the selection's offset; default s in prefill, the
+        window size in decode)."""
         if mode not in ("prefill", "decode"):
             raise ValueError(f"mode must be 'prefill' or 'decode', got {mode!r}")
-        if (mode == "decode") != (start_pos is not None):
-            raise ValueError("start_pos is required in decode and not accepted in prefill")
+        if mode == "decode" and start_pos is None:
+            raise ValueError("start_pos is required in decode")
         if self.uses_candidates != (candidates is not None):
             raise ValueError("candidates must be given exactly when uses_candidates is set")
-        return self(op, x, qr, index_k, start_pos, candidates, mode=mode)
+        return self(op, x, qr, index_k, start_pos, candidates, window_rows, mode=mode)
 
     def _rope(self, op: OpBuilder, x: ir.Value, positions: ir.Value) -> ir.Value:
         cos, sin = rope_at(op, self.freqs_cos, self.freqs_sin, positions)
         return apply_rotary_emb(op, x, cos, sin, self.rope_head_dim)
 
     def forward(self, op: OpBuilder, x: ir.Value, qr: ir.Value, index_k: ir.Value,
-                start_pos: ir.Value | None, candidates: ir.Value | None, *,
-                mode: Mode) -> IndexerOutput:
+                start_pos: ir.Value | None, candidates: ir.Value | None,
+                window_rows: ir.Value | None, *, mode: Mode) -> IndexerOutput:
         """select(): called through __call__, so the parameters are realised in scope."""
         one = op.Constant(value_int=1)
         s = op.Slice(op.Shape(qr), [1], [2])
-        start = op.Constant(value_ints=[0]) if mode == "prefill" else scalar_i64(op, start_pos)
+        start = op.Constant(value_ints=[0]) if start_pos is None else scalar_i64(op, start_pos)
         end = op.Add(start, s)
         positions = op.Range(op.Squeeze(start, [0]), op.Squeeze(end, [0]), one)
 
@@ -184,16 +187,16 @@ class Indexer(nn.Module):
         weighted = round_bf16(op, op.Mul(op.Relu(dots), op.Unsqueeze(w, [-1])))  # [b,s,H,T]
         score = round_bf16(op, op.ReduceSum(weighted, [2], keepdims=0))  # [b, s, T]
 
-        # Reachable compressed positions per query: prefill (t+1)//r, decode all end_pos//r.
+        # Reachable compressed positions per query: prefill (pos+1)//r, decode end_pos//r.
         if mode == "prefill":
             lens = op.Div(op.Add(positions, 1), self.ratio)  # [s]
             columns = op.Range(op.Constant(value_int=0), op.Squeeze(width, [0]), one)
             unreachable = op.GreaterOrEqual(columns, op.Unsqueeze(lens, [-1]))  # [s, T]
             score = op.Where(unreachable, op.Constant(value_float=NEG_INF), score)
-            offset: ir.Value | int = s
+            offset: ir.Value | int = s if window_rows is None else window_rows
         else:
             lens = width  # [1]
-            offset = self.window_size
+            offset = self.window_size if window_rows is None else window_rows
 
         published = None
         if self.candidate_config is not None:

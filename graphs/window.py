@@ -72,3 +72,44 @@ def window_decode(op: OpBuilder, kv_new: ir.Value, ring: ir.Value, start_pos: ir
     written = op.Unsqueeze(op.Equal(slots, slot), [0, 2])  # [1, win, 1]
     new_ring = op.Where(written, kv_new, ring)
     return idx, new_ring
+
+
+def window_chunk(op: OpBuilder, kv: ir.Value, ring: ir.Value, start_pos: ir.Value,
+                 window_size: int) -> tuple[ir.Value, ir.Value, ir.Value]:
+    """A prefill that continues a sequence: kv [b, s, d] at positions P = start_pos ..
+    P+s-1 (int64 scalar or [1], any P >= 0) with the ring [b, win, d] of the previous call.
+    Returns (idx, rows, new ring).
+
+    rows [b, c+s, d] are the c = min(P, win) ring rows before P, oldest first, then kv;
+    idx [b, s, min(P+s, win)] indexes rows in the one-shot prefill's layout: query t reads
+    its min(win, P+t+1) positions in order, then -1. At P = 0 (c = 0) all three equal
+    window_prefill's (rows is kv), so a first chunk is the one-shot prefill bit for bit.
+    """
+    _check_window(window_size)
+    pos = op.Reshape(_scalar(op, start_pos), [1])
+    shape = op.Shape(kv)
+    s = op.Slice(shape, [1], [2])
+    c = op.Min(pos, [window_size])
+    older = op.Gather(ring, op.Mod(op.Range(op.Squeeze(op.Sub(pos, c), [0]),
+                                            op.Squeeze(pos, [0]), 1), window_size), axis=1)
+    rows = op.Concat(older, kv, axis=1)
+
+    t = op.Range(0, op.Squeeze(s, [0]), 1)  # [s]
+    seen = op.Min(op.Add(op.Add(pos, t), 1), [window_size])  # positions query t reads
+    width = op.Min(op.Add(pos, s), [window_size])
+    j = op.Range(0, op.Squeeze(width, [0]), 1)
+    # Query t's j-th position is P+t+1-seen+j, at row (that - (P - c)).
+    first_row = op.Sub(op.Add(op.Add(t, 1), c), seen)  # [s]
+    idx = op.Add(op.Unsqueeze(first_row, [1]), op.Unsqueeze(j, [0]))
+    idx = op.Where(op.Less(op.Unsqueeze(j, [0]), op.Unsqueeze(seen, [1])), idx, -1)
+    idx = op.Expand(op.Unsqueeze(idx, [0]),
+                    op.Concat(op.Slice(shape, [0], [1]), op.Shape(idx), axis=0))
+
+    # Slot i holds the latest position p < P+s with p % win == i, at row p - (P - c) of
+    # rows; rows are front-padded with win zero rows for positions before the sequence.
+    slots = op.Range(0, window_size, 1)
+    last = op.Sub(op.Add(pos, s), 1)
+    latest = op.Sub(last, op.Mod(op.Sub(last, slots), window_size))
+    padded = op.Pad(rows, op.Constant(value_ints=[0, window_size, 0, 0, 0, 0]))
+    new_ring = op.Gather(padded, op.Add(op.Sub(latest, op.Sub(pos, c)), window_size), axis=1)
+    return idx, rows, new_ring

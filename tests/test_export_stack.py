@@ -133,8 +133,12 @@ def test_single_layer_export_takes_slots_as_inputs(tmp_path: Path) -> None:
     export_stack(plan, from_golden(g.arrays, [3]), tmp_path)
     session = make_session(str(tmp_path / "prefill.onnx"))
     kv = g.step("prefill", 3, "attn_kv")[:, 77:]  # the compressed rows sparse_attn read
+    x = g.step("prefill", 3, "x")
     feeds = {
-        "x.L3": g.step("prefill", 3, "x"),
+        "x.L3": x,
+        "start_pos": np.zeros(1, np.int64),  # a first prefill ignores the ring it is given
+        "past.L3.window_kv": np.zeros((x.shape[0], g.model_args["window_size"],
+                                       g.model_args["head_dim"]), np.float32),
         "slot_in.compress_kv": kv,
         "slot_in.candidates": g.step("prefill", 1, "candidates"),
         "slot_in.index_k": g.step("prefill", 1, "index_k_rows"),

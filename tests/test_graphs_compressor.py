@@ -12,6 +12,7 @@ import onnx_ir as ir
 import pytest
 from helpers import CASES, GOLDENS, golden, run_model
 
+from csa2onnx.export.goldens import compare
 from csa2onnx.graphs.compressor import Compressor
 from csa2onnx.graphs.kv_cache import cache_row_start, latent_to_cache_rows, write_rows
 from csa2onnx.graphs.numerics import FLOAT, INT64
@@ -67,6 +68,23 @@ def _decode_model(case: str, layer: int) -> onnx.ModelProto:
                        ["latent", "positions", "kv_state_out", "score_state_out"],
                        lambda op, x, kv, sc, p: list(_compressor(case, layer)(
                            op, x, kv, sc, p, mode="decode")))
+
+
+@cache
+def _chunk_model(case: str, layer: int) -> onnx.ModelProto:
+    args = golden(case).model_args
+    r, hd = args["compress_ratios"][layer], args["head_dim"]
+    x = ("x", FLOAT, ["b", "s", args["dim"]])
+    start = ("start_pos", INT64, [1])
+    if r == 1:
+        return build_model("compressor_chunk", [x, start], ["latent", "positions"],
+                           lambda op, x, p: list(_compressor(case, layer)(
+                               op, x, start_pos=p, mode="prefill"))[:2])
+    state = [("kv_state", FLOAT, ["b", r, hd]), ("score_state", FLOAT, ["b", r, hd])]
+    return build_model("compressor_chunk", [x, *state, start],
+                       ["latent", "positions", "kv_state_out", "score_state_out"],
+                       lambda op, x, kv, sc, p: list(_compressor(case, layer)(
+                           op, x, kv, sc, p, mode="prefill")))
 
 
 def _schedule(case: str) -> list[dict]:
@@ -239,3 +257,35 @@ def test_write_rows_empty_and_middle() -> None:
     expected = base.copy()
     expected[:, 2:4] = -1
     assert np.array_equal(out, expected)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7])
+@pytest.mark.parametrize(("case", "layer"), KV_SOURCES, ids=IDS)
+def test_compressor_chunked_prefill(case: str, layer: int, chunk: int) -> None:
+    """A prefill in chunks, the open group carried in the state: the golden one-shot
+    prefill's latent positions exactly, and its latents and leftover state under the
+    cross-CPU rule: torch's F.linear (TorchLinear) sums a row in an order that depends on
+    the number of rows, so a few elements move by a bf16 step."""
+    g = golden(case)
+    r, hd = g.model_args["compress_ratios"][layer], g.model_args["head_dim"]
+    x = g.step("prefill", layer, "x")
+    b = x.shape[0]
+    state = {"kv_state": np.full((b, r, hd), 7.0, np.float32),  # ignored at start_pos 0
+             "score_state": np.full((b, r, hd), 3.0, np.float32)} if r > 1 else {}
+    latents, positions = [], []
+    for start in range(0, x.shape[1], chunk):
+        out = run_model(_chunk_model(case, layer), {
+            "x": x[:, start:start + chunk], "start_pos": np.array([start], np.int64), **state})
+        latents.append(out["latent"])
+        positions.append(out["positions"])
+        if r > 1:
+            state = {"kv_state": out["kv_state_out"], "score_state": out["score_state_out"]}
+    want_latent = g.step("prefill", layer, "latent")
+    np.testing.assert_array_equal(np.concatenate(positions),
+                                  np.arange(want_latent.shape[1], dtype=np.int64) * r)
+    got = {"latent": np.concatenate(latents, axis=1)}
+    if r > 1:
+        got.update({f"compressor_{k}_state_after": state[f"{k}_state"] for k in ("kv", "score")})
+    for name, value in got.items():
+        result = compare(value, g.step("prefill", layer, name), name=name, rule="cross_cpu")
+        assert result.ok and result.moved <= result.size / 8, (name, result)

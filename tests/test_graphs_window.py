@@ -14,7 +14,7 @@ from helpers import CASES, GOLDENS, golden
 
 from csa2onnx.custom_ops import make_session
 from csa2onnx.graphs.standalone import build_model
-from csa2onnx.graphs.window import window_decode, window_prefill
+from csa2onnx.graphs.window import window_chunk, window_decode, window_prefill
 
 FLOAT, INT64 = ir.DataType.FLOAT, ir.DataType.INT64
 
@@ -34,6 +34,17 @@ def _decode(window_size: int, head_dim: int) -> ort.InferenceSession:
          ("start_pos", INT64, [1])],
         ["idx", "ring_out"],
         lambda op, kv, ring, pos: window_decode(op, kv, ring, pos, window_size))
+    return make_session(model.SerializeToString())
+
+
+@functools.cache
+def _chunk(window_size: int, head_dim: int) -> ort.InferenceSession:
+    model = build_model(
+        "window_chunk",
+        [("kv", FLOAT, ["b", "s", head_dim]), ("ring", FLOAT, ["b", window_size, head_dim]),
+         ("start_pos", INT64, [1])],
+        ["idx", "rows", "ring_out"],
+        lambda op, kv, ring, pos: window_chunk(op, kv, ring, pos, window_size))
     return make_session(model.SerializeToString())
 
 
@@ -172,3 +183,34 @@ def test_decode_rows_match_upstream(upstream_module) -> None:
             idx, _ = run_decode(np.zeros((1, 1, 2), np.float32), ring, start_pos, win)
             want = upstream.get_window_topk_idxs(win, 1, 1, start_pos).numpy()
             np.testing.assert_array_equal(idx, want, err_msg=f"win {win} start_pos {start_pos}")
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 8, 13])
+@pytest.mark.parametrize("window_size", [4, 8])
+def test_chunked_prefill_reads_the_one_shot_positions(chunk: int, window_size: int) -> None:
+    """Chunks of a prefill: every query reads the one-shot prefill's positions in its
+    order (then -1), each chunk's ring is the one-shot ring of the tokens so far, and a
+    first chunk (start_pos 0) is window_prefill exactly."""
+    rng = np.random.default_rng(chunk * 10 + window_size)
+    b, total, d = 2, 21, 3
+    kv = rng.standard_normal((b, total, d)).astype(np.float32)
+    one_idx, _ = run_prefill(kv, window_size)
+    ring = rng.standard_normal((b, window_size, d)).astype(np.float32)  # garbage at P=0
+    for start in range(0, total, chunk):
+        part = kv[:, start:start + chunk]
+        feeds = {"kv": part, "ring": ring, "start_pos": np.array([start], np.int64)}
+        idx, rows, ring = _chunk(window_size, d).run(None, feeds)
+        assert idx.shape[2] == min(start + part.shape[1], window_size)
+        if start == 0:
+            want_idx, want_ring = run_prefill(part, window_size)
+            np.testing.assert_array_equal(idx, want_idx)
+            np.testing.assert_array_equal(rows, part)
+            np.testing.assert_array_equal(ring, want_ring)
+        for t in range(part.shape[1]):
+            got = [rows[:, i] for i in idx[0, t] if i >= 0]
+            want = [kv[:, i] for i in one_idx[0, start + t] if i >= 0]
+            assert len(got) == len(want) == min(window_size, start + t + 1)
+            np.testing.assert_array_equal(np.stack(got), np.stack(want))
+            assert (idx[:, t] == idx[:1, t]).all()  # the same for every batch entry
+        np.testing.assert_array_equal(ring, seeded_ring(kv[:, :start + part.shape[1]],
+                                                        window_size))
