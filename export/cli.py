@@ -103,7 +103,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                else f"random-{config.weight_format}")
     n_layers = config.n_layers
     opts = BenchOptions(source=source, layers=_layer_range(args.layers, n_layers) if args.layers
-                        else None, weights=weights, prefill=args.prefill, decode=args.decode,
+                        else None, weights=weights, prefill=args.prefill, context=args.context,
+                        decode=args.decode,
                         batch=args.batch, max_seq_len=args.max_seq_len, threads=args.threads,
                         seed=args.seed, baseline=args.baseline, upstream=args.upstream,
                         state=args.state, share_weights=not args.separate_weights)
@@ -177,7 +178,11 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--weights", help="random-bf16 | random-fp8 | a model folder (default: the "
                                      "folder's own weights, or random weights in the "
                                      "config's precision)")
-    b.add_argument("--prefill", type=int, default=256, help="prefill tokens (default 256)")
+    b.add_argument("--prefill", type=int, default=256,
+                   help="prefill tokens, per call when --context is larger (default 256)")
+    b.add_argument("--context", type=int,
+                   help="tokens before decoding, reached by chunked prefill in calls of "
+                        "--prefill tokens (default: --prefill)")
     b.add_argument("--decode", type=int, default=16, help="decode steps (default 16)")
     b.add_argument("--batch", type=int, default=1)
     b.add_argument("--max-seq-len", type=int)

@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from helpers import GOLDENS
 
-from csa2onnx.export.bench import BenchOptions, read_bandwidth, run_bench
+from csa2onnx.export.bench import BenchError, BenchOptions, read_bandwidth, run_bench
 from csa2onnx.export.cli import main
 
 
@@ -35,3 +36,18 @@ def test_bench_command_json(capsys, tmp_path: Path) -> None:
 
 def test_read_bandwidth_is_measured() -> None:
     assert read_bandwidth(1, mib=64, repeat=2) > 1e8
+
+
+def test_bench_reaches_a_context_by_chunked_prefill() -> None:
+    opts = BenchOptions(source=GOLDENS / "case1_r2_r1.json", layers=(0, 3), prefill=8,
+                        context=30, decode=2, threads=1)
+    result = run_bench(opts)
+    assert result.context == 30
+    assert "context 30 by chunked prefill of 8" in result.table()
+    assert len(result.ours.decode_ms) == 2 and result.ours.prefill_s > 0
+
+
+def test_bench_rejects_a_context_below_the_prefill() -> None:
+    with pytest.raises(BenchError, match="context >= prefill"):
+        run_bench(BenchOptions(source=GOLDENS / "case1_r2_r1.json", layers=(0, 3), prefill=8,
+                               context=4, decode=1, threads=1))
