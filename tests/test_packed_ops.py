@@ -6,10 +6,14 @@ path and thread count; every code and scale byte unpacks as defined; errors are 
 
 from __future__ import annotations
 
+import re
+import subprocess
+from pathlib import Path
+
 import numpy as np
 import onnxruntime as ort
 import pytest
-from helpers import custom_op_model, run_model
+from helpers import build_cpp_driver, custom_op_model, run_model
 from onnx import TensorProto, helper
 
 from csa2onnx.custom_ops import make_session, session_options
@@ -289,3 +293,16 @@ def test_row_bytes() -> None:
         packed_row_bytes("fp4_e8m0_32", 48)
     with pytest.raises(ValueError, match="unknown packed format"):
         packed_row_bytes("fp6", 48)
+
+
+DRIVER = Path(__file__).resolve().parent / "cpp" / "packed_rows.cc"
+
+
+def test_building_blocks_over_the_float_range(tmp_path: Path) -> None:
+    """tests/cpp/packed_rows.cc: the libm-free block scales and the e4m3 code rounding against
+    the definitions over the float range, and every path's rows against the plain code."""
+    exe = build_cpp_driver(DRIVER, tmp_path, "-ffp-contract=off")
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600)
+    counts = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", run.stdout.splitlines()[-1])}
+    assert run.returncode == 0 and counts["mismatches"] == 0, run.stdout[-3000:]
+    assert counts["checked"] > 100_000_000
