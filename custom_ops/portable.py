@@ -197,8 +197,9 @@ def Fp8Linear(X: FLOAT, W, WScale: FLOAT, block_size: int = 32) -> FLOAT:
 
 
 @script(csa2onnx)
-def WriteRows(Cache: FLOAT, Rows: FLOAT, RowStart: INT64, After: INT64) -> FLOAT:
-    # After only orders the write after its producers; the copy needs no ordering.
+def WriteRows(Cache, Rows, RowStart: INT64, After: INT64):
+    # Any element type (float caches, uint8 packed rows). After only orders the write after
+    # its producers; the copy needs no ordering.
     start = op.Reshape(RowStart, [1])
     end = op.Add(start, op.Slice(op.Shape(Rows), [1], [2]))
     b = op.Slice(op.Shape(Rows), [0], [1])
