@@ -11,6 +11,7 @@ import subprocess
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 from helpers import build_cpp_driver, custom_op_model, run_model
@@ -36,7 +37,7 @@ ROUND_TRIP = {"fp4_e4m3_16": (16, "e4m3"), "fp4_e8m0_32": (32, "e8m0"), "fp8_e8m
 VARIABLES = ("CSA_PACK_QUANTIZED_ISA", "CSA_UNPACK_QUANTIZED_ISA", "CSA2ONNX_ISA")
 
 
-def vi(name: str, dtype: int, shape) -> ort.capi.onnxruntime_pybind11_state:
+def vi(name: str, dtype: int, shape) -> onnx.ValueInfoProto:
     return helper.make_tensor_value_info(name, dtype, shape)
 
 
@@ -161,6 +162,7 @@ def test_pack_equals_definition_and_unpack_equals_todays_round_trip(monkeypatch,
     today = today_round_trip(fmt, x)
     if ROUND_TRIP[fmt] is not None:
         assert_same_values(want_y, today, "definition vs Fp4QuantDequant")
+        assert_same_values(want_y, fp4_round_trip(x, *ROUND_TRIP[fmt])[0], "vs fp4_round_trip")
     else:
         # The graph's act_quant (onnxruntime's ReduceMax skips NaN) makes only the NaN value
         # NaN where torch's amax makes the whole block NaN, as the definition and the pack do:

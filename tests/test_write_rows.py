@@ -11,7 +11,6 @@ from onnx import TensorProto, helper
 
 from csa2onnx.custom_ops import make_session
 
-
 ELEMENT_TYPES = {np.float32: TensorProto.FLOAT, np.uint8: TensorProto.UINT8}
 
 
