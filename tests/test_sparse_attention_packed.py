@@ -113,6 +113,15 @@ def test_released_dims_decode_and_prefill(monkeypatch) -> None:
     compare(monkeypatch, q, kv, sink, idx, c, "fp4_e4m3_16", paths=PATHS[:1], threads=(2,))
 
 
+def test_prefill_rows_unpack_on_the_gather(monkeypatch) -> None:
+    """16 query rows or more: one task per row with all its heads, which unpacks its packed
+    rows on the gather (fewer rows split the heads over tasks and unpack once per call)."""
+    for fmt in PACKED_FORMATS:
+        q, kv, sink, idx, c = inputs(13, 1, 17, 64, 128, 60, 100, 130, fmt)
+        compare(monkeypatch, q, kv, sink, idx, c, fmt, paths=PATHS[:2] + ["reference"],
+                threads=(1, 2))
+
+
 def test_edge_layouts(monkeypatch) -> None:
     """No window rows (every index packed); no cache rows (the format set, Compressed empty);
     only window rows selected though a cache is given; NaN blocks in the cache."""

@@ -60,10 +60,26 @@ struct Job {
   const uint8_t* packed = nullptr;  // Compressed [b, n_cache, row_bytes], or null
   int64_t n_cache = 0, row_bytes = 0;
   packed::Format format = packed::Format::kFp4E4m3;
+  float* unpacked = nullptr;  // [b * s, k, d]: the packed entries unpacked once, or null
   bool out_of_memory = false;
 };
 
 // ---- the tiled kernel (sparse_attention_tiled.h): task t = (row t / splits, head group) ----
+
+// Query row `row`'s rows: its batch entry's KV, and the packed cache (already unpacked for
+// this row when the op did that once for all its tasks).
+template <typename I>
+sa::tiled::Source source_of(const Job<I>& j, int64_t row) {
+  const int64_t b = row / j.s;
+  sa::tiled::Source src{j.kv + b * j.pr.n * j.pr.d, j.pr.n};
+  if (j.packed != nullptr) {
+    src.packed = j.packed + b * j.n_cache * j.row_bytes;
+    src.row_bytes = j.row_bytes;
+    src.format = j.format;
+    if (j.unpacked != nullptr) src.unpacked = j.unpacked + row * j.pr.k * j.pr.d;
+  }
+  return src;
+}
 
 template <typename I>
 using TilesFn = void (*)(const sa::Problem&, const sa::tiled::Shape&, int64_t, const float*,
@@ -93,22 +109,44 @@ CSA_TARGET_AVX2 __attribute__((flatten)) void tiles_avx2(
 }
 #endif
 
+// The once-per-call unpacking of the packed entries: part t = (query row, block of 64).
+template <typename I>
+using UnpackFn = void (*)(const Job<I>&, size_t);
+
+template <typename Cfg, typename I>
+__attribute__((always_inline)) inline void unpack_part(const Job<I>& j, size_t t) {
+  const int64_t blocks = (j.pr.k + sa::kBlock - 1) / sa::kBlock;
+  const int64_t row = static_cast<int64_t>(t) / blocks, j0 = static_cast<int64_t>(t) % blocks * sa::kBlock;
+  const int64_t j1 = j0 + sa::kBlock < j.pr.k ? j0 + sa::kBlock : j.pr.k;
+  sa::tiled::unpack_entries<Cfg>(source_of(j, row), j.pr.d, j.idx + row * j.pr.k, j0, j1,
+                                 j.unpacked + row * j.pr.k * j.pr.d);
+}
+template <typename I>
+__attribute__((flatten)) void unpack_scalar(const Job<I>& j, size_t t) {
+  unpack_part<sa::tiled::CfgScalar>(j, t);
+}
+#ifdef CSA_X86
+template <typename I>
+CSA_TARGET_AVX512 __attribute__((flatten)) void unpack_avx512(const Job<I>& j, size_t t) {
+  unpack_part<sa::tiled::CfgAvx512>(j, t);
+}
+template <typename I>
+CSA_TARGET_AVX2 __attribute__((flatten)) void unpack_avx2(const Job<I>& j, size_t t) {
+  unpack_part<sa::tiled::CfgAvx2>(j, t);
+}
+#endif
+
 template <typename Cfg, typename I>
 void run_task(Job<I>& j, size_t t, std::vector<float>& scratch, TilesFn<I> tiles) {
   const sa::Problem& pr = j.pr;
   const int64_t row = static_cast<int64_t>(t) / j.splits;
   const int64_t h0 = static_cast<int64_t>(t) % j.splits * j.group;
   const int64_t g = pr.h - h0 < j.group ? pr.h - h0 : j.group;
-  const sa::tiled::Shape shape = sa::tiled::shape_of<Cfg>(g, pr.d, j.packed != nullptr);
+  const sa::tiled::Shape shape =
+      sa::tiled::shape_of<Cfg>(g, pr.d, j.packed != nullptr && j.unpacked == nullptr);
   const size_t need = static_cast<size_t>(sa::tiled::scratch_floats(shape));
   if (scratch.size() < need) scratch.resize(need);
-  const int64_t b = row / j.s;
-  sa::tiled::Source src{j.kv + b * pr.n * pr.d, pr.n};
-  if (j.packed != nullptr) {
-    src.packed = j.packed + b * j.n_cache * j.row_bytes;
-    src.row_bytes = j.row_bytes;
-    src.format = j.format;
-  }
+  const sa::tiled::Source src = source_of(j, row);
   tiles(pr, shape, h0, j.q + row * pr.h * pr.d, src, j.idx + row * pr.k, j.sink,
         scratch.data(), j.out + row * pr.h * pr.d);
 }
@@ -308,6 +346,35 @@ struct SparseAttentionKernel {
       if (cpu_has(Isa::kAvx512)) fn = row_avx512<I>;
       else if (cpu_has(Isa::kAvx2)) fn = row_avx2<I>;
 #endif
+    }
+    // Heads split over tasks: each task would unpack the row's packed entries again, so they
+    // are unpacked once here (in parallel over query rows and blocks) and read in place.
+    if (!reference && job.packed != nullptr && splits > 1 && k > 0) {
+      // Kept per calling thread (the buffer's pages stay mapped from call to call; fewer than
+      // kMinTasks query rows: at most 15 * k * d floats). Only the packed entries are written.
+      thread_local std::vector<float> unpacked;
+      if (unpacked.size() < static_cast<size_t>(rows * k * d))
+        unpacked.resize(static_cast<size_t>(rows * k * d));
+      job.unpacked = unpacked.data();
+      UnpackFn<I> unpack = unpack_scalar<I>;
+#ifdef CSA_X86
+      if (isa == Isa::kAvx512) unpack = unpack_avx512<I>;
+      if (isa == Isa::kAvx2) unpack = unpack_avx2<I>;
+#endif
+      struct Pass {
+        const Job<I>* job;
+        UnpackFn<I> fn;
+      } pass{&job, unpack};
+      const int64_t parts = rows * ((k + sa::kBlock - 1) / sa::kBlock);
+      auto part = [](void* data, size_t t) {
+        const Pass& p = *static_cast<const Pass*>(data);
+        p.fn(*p.job, t);
+      };
+      if (rows * k * d < (1 << 16)) {
+        for (int64_t t = 0; t < parts; ++t) part(&pass, static_cast<size_t>(t));
+      } else {
+        Ort::KernelContext(ctx).ParallelFor(part, static_cast<size_t>(parts), 0, &pass);
+      }
     }
     struct Call {
       Job<I>* job;

@@ -185,14 +185,30 @@ inline Shape shape_of(int64_t g, int64_t d, bool packed_rows = false) {
 }
 
 // Where a task's rows come from: index i < n_window reads kv's row i; with a packed
-// compressed cache, i >= n_window reads its row i - n_window, unpacked (packed_quant.h).
+// compressed cache, i >= n_window reads its row i - n_window, unpacked (packed_quant.h) into
+// the tile on the gather, or, when `unpacked` is set, already unpacked there: row j of the
+// query's index list at unpacked + j * d (the op unpacks once per call when several tasks
+// share a query's rows).
 struct Source {
   const float* kv;                  // [n_window, d] of the batch entry
   int64_t n_window;
   const uint8_t* packed = nullptr;  // [n_cache, row_bytes] of the batch entry, or null
   int64_t row_bytes = 0;
   packed::Format format = packed::Format::kFp4E4m3;
+  const float* unpacked = nullptr;  // [k, d] of the query row, or null
 };
+
+// Unpacks the packed entries of one block of a query's index list (positions [j0, j1)) to
+// out + j * d, the layout Source::unpacked reads.
+template <typename Cfg, typename I>
+inline void unpack_entries(const Source& src, int64_t d, const I* idx, int64_t j0, int64_t j1,
+                           float* out) {
+  for (int64_t j = j0; j < j1; ++j) {
+    const int64_t ix = static_cast<int64_t>(idx[j]);
+    if (ix >= src.n_window)
+      Cfg::unpack(src.format, src.packed + (ix - src.n_window) * src.row_bytes, d, out + j * d);
+  }
+}
 
 // Scratch for one task, in floats.
 inline int64_t scratch_floats(const Shape& s) {
@@ -377,7 +393,7 @@ inline void softmax(const Shape& s, float scale, int64_t nv, const int* slot, fl
 }
 
 // One task: heads [h0, h0 + s.g) of one query row. q: [h, d] of the row; src: the batch
-// entry's rows (s.tile must be set when src has a packed cache); idx: [k]; sink: [h]; out:
+// entry's rows (s.tile must be set when src has packed rows to unpack); idx: [k]; sink: [h]; out:
 // [h, d] of the row. Indices already checked (-1, or below n_window + the packed rows).
 // kRoundOut: as in sparse_attention::row.
 template <typename Cfg, typename I, bool kRoundOut = true>
@@ -428,6 +444,8 @@ inline void task(const Problem& pr, const Shape& s, int64_t h0, const float* q,
       if (ix < 0) continue;
       if (ix < src.n_window && s.direct) {
         rows[nv] = src.kv + ix * d;
+      } else if (ix >= src.n_window && src.unpacked != nullptr) {
+        rows[nv] = src.unpacked + (j0 + j) * d;  // d is a multiple of 16: no padding
       } else {
         float* t = tile + nv * ldt;
         if (ix < src.n_window) {

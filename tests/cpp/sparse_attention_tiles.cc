@@ -145,15 +145,20 @@ int64_t check_packed(pk::Format f, int64_t h, int64_t d, int64_t k, int64_t n_wi
   std::vector<float> want(h * d), work(sa::scratch_floats(pr));
   sa::row<int64_t, false>(pr, q.data(), rows.data(), idx.data(), sink.data(), work.data(),
                           want.data());
-  const tl::Source src{window.data(), n_window, packed.data(), rb, f};
+  tl::Source src{window.data(), n_window, packed.data(), rb, f};
+  // The op's once-per-call variant: the packed entries unpacked to [k, d] beforehand.
+  std::vector<float> listed(k * d, NAN);
+  tl::unpack_entries<tl::CfgScalar>(src, d, idx.data(), 0, k, listed.data());
   const sa::Problem tiled_pr{h, d, k, n_window, pr.scale};
   int64_t bad = 0;
   for (const Path& p : paths) {
-    for (int64_t group : {h, int64_t{16}}) {
+    for (int64_t group : {h, int64_t{16}, -int64_t{16}}) {  // negative: pre-unpacked rows
       std::vector<float> got(h * d, -7.0f);
-      for (int64_t h0 = 0; h0 < h; h0 += group) {
-        const int64_t g = h - h0 < group ? h - h0 : group;
-        const tl::Shape s = p.shape(g, d, true);
+      src.unpacked = group < 0 ? listed.data() : nullptr;
+      const int64_t step = group < 0 ? -group : group;
+      for (int64_t h0 = 0; h0 < h; h0 += step) {
+        const int64_t g = h - h0 < step ? h - h0 : step;
+        const tl::Shape s = p.shape(g, d, group > 0);
         std::vector<float> w(tl::scratch_floats(s));
         p.tiles(tiled_pr, s, h0, q.data(), src, idx.data(), sink.data(), w.data(), got.data());
       }
