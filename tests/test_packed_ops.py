@@ -308,3 +308,81 @@ def test_building_blocks_over_the_float_range(tmp_path: Path) -> None:
     counts = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", run.stdout.splitlines()[-1])}
     assert run.returncode == 0 and counts["mismatches"] == 0, run.stdout[-3000:]
     assert counts["checked"] > 100_000_000
+
+
+# ---------------------------------------------------------------- portable bodies
+def portable_session(model: bytes) -> ort.InferenceSession:
+    """onnxruntime without the library: the function bodies run."""
+    return ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_portable_bodies_equal_the_kernels(fmt) -> None:
+    """The standard-op bodies give the packed bytes and the unpacked values of the kernels
+    (NaN payloads aside) on the adversarial rows, and on every byte value."""
+    d = DIMS[fmt]
+    x = adversarial_rows(fmt, 128, d, seed=3)
+    want_p = pack_quantized(x, fmt)
+    (p,) = portable_session(pack_model(fmt, portable=True)).run(None, {"X": x})
+    np.testing.assert_array_equal(p, want_p)
+    unpack = portable_session(unpack_model(fmt, d, portable=True))
+    (y,) = unpack.run(None, {"P": p})
+    assert_same_values(y, unpack_quantized(p, fmt, d), "portable unpack")
+    every = np.random.default_rng(4).integers(0, 256, (256, p.shape[-1]), dtype=np.uint8)
+    (y,) = unpack.run(None, {"P": every})
+    assert_same_values(y, unpack_quantized(every, fmt, d), "portable unpack, every byte")
+
+
+def test_portable_bodies_pass_the_checker() -> None:
+    nodes = [helper.make_node("PackQuantized", ["X"], ["P"], domain="csa2onnx", format=fmt)
+             for fmt in ["fp8_e8m0_32"]]
+    nodes.append(helper.make_node("UnpackQuantized", ["P"], ["Y"], domain="csa2onnx",
+                                  format="fp8_e8m0_32", dim=64))
+    graph = helper.make_graph(nodes, "packed", [vi("X", TensorProto.FLOAT, ["r", 64])],
+                              [vi("Y", TensorProto.FLOAT, ["r", 64])])
+    model = onnx.load_from_string(custom_op_model(graph, portable=True))
+    onnx.checker.check_model(model, full_check=True)
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["kernel", "portable"])
+def test_wrappers_build_typed_nodes(portable: bool) -> None:
+    """custom_ops/ops.py pack_quantized / unpack_quantized / write_rows on a packed cache:
+    typed outputs, and the same bytes and values with or without the library."""
+    import onnx_ir as ir
+
+    from csa2onnx.custom_ops import ops
+    from csa2onnx.custom_ops.portable import portable_functions
+
+    fmt, d = "fp8_e8m0_32", 64
+    width = packed_row_bytes(fmt, d)
+
+    def body(op, x, cache, start):
+        p = ops.pack_quantized(op, x, fmt)
+        assert p.dtype == ir.DataType.UINT8 and list(p.shape) == [1, "n", width]
+        y = ops.unpack_quantized(op, p, fmt, d)
+        assert y.dtype == ir.DataType.FLOAT and list(y.shape) == [1, "n", d]
+        written = ops.write_rows(op, cache, p, start)
+        assert written.dtype == ir.DataType.UINT8
+        return y, written
+
+    model = build_model("packed", [("x", FLOAT, [1, "n", d]),
+                                   ("cache", ir.DataType.UINT8, [1, "r", width]),
+                                   ("start", ir.DataType.INT64, [1])], ["y", "cache_out"],
+                        body, portable=portable)
+    rng = np.random.default_rng(8)
+    x = adversarial_rows(fmt, 6, d, seed=8)[None]
+    cache = rng.integers(0, 256, (1, 10, width), dtype=np.uint8)
+    feeds = {"x": x, "cache": cache, "start": np.array([3], np.int64)}
+    if portable:
+        model.functions.extend(portable_functions())
+        y, out = portable_session(model.SerializeToString()).run(None, feeds)
+    else:
+        y, out = make_session(model.SerializeToString()).run(None, feeds)
+    p = pack_quantized(x, fmt)
+    assert_same_values(y, unpack_quantized(p, fmt, d), "wrapper round trip")
+    want = cache.copy()
+    want[:, 3:9] = p
+    np.testing.assert_array_equal(out, want)
+    with pytest.raises(ValueError, match="not a multiple"):
+        build_model("bad", [("p", ir.DataType.UINT8, [1, 9])], ["y"],
+                    lambda op, p: ops.unpack_quantized(op, p, fmt, 48))

@@ -185,3 +185,43 @@ def test_format_and_dimension_errors() -> None:
                                      r"which do not divide d = 48"):
         s.run(None, {"Q": q, "KV": kv, "S": sink, "I": idx,
                      "C": np.zeros((1, 4, 50), np.uint8)})
+
+
+# ---------------------------------------------------------------- the graph-side wrapper
+@pytest.mark.parametrize("portable", [False, True], ids=["kernel", "portable"])
+def test_wrapper_with_a_packed_cache(portable: bool) -> None:
+    """custom_ops/ops.py sparse_attention(compressed=...): the 5-input node, or in a portable
+    graph Concat(kv, UnpackQuantized) into the 4-input body, which runs without the library;
+    either equals the same wrapper on the concatenated float rows bit for bit."""
+    import onnx_ir as ir
+
+    from csa2onnx.custom_ops import ops
+    from csa2onnx.graphs.standalone import build_model
+
+    fmt, d = "fp4_e4m3_16", 64
+    q, kv, sink, idx, c = inputs(21, 1, 2, 4, d, 16, 40, 50, fmt)
+    specs = [("q", ir.DataType.FLOAT, [1, 2, 4, d]), ("kv", ir.DataType.FLOAT, [1, "n", d]),
+             ("sink", ir.DataType.FLOAT, [4]), ("idx", ir.DataType.INT64, [1, 2, "k"])]
+    packed = build_model("sa", [*specs, ("c", ir.DataType.UINT8, [1, "m", 36])], ["o"],
+                         lambda op, *v: ops.sparse_attention(op, *v[:4], 0.125, v[4], fmt),
+                         portable=portable)
+    plain = build_model("sa", specs, ["o"], lambda op, *v: ops.sparse_attention(op, *v, 0.125),
+                        portable=portable)
+    nodes = [n.op_type for n in packed.graph.node]
+    assert ("UnpackQuantized" in nodes) == portable and "SparseAttention" in nodes
+    if portable:
+        from csa2onnx.custom_ops.portable import portable_functions
+
+        for model in (packed, plain):
+            model.functions.extend(portable_functions())
+        run = lambda m, f: ort.InferenceSession(  # noqa: E731
+            m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, f)[0]
+    else:
+        run = lambda m, f: make_session(m.SerializeToString()).run(None, f)[0]  # noqa: E731
+    got = run(packed, {"q": q, "kv": kv, "sink": sink, "idx": idx, "c": c})
+    want = run(plain, {"q": q, "kv": sparse_attention_rows(kv, c, fmt), "sink": sink,
+                       "idx": idx})
+    np.testing.assert_array_equal(bits(got), bits(want))
+    with pytest.raises(ValueError, match="unknown packed format"):
+        build_model("sa", [*specs, ("c", ir.DataType.UINT8, [1, "m", 36])], ["o"],
+                    lambda op, *v: ops.sparse_attention(op, *v[:4], 0.125, v[4], "fp4"))
