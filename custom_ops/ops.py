@@ -7,7 +7,10 @@ the model, RMSNorm is spelled out in torch's summation order, and top-k becomes 
 `TopK`, which breaks ties lowest-index-first instead of torch's way. `TorchLinear`
 also has a standard-op body there (`MatMul`, exact up to the summation order), and so has
 `Fp8Linear` (bit-exact: per-block double `MatMul`s added in block order by a `Loop`),
-and `WriteRows` (Slices and Concats: a copy, never in place).
+`WriteRows` (Slices and Concats: a copy, never in place), and `PackQuantized` /
+`UnpackQuantized` (bit-exact, NaN payloads aside). `SparseAttention` with a packed cache
+becomes Concat(kv, UnpackQuantized(cache)) and the 4-input node there: a function body
+cannot leave out an optional input it uses (onnxruntime rejects the inlined node).
 """
 
 from __future__ import annotations
@@ -18,9 +21,12 @@ from typing import Literal
 import onnx_ir as ir
 from onnxscript import OpBuilder
 
+from csa2onnx.custom_ops.constants import PACKED_FORMATS, packed_row_bytes
 from csa2onnx.custom_ops.library import DOMAIN, DOMAIN_VERSION
 
 ScaleFormat = Literal["e8m0", "e4m3"]
+# custom_ops/src/packed_quant.h: compressed KV, index keys, window KV
+PackedFormat = Literal["fp4_e4m3_16", "fp4_e8m0_32", "fp8_e8m0_32"]
 
 
 def _typed(value: ir.Value, dtype: ir.DataType, shape: ir.Shape | None = None) -> ir.Value:
@@ -174,22 +180,79 @@ def torch_sum_last_axis(op: OpBuilder, x: ir.Value, n: int) -> ir.Value:
 
 
 def sparse_attention(op: OpBuilder, q: ir.Value, kv: ir.Value, sink: ir.Value, idx: ir.Value,
-                     scale: float) -> ir.Value:
+                     scale: float, compressed: ir.Value | None = None,
+                     compressed_format: PackedFormat | None = None) -> ir.Value:
     """The reference's sparse_attn (graphs/sparse_attn.py states the semantics): q
     [b,s,h,d], kv [b,n,d], sink [h], idx [b,s,k] (int64 or int32, -1 = nothing) -> bf16
-    values in float32 [b,s,h,d], in torch CPU's arithmetic order, row by row."""
+    values in float32 [b,s,h,d], in torch CPU's arithmetic order, row by row.
+
+    `compressed`: a packed cache [b, n_cache, row_bytes] (uint8, `compressed_format`):
+    index i >= n reads its row i - n, unpacked on the kernel's gather; the result is the
+    call on Concat(kv, unpack(compressed)) bit for bit, without that copy. In a portable
+    graph it is that Concat (the head dim must then be static)."""
     if not scale > 0:
         raise ValueError(f"softmax_scale must be > 0, got {scale}")
     csa = op.builder.opset(DOMAIN, DOMAIN_VERSION)
-    return _typed(csa.SparseAttention(q, kv, sink, idx, softmax_scale=float(scale)),
+    if compressed is None:
+        return _typed(csa.SparseAttention(q, kv, sink, idx, softmax_scale=float(scale)),
+                      ir.DataType.FLOAT, q.shape)
+    _check_packed_format(compressed_format)
+    if is_portable(op):
+        d = _static_last_dim(kv) or _static_last_dim(q)
+        if d is None:
+            raise ValueError("a portable SparseAttention over a packed cache needs a static "
+                             "head dim (kv's or q's last dimension)")
+        rows = op.Concat(kv, unpack_quantized(op, compressed, compressed_format, d), axis=1)
+        return _typed(csa.SparseAttention(q, rows, sink, idx, softmax_scale=float(scale)),
+                      ir.DataType.FLOAT, q.shape)
+    return _typed(csa.SparseAttention(q, kv, sink, idx, compressed, softmax_scale=float(scale),
+                                      compressed_format=compressed_format),
                   ir.DataType.FLOAT, q.shape)
+
+
+def _check_packed_format(fmt: str | None) -> None:
+    if fmt not in PACKED_FORMATS:
+        raise ValueError(f"unknown packed format {fmt!r} (expected one of "
+                         f"{', '.join(PACKED_FORMATS)})")
+
+
+def _static_last_dim(value: ir.Value) -> int | None:
+    if value.shape is None or len(value.shape) == 0:
+        return None
+    last = value.shape[-1]
+    return last if isinstance(last, int) else None
+
+
+def pack_quantized(op: OpBuilder, x: ir.Value, fmt: PackedFormat) -> ir.Value:
+    """x float32 [..., d] -> its packed rows, uint8 [..., row_bytes(fmt, d)]: quantised as
+    the graph's round trips do (Fp4QuantDequant for the fp4 formats, act_quant for fp8),
+    codes then block scales (custom_ops/src/packed_quant.h)."""
+    _check_packed_format(fmt)
+    csa = op.builder.opset(DOMAIN, DOMAIN_VERSION)
+    shape = None
+    d = _static_last_dim(x)
+    if d is not None:  # x.shape[:-1] + [row_bytes]
+        shape = ir.Shape([*list(x.shape)[:-1], packed_row_bytes(fmt, d)])
+    return _typed(csa.PackQuantized(x, format=fmt), ir.DataType.UINT8, shape)
+
+
+def unpack_quantized(op: OpBuilder, p: ir.Value, fmt: PackedFormat, dim: int) -> ir.Value:
+    """Packed rows uint8 [..., row_bytes(fmt, dim)] -> float32 [..., dim]: value(code) *
+    scale, bit for bit the round trip's values."""
+    _check_packed_format(fmt)
+    packed_row_bytes(fmt, dim)  # dim must be a multiple of the block
+    csa = op.builder.opset(DOMAIN, DOMAIN_VERSION)
+    shape = None
+    if p.shape is not None and len(p.shape) > 0:
+        shape = ir.Shape([*list(p.shape)[:-1], dim])
+    return _typed(csa.UnpackQuantized(p, format=fmt, dim=int(dim)), ir.DataType.FLOAT, shape)
 
 
 def write_rows(op: OpBuilder, cache: ir.Value, rows: ir.Value, row_start: ir.Value,
                after: Sequence[ir.Value] = ()) -> ir.Value:
     """cache [B, R, d] with rows row_start .. row_start+n-1 of its first b entries replaced
-    by rows [b, n, d] (float32; row_start int64 [1]). In place when the runtime binds the
-    output to the cache's buffer (custom_ops/src/write_rows_op.cc).
+    by rows [b, n, d] (float32, or uint8 packed rows; row_start int64 [1]). In place when the
+    runtime binds the output to the cache's buffer (custom_ops/src/write_rows_op.cc).
 
     `after`: values computed from the OLD cache contents. The write waits for them (an
     ordering edge through the op's ignored `After` input): onnxruntime runs nodes that do
@@ -200,4 +263,7 @@ def write_rows(op: OpBuilder, cache: ir.Value, rows: ir.Value, row_start: ir.Val
     if after:  # Shape is O(1) and still needs its input computed: a cheap dependency
         shapes = [op.Shape(v) for v in after]
         inputs.append(shapes[0] if len(shapes) == 1 else op.Concat(*shapes, axis=0))
-    return _typed(csa.WriteRows(*inputs), ir.DataType.FLOAT, cache.shape)
+    dtype = cache.dtype if cache.dtype is not None else ir.DataType.FLOAT
+    if dtype not in (ir.DataType.FLOAT, ir.DataType.UINT8):
+        raise ValueError(f"WriteRows caches are float32 or uint8 (packed rows), got {dtype}")
+    return _typed(csa.WriteRows(*inputs), dtype, cache.shape)

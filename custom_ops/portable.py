@@ -1,5 +1,6 @@
-"""Fp4QuantDequant, TorchLinear, TorchRMSNorm, SparseAttention, Fp8Linear and WriteRows as ONNX
-functions of standard ops (domain csa2onnx, version 1).
+"""Fp4QuantDequant, TorchLinear, TorchRMSNorm, SparseAttention, Fp8Linear, WriteRows,
+PackQuantized and UnpackQuantized as ONNX functions of standard ops (domain csa2onnx,
+version 1).
 
 Attached to a model as local functions, they let the model run on any onnxruntime without
 the custom-op library; where the library is registered its kernels are used instead.
@@ -15,12 +16,17 @@ to exactness, the e4m3 rounding a saturating Cast), each K block's dot a DOUBLE 
 order by a Loop, so the accumulation order is exactly the definition's, not only up to
 reassociation. It widens W to float32 (onnxruntime may constant-fold that Cast, keeping
 4 bytes per weight for the session) and each block's [32, N] slice to double. WriteRows
-is Slices and Concats: exact, but it copies the whole cache on every call (the kernel
-writes only the new rows when the runtime binds the cache in place).
+is Slices and Concats (any element type): exact, but it copies the whole cache on every call
+(the kernel writes only the new rows when the runtime binds the cache in place).
+PackQuantized and UnpackQuantized are bit-exact with the kernels (NaN payloads aside): the
+quantisers' own steps, then the codes by exact arithmetic and the values from tables.
+SparseAttention's body takes the 4 float inputs only: a portable graph feeds it
+Concat(KV, UnpackQuantized(Compressed)) instead of a packed cache (custom_ops/ops.py).
 """
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import onnx
 from onnxscript import FLOAT, INT64, script
@@ -197,8 +203,9 @@ def Fp8Linear(X: FLOAT, W, WScale: FLOAT, block_size: int = 32) -> FLOAT:
 
 
 @script(csa2onnx)
-def WriteRows(Cache: FLOAT, Rows: FLOAT, RowStart: INT64, After: INT64) -> FLOAT:
-    # After only orders the write after its producers; the copy needs no ordering.
+def WriteRows(Cache, Rows, RowStart: INT64, After: INT64):
+    # Any element type (float caches, uint8 packed rows). After only orders the write after
+    # its producers; the copy needs no ordering.
     start = op.Reshape(RowStart, [1])
     end = op.Add(start, op.Slice(op.Shape(Rows), [1], [2]))
     b = op.Slice(op.Shape(Rows), [0], [1])
@@ -206,6 +213,134 @@ def WriteRows(Cache: FLOAT, Rows: FLOAT, RowStart: INT64, After: INT64) -> FLOAT
     written = op.Concat(op.Slice(top, [0], start, [1]), Rows,
                         op.Slice(top, end, [9223372036854775807], [1]), axis=1)
     return op.Concat(written, op.Slice(Cache, b, [9223372036854775807], [0]), axis=0)
+
+
+# Packed rows (custom_ops/src/packed_quant.h). One body serves the three formats: the block,
+# the codes per byte and each step are picked by the format attribute (Where), every
+# variant computed (the library-free path is not the fast one).
+_E4M3_VALUES = [float(v) for v in
+                np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)]
+_E8M0_VALUES = [float(np.ldexp(np.float32(1.0), b - 127)) for b in range(255)] + [float("nan")]
+_E2M1_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0,
+                -4.0, -6.0] + [0.0] * 240  # padded to 256 to share the e4m3 table's shape
+# 2^k for k = -5 .. 8: an e4m3 value's exponent is -6 plus how many of these it reaches.
+_E4M3_BINADES = [2.0**k for k in range(-5, 9)]
+
+
+@script(csa2onnx)
+def PackQuantized(X: FLOAT, format: str):
+    # Quantises as Fp4QuantDequant / act_quant (the same floors, one float operation each);
+    # then the codes by exact arithmetic: an e2m1 code by the rounding thresholds, an e4m3
+    # code of an exact e4m3 value a as 8E + 48 + a * 2^(3 - E) (E its exponent, -6 below the
+    # normals, where this is a * 512), an e8m0 byte as log2(s) + 127 (s a power of two).
+    fmt = op.Constant(value_string=format)
+    is_e4m3 = op.Equal(fmt, op.Constant(value_string="fp4_e4m3_16"))
+    is_fp8 = op.Equal(fmt, op.Constant(value_string="fp8_e8m0_32"))
+    block = op.Where(is_e4m3, op.Constant(value_ints=[16]), op.Constant(value_ints=[32]))
+    shape = op.Shape(X)
+    lead = op.Slice(shape, [0], [-1])
+    d = op.Slice(shape, [-1], [9223372036854775807])
+    x = op.Reshape(X, op.Concat(lead, op.Div(d, block), block, axis=0))
+    amax = op.ReduceMax(op.Abs(x), [-1], keepdims=1)
+    has_nan = op.Cast(op.ReduceMax(op.Cast(op.IsNaN(x), to=onnx.TensorProto.FLOAT), [-1],
+                                   keepdims=1), to=onnx.TensorProto.BOOL)
+    amax = op.Where(has_nan, op.Constant(value_float=float("nan")), amax)
+    # The scales: e8m0 2^ceil(log2(max(amax, 6 * 2^-126) / 6)); act_quant's
+    # 2^ceil(log2(max(amax, 1e-4) / 448)); e4m3 e4m3(max(amax, 6 * 2^-9) / 6), saturating.
+    # (NaN stays NaN through Where(Less) floors.)
+    f8 = op.Constant(value_float=_E8M0_AMAX_FLOOR)
+    t_fp4 = op.Where(op.Less(amax, f8), f8, amax) * op.Constant(value_float=1.0 / 6.0)
+    f_fp8 = op.Constant(value_float=_FP8_AMAX_FLOOR)
+    t_fp8 = op.Where(op.Less(amax, f_fp8), f_fp8, amax) * op.Constant(value_float=_FP8_MAX_INV)
+    t = op.Where(is_fp8, t_fp8, t_fp4)
+    p = op.Pow(op.Constant(value_float=2.0),
+               op.Ceil(op.Div(op.Log(t), op.Constant(value_float=0.6931471805599453))))
+    p = op.Where(op.Less(p, t), p * 2.0, p)
+    half = p * 0.5
+    s_pow2 = op.Where(op.GreaterOrEqual(half, t), half, p)
+    f4 = op.Constant(value_float=_E4M3_AMAX_FLOOR)
+    s_e4m3 = op.Cast(op.Cast(op.Div(op.Where(op.Less(amax, f4), f4, amax),
+                                    op.Constant(value_float=6.0)),
+                             to=onnx.TensorProto.FLOAT8E4M3FN, saturate=1),
+                     to=onnx.TensorProto.FLOAT)
+    s = op.Where(is_e4m3, s_e4m3, s_pow2)  # [..., blocks, 1]
+    bad = op.Or(op.IsNaN(s), op.IsInf(s))  # the round trip is NaN throughout: codes 0
+
+    bound = op.Where(is_fp8, op.Constant(value_float=448.0), op.Constant(value_float=6.0))
+    v = op.Clip(op.Div(x, s), op.Neg(bound), bound)
+    a = op.Abs(v)
+    # e2m1 index: how many thresholds |v| passes (ties to the even code: .25, 1.25, 2.5 and 5
+    # must be exceeded, .75, 1.75 and 3.5 reached)
+    above = op.Greater(op.Unsqueeze(a, [-1]), op.Constant(value_floats=[0.25, 1.25, 2.5, 5.0]))
+    reach = op.GreaterOrEqual(op.Unsqueeze(a, [-1]), op.Constant(value_floats=[0.75, 1.75, 3.5]))
+    e2m1 = op.Cast(op.ReduceSum(op.Cast(above, to=onnx.TensorProto.FLOAT), [-1], keepdims=0) +
+                   op.ReduceSum(op.Cast(reach, to=onnx.TensorProto.FLOAT), [-1], keepdims=0),
+                   to=onnx.TensorProto.INT64)
+    zero = op.Constant(value_float=0.0)
+    negative = op.Or(op.Less(v, zero), op.Less(op.Reciprocal(v), zero))  # -0 too
+    code4 = e2m1 + op.Cast(negative, to=onnx.TensorProto.INT64) * op.Constant(value_int=8)
+
+    binades = op.Constant(value_floats=_E4M3_BINADES)
+    q8 = op.Cast(op.Cast(v, to=onnx.TensorProto.FLOAT8E4M3FN), to=onnx.TensorProto.FLOAT)
+    a8 = op.Abs(q8)
+    e8 = op.ReduceSum(op.Cast(op.GreaterOrEqual(op.Unsqueeze(a8, [-1]), binades),
+                              to=onnx.TensorProto.FLOAT), [-1], keepdims=0) - 6.0
+    m8 = a8 * op.Pow(op.Constant(value_float=2.0), op.Constant(value_float=3.0) - e8)
+    negative8 = op.Or(op.Less(q8, zero), op.Less(op.Reciprocal(q8), zero))
+    code8 = (op.Cast(e8 * 8.0 + 48.0 + m8, to=onnx.TensorProto.INT64) +
+             op.Cast(negative8, to=onnx.TensorProto.INT64) * op.Constant(value_int=128))
+    code8 = op.Where(op.IsNaN(q8), op.Constant(value_int=127), code8)
+    code = op.Where(bad, op.Constant(value_int=0), op.Where(is_fp8, code8, code4))
+
+    per_byte = op.Where(is_fp8, op.Constant(value_ints=[1]), op.Constant(value_ints=[2]))
+    pairs = op.Reshape(code, op.Concat(lead, op.Constant(value_ints=[-1]), per_byte, axis=0))
+    weights = op.Slice(op.Constant(value_ints=[1, 16]), [0], per_byte)
+    codes = op.ReduceSum(pairs * weights, [-1], keepdims=0)
+
+    # Scale bytes: the e4m3 code of s (as above), or log2(s) + 127 (0xFF for NaN / inf).
+    s1 = op.Where(bad, op.Constant(value_float=1.0), s)
+    es = op.ReduceSum(op.Cast(op.GreaterOrEqual(op.Unsqueeze(s1, [-1]), binades),
+                              to=onnx.TensorProto.FLOAT), [-1], keepdims=0) - 6.0
+    ms = s1 * op.Pow(op.Constant(value_float=2.0), op.Constant(value_float=3.0) - es)
+    e4m3_byte = op.Cast(es * 8.0 + 48.0 + ms, to=onnx.TensorProto.INT64)
+    e4m3_byte = op.Where(op.IsNaN(s), op.Constant(value_int=127), e4m3_byte)
+    e8m0_byte = op.Cast(op.Round(op.Div(op.Log(s1), op.Constant(value_float=0.6931471805599453))),
+                        to=onnx.TensorProto.INT64) + op.Constant(value_int=127)
+    e8m0_byte = op.Where(bad, op.Constant(value_int=255), e8m0_byte)
+    scale_bytes = op.Reshape(op.Where(is_e4m3, e4m3_byte, e8m0_byte),
+                             op.Concat(lead, op.Constant(value_ints=[-1]), axis=0))
+    return op.Cast(op.Concat(codes, scale_bytes, axis=-1), to=onnx.TensorProto.UINT8)
+
+
+@script(csa2onnx)
+def UnpackQuantized(P, format: str, dim: int) -> FLOAT:
+    # value(code) * scale in float32, the codes and scale bytes looked up in 256-entry tables.
+    fmt = op.Constant(value_string=format)
+    is_e4m3 = op.Equal(fmt, op.Constant(value_string="fp4_e4m3_16"))
+    is_fp8 = op.Equal(fmt, op.Constant(value_string="fp8_e8m0_32"))
+    block = op.Where(is_e4m3, op.Constant(value_ints=[16]), op.Constant(value_ints=[32]))
+    per_byte = op.Where(is_fp8, op.Constant(value_ints=[1]), op.Constant(value_ints=[2]))
+    d = op.Reshape(op.Constant(value_int=dim), [1])
+    code_bytes = op.Div(d, per_byte)
+    lead = op.Slice(op.Shape(P), [0], [-1])
+    p = op.Cast(P, to=onnx.TensorProto.INT64)
+    packed = op.Unsqueeze(op.Slice(p, [0], code_bytes, [-1]), [-1])  # [..., bytes, 1]
+    scale_bytes = op.Slice(p, code_bytes, [9223372036854775807], [-1])
+    # code j of a byte: (byte // 16^j) % 16 for fp4 (element 2i low, 2i+1 high); the byte
+    # itself for fp8
+    j = op.Range(op.Constant(value_int=0), op.Squeeze(per_byte, [0]), op.Constant(value_int=1))
+    modulus = op.Where(is_fp8, op.Constant(value_int=256), op.Constant(value_int=16))
+    codes = op.Mod(op.Div(packed, op.Pow(op.Constant(value_int=16), j)), modulus)
+    codes = op.Reshape(codes, op.Concat(lead, d, axis=0))
+    # The format picks its half of a table by an index offset: Where would lose the sign of
+    # zero (onnxruntime's Where returns +0 for -0).
+    codes = codes + op.Cast(is_fp8, to=onnx.TensorProto.INT64) * op.Constant(value_int=256)
+    values = op.Gather(op.Constant(value_floats=_E2M1_VALUES + _E4M3_VALUES), codes)
+    scale_bytes = scale_bytes + op.Cast(is_e4m3, to=onnx.TensorProto.INT64) * op.Constant(
+        value_int=256)
+    scales = op.Gather(op.Constant(value_floats=_E8M0_VALUES + _E4M3_VALUES), scale_bytes)
+    y = op.Reshape(values, op.Concat(lead, op.Constant(value_ints=[-1]), block, axis=0))
+    return op.Reshape(y * op.Unsqueeze(scales, [-1]), op.Concat(lead, d, axis=0))
 
 
 def fp4_function_proto() -> onnx.FunctionProto:
@@ -216,4 +351,5 @@ def fp4_function_proto() -> onnx.FunctionProto:
 def portable_functions() -> list[onnx.FunctionProto]:
     """The functions to add to a model's `functions` for a library-free artifact."""
     return [f.to_function_proto() for f in (Fp4QuantDequant, TorchLinear, TorchRMSNorm,
-                                             SparseAttention, Fp8Linear, WriteRows)]
+                                             SparseAttention, Fp8Linear, WriteRows,
+                                             PackQuantized, UnpackQuantized)]

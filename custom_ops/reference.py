@@ -1,4 +1,5 @@
-"""NumPy definitions of the quantisers, written to be read beside reference.md.
+"""NumPy definitions of the quantisers and of the packed state rows, written to be read
+beside reference.md.
 
 These are the readable specification the C++ kernels and the graphs are tested against;
 they are not used at run time.
@@ -8,6 +9,8 @@ from __future__ import annotations
 
 import ml_dtypes
 import numpy as np
+
+from csa2onnx.custom_ops.constants import PACKED_FORMATS, packed_row_bytes
 
 E2M1_GRID = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float32)
 FP4_E8M0_AMAX_FLOOR = np.float32(6.0 * 2.0**-126)
@@ -140,3 +143,113 @@ def fp8_linear(x: np.ndarray, w: np.ndarray, w_scale: np.ndarray,
             scale = xs[:, b:b + 1] * ws[:, b][None, :]  # float32 product of the two scales
             acc = acc + dot.astype(np.float32) * scale
     return acc.reshape(*x.shape[:-1], n)
+
+
+# ---------------------------------------------------------------- packed state rows
+def _e4m3_codes(q: np.ndarray) -> np.ndarray:
+    """float8 e4m3fn codes of values that are exactly e4m3 (NaN -> 0x7F)."""
+    codes = np.asarray(q, np.float32).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    return np.where(np.isnan(q), np.uint8(0x7F), codes).astype(np.uint8)
+
+
+def _e4m3_values() -> np.ndarray:
+    """The value of every e4m3fn code, [256] float32 (NaN at 0x7F and 0xFF)."""
+    return np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+
+
+def _e8m0_values() -> np.ndarray:
+    """2^(byte - 127) for every byte, [256] float32 (2^-127 at 0, NaN at 0xFF)."""
+    values = np.ldexp(np.float32(1.0), np.arange(255) - 127).astype(np.float32)
+    return np.append(values, np.float32(np.nan)).astype(np.float32)
+
+
+def _packed_format(fmt: str, d: int) -> tuple[int, int]:
+    packed_row_bytes(fmt, d)  # checks the format and d
+    return PACKED_FORMATS[fmt]
+
+
+def pack_quantized(x: np.ndarray, fmt: str) -> np.ndarray:
+    """PackQuantized: float32 [..., d] -> uint8 [..., row_bytes] (constants.packed_row_bytes).
+
+    Quantises as the round trips do (fp4_round_trip for "fp4_e4m3_16" / "fp4_e8m0_32",
+    act_quant_e4m3 for "fp8_e8m0_32") and stores the codes, then one scale byte per block.
+    fp4: e2m1 codes (magnitude index in E2M1_GRID, sign in bit 3), element 2i in the low
+    nibble of byte i, 2i+1 in the high one. fp8: one e4m3fn code a value. Scale bytes: the
+    e4m3fn code of an e4m3 scale, the biased exponent of an e8m0 one (0xFF: NaN or inf).
+    A block whose scale is NaN or inf (every value of its round trip NaN) has codes 0.
+    """
+    x = np.asarray(x, np.float32)
+    d = x.shape[-1]
+    block, per_byte = _packed_format(fmt, d)
+    lead = x.shape[:-1]
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        if fmt == "fp8_e8m0_32":
+            q, scales = act_quant_e4m3(x, block)
+            codes = _e4m3_codes(q).reshape(*lead, d // block, block)
+        else:
+            scale_format = "e4m3" if fmt == "fp4_e4m3_16" else "e8m0"
+            scales = fp4_block_scales(x, block, scale_format)
+            blocks = x.reshape(*lead, d // block, block)
+            q = e2m1_rne(np.clip(blocks / scales, -6.0, 6.0))
+            scales = scales[..., 0]
+            index = np.searchsorted(E2M1_GRID, np.where(np.isnan(q), 0, np.abs(q)))
+            codes = (index + 8 * np.signbit(q)).astype(np.uint8)
+    bad = ~np.isfinite(scales)
+    codes = np.where(bad[..., None], np.uint8(0), codes).reshape(*lead, d)
+    if per_byte == 2:
+        codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    if fmt == "fp4_e4m3_16":
+        scale_bytes = _e4m3_codes(scales)
+    else:
+        scale_bytes = ((scales.view(np.uint32) >> 23) & 0xFF).astype(np.uint8)
+    return np.concatenate([codes.astype(np.uint8), scale_bytes], axis=-1)
+
+
+def unpack_quantized(p: np.ndarray, fmt: str, dim: int) -> np.ndarray:
+    """UnpackQuantized: uint8 [..., row_bytes] -> float32 [..., dim], value(code) * scale in
+    float32: bit for bit the round trip's bf16(q * s) (exact, or inf where that overflows);
+    NaN for every value of a block with a NaN scale byte."""
+    p = np.asarray(p, np.uint8)
+    block, per_byte = _packed_format(fmt, dim)
+    if p.shape[-1:] != (packed_row_bytes(fmt, dim),):
+        raise ValueError(f"{fmt} rows of {dim} values are {packed_row_bytes(fmt, dim)} bytes, "
+                         f"got shape {p.shape}")
+    lead = p.shape[:-1]
+    code_bytes = dim // per_byte
+    codes, scale_bytes = p[..., :code_bytes], p[..., code_bytes:]
+    if per_byte == 2:
+        codes = np.stack([codes & 15, codes >> 4], axis=-1).reshape(*lead, dim)
+        signed_grid = np.concatenate([E2M1_GRID, -E2M1_GRID]).astype(np.float32)
+        values = signed_grid[codes]
+    else:
+        values = _e4m3_values()[codes]
+    scales = (_e4m3_values() if fmt == "fp4_e4m3_16" else _e8m0_values())[scale_bytes]
+    with np.errstate(invalid="ignore", over="ignore"):
+        y = values.reshape(*lead, dim // block, block) * scales[..., None]
+    return y.astype(np.float32).reshape(*lead, dim)
+
+
+def sparse_attention_rows(kv: np.ndarray, compressed: np.ndarray | None = None,
+                          fmt: str | None = None) -> np.ndarray:
+    """The rows SparseAttention reads, [b, n_window + n_cache, d]: KV's rows, then the packed
+    compressed cache's rows unpacked (index i >= n_window reads compressed row i - n_window).
+    The op's result with `Compressed` equals its result on these rows, bit for bit."""
+    kv = np.asarray(kv, np.float32)
+    if compressed is None:
+        return kv
+    if fmt is None:
+        raise ValueError("a packed compressed cache needs its format")
+    return np.concatenate([kv, unpack_quantized(compressed, fmt, kv.shape[-1])], axis=1)
+
+
+def write_rows(cache: np.ndarray, rows: np.ndarray, row_start: int) -> np.ndarray:
+    """WriteRows: cache [B, R, ...] with rows row_start .. row_start+n-1 of its first b
+    entries replaced by rows [b, n, ...] (any element type, the cache's)."""
+    out = np.array(cache, copy=True)
+    if rows.shape[0] > cache.shape[0] or rows.shape[2:] != cache.shape[2:]:
+        raise ValueError(f"rows {rows.shape} do not fit cache {cache.shape}")
+    if not 0 <= row_start <= cache.shape[1] - rows.shape[1]:
+        raise ValueError(f"rows {row_start}..{row_start + rows.shape[1] - 1} are past the "
+                         f"cache's {cache.shape[1]} rows")
+    out[:rows.shape[0], row_start:row_start + rows.shape[1]] = rows
+    return out

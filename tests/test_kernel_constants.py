@@ -27,3 +27,16 @@ def test_sparse_attention_constants() -> None:
 
 def test_fp8_block() -> None:
     assert header_constant("fp8_linear.h", "kBlock") == constants.FP8_BLOCK
+
+
+def test_packed_formats() -> None:
+    """Each packed format's block and codes per byte (row_bytes follows from them: the op's
+    output width is checked against constants.packed_row_bytes in tests/test_packed_ops.py)."""
+    names = {"fp4_e4m3_16": ("kFp4E4m3Block", "kFp4CodesPerByte"),
+             "fp4_e8m0_32": ("kFp4E8m0Block", "kFp4CodesPerByte"),
+             "fp8_e8m0_32": ("kFp8E8m0Block", "kFp8CodesPerByte")}
+    assert set(names) == set(constants.PACKED_FORMATS)
+    for fmt, (block, per_byte) in names.items():
+        assert header_constant("packed_quant.h", block) == constants.PACKED_FORMATS[fmt][0]
+        assert header_constant("packed_quant.h", per_byte) == constants.PACKED_FORMATS[fmt][1]
+    assert header_constant("packed_quant.h", "kFp8E8m0Block") == constants.FP8_BLOCK

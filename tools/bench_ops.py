@@ -15,7 +15,8 @@ machine's load then hits them alike), and each time is the median over the round
 
     python tools/bench_ops.py --only fp8 [--fp8-rows 1,4,256,1024]   # Fp8Linear section only
 
-    python tools/bench_ops.py --only sparse [--threads 2]           # SparseAttention only
+    python tools/bench_ops.py --only sparse [--threads 2] [--sparse-decode]  # SparseAttention
+    python tools/bench_ops.py --only packed                         # Pack/UnpackQuantized only
 
 Fp4QuantDequant: values/s of the onnxruntime kernel, the NumPy definition
 (custom_ops/reference.py) and a compact torch version of the same round trip, on a float32
@@ -27,9 +28,19 @@ reference's vectorised torch sparse_attn (einsum per block of 64; read from --sp
 by default ../shared/reference/kernel_cpu.py beside the checkout, left out when absent);
 the three run interleaved, so that a load shared with other processes hits them alike.
 Each implementation's outputs are checked equal to the kernel's first, so the timings compare
-the same work. onnxruntime runs with intra_op_num_threads = torch.get_num_threads(); NumPy is
-single-threaded here (no BLAS in these paths). Times are the median of the repeats; session
-creation is excluded, output allocation included everywhere.
+the same work. Decode shapes (b*s <= 4) read a window of 128 float rows and a compressed cache
+of 2048 fp4_e4m3_16 rows (fp4 values in the float KV), and add two ways a layer can feed them:
+"Concat + kernel" (today's layer: Concat(window rows, float cache) then the kernel, the
+O(context) copy per step included) and "packed cache" (the kernel reading the window rows and
+the packed cache, input Compressed; no copy). With CSA2ONNX_OPS_LIBRARY naming an older build
+that lacks the packed input, those rows are left out. onnxruntime runs with
+intra_op_num_threads = torch.get_num_threads(); NumPy is single-threaded here (no BLAS in these
+paths). Times are the median of the repeats; session creation is excluded, output allocation
+included everywhere.
+
+PackQuantized / UnpackQuantized (--only packed): values/s on [4096, d] rows of each format
+(d = 512, 128 for the index keys) against today's round trip (the Fp4QuantDequant kernel, or
+the graph's act_quant), which the packed pair replaces, and the NumPy definitions.
 
 Fp8Linear: milliseconds per call against the bf16 TorchLinear on the same [N, K] (the same
 values: e4m3 is exact in bf16), both with W a constant initializer, at the released
@@ -60,7 +71,14 @@ from csa2onnx.custom_ops import make_session, session_options
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import upstream
 
-from csa2onnx.custom_ops.reference import fp4_round_trip, fp8_linear, round_bf16
+from csa2onnx.custom_ops.constants import PACKED_FORMATS
+from csa2onnx.custom_ops.reference import (
+    fp4_round_trip,
+    fp8_linear,
+    pack_quantized,
+    round_bf16,
+    unpack_quantized,
+)
 
 OPSETS = [helper.make_opsetid("", 21), helper.make_opsetid("csa2onnx", 1)]
 
@@ -329,6 +347,53 @@ def sparse_attention_inputs(rng: np.random.Generator, b: int, s: int, h: int, d:
     return {"Q": q, "KV": kv, "S": sink, "I": idx}
 
 
+DECODE_WINDOW, DECODE_CACHE, CACHE_FORMAT = 128, 2048, "fp4_e4m3_16"
+
+
+def sparse_decode_inputs(rng: np.random.Generator, b: int, s: int, h: int, d: int,
+                         k: int) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+    """Decode as a layer runs it: the window's 128 float rows, then a compressed cache of 2048
+    fp4_e4m3_16 rows; per query the window rows, then compressed rows (offset by 128).
+    Returns the float feeds (KV = window rows, then the cache's values), the window rows and
+    the packed cache."""
+    bf16 = ml_dtypes.bfloat16
+    q = rng.standard_normal((b, s, h, d)).astype(bf16).astype(np.float32)
+    window = rng.standard_normal((b, DECODE_WINDOW, d)).astype(bf16).astype(np.float32)
+    latents = rng.standard_normal((b, DECODE_CACHE, d)).astype(bf16).astype(np.float32)
+    packed = pack_quantized(latents, CACHE_FORMAT)
+    kv = np.concatenate([window, unpack_quantized(packed, CACHE_FORMAT, d)], axis=1)
+    sink = rng.standard_normal(h).astype(np.float32)
+    idx = np.concatenate([np.broadcast_to(np.arange(DECODE_WINDOW), (b, s, DECODE_WINDOW)),
+                          DECODE_WINDOW + rng.integers(0, DECODE_CACHE,
+                                                       (b, s, k - DECODE_WINDOW))],
+                         axis=-1).astype(np.int64)
+    return {"Q": q, "KV": kv, "S": sink, "I": idx}, window, packed
+
+
+def sparse_layer_session(scale: float, threads: int, packed: bool) -> ort.InferenceSession:
+    """The kernel as a decode layer feeds it: Concat(window rows, float cache) then the kernel
+    (packed=False), or the window rows and the packed cache (packed=True)."""
+    vi = helper.make_tensor_value_info
+    if packed:
+        nodes = [helper.make_node("SparseAttention", ["Q", "W", "S", "I", "C"], ["O"],
+                                  domain="csa2onnx", softmax_scale=scale,
+                                  compressed_format=CACHE_FORMAT)]
+        cache = vi("C", TensorProto.UINT8, ["b", "m", "r"])
+    else:
+        nodes = [helper.make_node("Concat", ["W", "C"], ["KV"], axis=1),
+                 helper.make_node("SparseAttention", ["Q", "KV", "S", "I"], ["O"],
+                                  domain="csa2onnx", softmax_scale=scale)]
+        cache = vi("C", TensorProto.FLOAT, ["b", "m", "d"])
+    graph = helper.make_graph(
+        nodes, "layer", [vi("Q", TensorProto.FLOAT, ["b", "s", "h", "d"]),
+                         vi("W", TensorProto.FLOAT, ["b", "w", "d"]),
+                         vi("S", TensorProto.FLOAT, ["h"]),
+                         vi("I", TensorProto.INT64, ["b", "s", "k"]), cache],
+        [vi("O", TensorProto.FLOAT, ["b", "s", "h", "d"])])
+    model = helper.make_model(graph, opset_imports=OPSETS).SerializeToString()
+    return make_session(model, options=session_options(threads))
+
+
 def interleaved_medians(fns: dict[str, Callable[[], Any]], repeat: int) -> dict[str, float]:
     """Median seconds per call of each function, the calls taking turns (after one warm-up
     call each)."""
@@ -359,7 +424,13 @@ def bench_sparse_attention(args: argparse.Namespace, threads: int,
         print("note: no torch sparse_attn to compare with (--sparse-torch)", file=sys.stderr)
     rows = []
     for b, s, h, d, k in SPARSE_SHAPES:
-        feeds = sparse_attention_inputs(rng, b, s, h, d, k)
+        decode = b * s <= 4
+        if args.sparse_decode and not decode:
+            continue
+        if decode:
+            feeds, window, packed = sparse_decode_inputs(rng, b, s, h, d, k)
+        else:
+            feeds = sparse_attention_inputs(rng, b, s, h, d, k)
         scale = d**-0.5
         new = sparse_attention_session("", scale, threads)  # the widest path this CPU has
         old = sparse_attention_session("reference", scale, threads)
@@ -370,6 +441,21 @@ def bench_sparse_attention(args: argparse.Namespace, threads: int,
             "onnxruntime kernel": lambda f=feeds, x=new: x.run(None, f),
             "old per-row kernel": lambda f=feeds, x=old: x.run(None, f),
         }
+        if decode:
+            base = {"Q": feeds["Q"], "W": window, "S": feeds["S"], "I": feeds["I"]}
+            layer_feeds = {"Concat + kernel": base | {"C": feeds["KV"][:, DECODE_WINDOW:]},
+                           "packed cache": base | {"C": packed}}
+            for impl, lf in layer_feeds.items():
+                try:
+                    sess = sparse_layer_session(scale, threads, impl == "packed cache")
+                    out = sess.run(None, lf)[0]
+                except Exception as e:  # an older library without the packed input
+                    print(f"note: {impl} left out: {str(e).splitlines()[0][:120]}",
+                          file=sys.stderr)
+                    continue
+                if not same_bits(out, o_new):
+                    print(f"warning: SparseAttention {impl} != the kernel", file=sys.stderr)
+                fns[impl] = lambda f=lf, x=sess: x.run(None, f)
         if torch_sparse_attn is not None:
             tq, tkv, tsink, tidx = (torch.from_numpy(feeds[n]) for n in ("Q", "KV", "S", "I"))
             fns["torch einsum"] = lambda a=(tq, tkv, tsink, tidx), sc=scale: torch_sparse_attn(
@@ -382,6 +468,73 @@ def bench_sparse_attention(args: argparse.Namespace, threads: int,
             rows.append(("SparseAttention", f"b{b} s{s} h{h} d{d} k{k}", impl, seconds,
                          flops / seconds, "FLOP/s"))
     return rows
+
+
+def packed_model(kind: str, fmt: str, d: int) -> bytes:
+    """PackQuantized (X float -> P uint8) or UnpackQuantized (P -> Y float) alone."""
+    vi = helper.make_tensor_value_info
+    if kind == "pack":
+        node = helper.make_node("PackQuantized", ["X"], ["P"], domain="csa2onnx", format=fmt)
+        io = (vi("X", TensorProto.FLOAT, ["r", d]), vi("P", TensorProto.UINT8, ["r", "w"]))
+    else:
+        node = helper.make_node("UnpackQuantized", ["P"], ["X"], domain="csa2onnx", format=fmt,
+                                dim=d)
+        io = (vi("P", TensorProto.UINT8, ["r", "w"]), vi("X", TensorProto.FLOAT, ["r", d]))
+    graph = helper.make_graph([node], kind, [io[0]], [io[1]])
+    return helper.make_model(graph, opset_imports=OPSETS).SerializeToString()
+
+
+def act_quant_model(d: int) -> bytes:
+    from csa2onnx.graphs import quant
+    from csa2onnx.graphs.numerics import FLOAT
+    from csa2onnx.graphs.standalone import build_model
+
+    return build_model("act_quant", [("x", FLOAT, ["n", d])], ["y"],
+                       lambda op, x: quant.act_quant(op, x)).SerializeToString()
+
+
+def bench_packed(args: argparse.Namespace, options: ort.SessionOptions,
+                 rng: np.random.Generator) -> list[Row]:
+    """PackQuantized and UnpackQuantized against today's round trip and the NumPy definitions."""
+    dims = {"fp4_e4m3_16": 512, "fp4_e8m0_32": 128, "fp8_e8m0_32": 512}
+    rows = []
+    for fmt, d in dims.items():
+        x = (rng.standard_normal((4096, d)) * np.exp2(rng.integers(-8, 8, (4096, 1)))).astype(
+            np.float32)
+        rows += bench_packed_format(args, options, fmt, x)
+    return rows
+
+
+def bench_packed_format(args: argparse.Namespace, options: ort.SessionOptions, fmt: str,
+                        x: np.ndarray) -> list[Row]:
+    d = x.shape[-1]
+    pack = make_session(packed_model("pack", fmt, d), options=options)
+    unpack = make_session(packed_model("unpack", fmt, d), options=options)
+    (p,) = pack.run(None, {"X": x})
+    (y,) = unpack.run(None, {"P": p})
+    if fmt.startswith("fp8"):
+        today = make_session(act_quant_model(d), options=options)
+        today_feeds = {"x": x}
+    else:
+        block = PACKED_FORMATS[fmt][0]
+        today = make_session(fp4_model(block, "e4m3" if "e4m3" in fmt else "e8m0"),
+                             options=options)
+        today_feeds = {"X": x}
+    if not (np.array_equal(p, pack_quantized(x, fmt)) and
+            same_bits(y, today.run(None, today_feeds)[0])):
+        print(f"warning: {fmt}: packed rows differ from the definition", file=sys.stderr)
+    impls = {
+        "onnxruntime kernel": median_time(lambda: pack.run(None, {"X": x}), args.repeat,
+                                          args.min_time),
+        "unpack kernel": median_time(lambda: unpack.run(None, {"P": p}), args.repeat,
+                                     args.min_time),
+        "today's round trip": median_time(lambda: today.run(None, today_feeds), args.repeat,
+                                          args.min_time),
+        "numpy pack": median_time(lambda: pack_quantized(x, fmt), 2, args.min_time),
+        "numpy unpack": median_time(lambda: unpack_quantized(p, fmt, d), 2, args.min_time),
+    }
+    return [(f"PackQuantized {fmt}", f"[4096, {d}]", impl, seconds, x.size / seconds,
+             "values/s") for impl, seconds in impls.items()]
 
 
 def median_time(fn: Callable[[], Any], repeat: int, min_time: float) -> float:
@@ -412,7 +565,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--min-time", type=float, default=1.0, help="seconds per measurement")
-    parser.add_argument("--only", choices=["linear", "fp8", "fp4", "topk", "sparse"],
+    parser.add_argument("--only", choices=["linear", "fp8", "fp4", "topk", "sparse", "packed"],
                         action="append",
                         help="run only these sections (repeatable; default: all)")
     parser.add_argument("--linear-m", type=int, nargs="+", default=[1, 256, 1024],
@@ -428,10 +581,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sparse-torch", default=str(upstream.reference_dir() / "kernel_cpu.py"),
                         help="a file defining the reference's torch sparse_attn (default: the "
                              "upstream reference's kernel_cpu.py)")
+    parser.add_argument("--sparse-decode", action="store_true",
+                        help="SparseAttention: the decode shapes only (b*s <= 4)")
     parser.add_argument("--fp8-rows", default="1,4,256,1024",
                         help="comma-separated M for the Fp8Linear section")
     args = parser.parse_args(argv)
-    sections = set(args.only or ["linear", "fp8", "fp4", "topk", "sparse"])
+    sections = set(args.only or ["linear", "fp8", "fp4", "topk", "sparse", "packed"])
     if "fp8" in sections:
         bench_fp8_linear([int(r) for r in args.fp8_rows.split(",")], args.repeat, args.min_time)
         print()
@@ -443,7 +598,7 @@ def main(argv: list[str] | None = None) -> int:
         bench_linear(args.linear_m, threads, args.repeat, args.min_time, args.baseline_library,
                      args.linear_layers)
         print()
-    if not sections & {"fp4", "topk", "sparse"}:
+    if not sections & {"fp4", "topk", "sparse", "packed"}:
         return 0
     options = session_options(threads)
     rng = np.random.default_rng(0)
@@ -498,6 +653,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if "sparse" in sections:
         rows += bench_sparse_attention(args, threads, rng)
+
+    if "packed" in sections:
+        rows += bench_packed(args, options, rng)
 
     print(f"threads: onnxruntime intra_op_num_threads={threads} = torch threads, "
           f"numpy single-threaded; {os.cpu_count()} CPUs; onnxruntime {ort.__version__}, "

@@ -6,20 +6,31 @@
 // every output summed in the definition's order. In parallel over (query rows x head groups); O(64*d + h*d)
 // scratch per thread (the gathered rows [b, s, k, d] are never materialised).
 // Inputs Q (float [b, s, h, d]), KV (float [b, n, d], each row both key and value), Sink
-// (float [h]), Idx (int64 or int32 [b, s, k], -1 = nothing, else in [0, n)); attribute
-// softmax_scale (float, > 0); output O (float [b, s, h, d], bf16 values).
+// (float [h]), Idx (int64 or int32 [b, s, k], -1 = nothing, else in [0, n)), and optionally
+// Compressed (uint8 [b, n_cache, row_bytes]: a packed cache, packed_quant.h, in the format
+// named by the attribute compressed_format, e.g. "fp4_e4m3_16"): then an index i < n reads
+// KV's row i and an index i in [n, n + n_cache) reads Compressed's row i - n, unpacked as
+// the tiled kernel gathers it, so the output equals the call on Concat(KV,
+// UnpackQuantized(Compressed)) bit for bit without that O(context) copy. Attributes
+// softmax_scale (float, > 0) and compressed_format (string; needed with Compressed, a
+// format without Compressed means no packed rows); output O (float [b, s, h, d], bf16
+// values).
 // CSA_SPARSE_ATTENTION_ISA (or CSA2ONNX_ISA; read when a session creates the kernel) forces
 // a path for tests: "avx512", "avx2", "scalar" (the tiles without SIMD) or "reference" (the
 // definition's `row`, one row per task, on the widest instruction set this CPU has); all
-// give the same bits.
+// give the same bits (the reference path unpacks Compressed into the concatenated float
+// rows first).
 // Compiled with -ffp-contract=off: the orders keep some multiplies and adds apart.
 #include "ort_api.h"
 
+#include <cstring>
 #include <exception>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "kernel_support.h"
+#include "packed_quant.h"
 #include "sparse_attention.h"
 #include "sparse_attention_tiled.h"
 #include "sparse_attention_op.h"
@@ -37,7 +48,7 @@ namespace sa = sparse_attention;
 
 template <typename I>
 struct Job {
-  sa::Problem pr;
+  sa::Problem pr;  // pr.n: KV's rows per batch entry
   int64_t s;
   const float* q;
   const float* kv;
@@ -46,36 +57,82 @@ struct Job {
   float* out;
   int64_t group;   // heads per task (the last task of a row may have fewer)
   int64_t splits;  // tasks per query row: ceil(h / group)
+  const uint8_t* packed = nullptr;  // Compressed [b, n_cache, row_bytes], or null
+  int64_t n_cache = 0, row_bytes = 0;
+  packed::Format format = packed::Format::kFp4E4m3;
+  float* unpacked = nullptr;  // [b * s, k, d]: the packed entries unpacked once, or null
   bool out_of_memory = false;
 };
 
 // ---- the tiled kernel (sparse_attention_tiled.h): task t = (row t / splits, head group) ----
 
+// Query row `row`'s rows: its batch entry's KV, and the packed cache (already unpacked for
+// this row when the op did that once for all its tasks).
+template <typename I>
+sa::tiled::Source source_of(const Job<I>& j, int64_t row) {
+  const int64_t b = row / j.s;
+  sa::tiled::Source src{j.kv + b * j.pr.n * j.pr.d, j.pr.n};
+  if (j.packed != nullptr) {
+    src.packed = j.packed + b * j.n_cache * j.row_bytes;
+    src.row_bytes = j.row_bytes;
+    src.format = j.format;
+    if (j.unpacked != nullptr) src.unpacked = j.unpacked + row * j.pr.k * j.pr.d;
+  }
+  return src;
+}
+
 template <typename I>
 using TilesFn = void (*)(const sa::Problem&, const sa::tiled::Shape&, int64_t, const float*,
-                         const float*, const I*, const float*, float*, float*);
+                         const sa::tiled::Source&, const I*, const float*, float*, float*);
 
 // The tiles per instruction set. `flatten` inlines the whole kernel, vector members included,
 // into the function that carries the target (see sparse_attention_tiled.h).
 template <typename I>
 __attribute__((flatten)) void tiles_scalar(const sa::Problem& pr, const sa::tiled::Shape& s,
-                                           int64_t h0, const float* q, const float* kv,
-                                           const I* idx, const float* sink, float* scratch,
-                                           float* out) {
+                                           int64_t h0, const float* q,
+                                           const sa::tiled::Source& kv, const I* idx,
+                                           const float* sink, float* scratch, float* out) {
   sa::tiled::task<sa::tiled::CfgScalar, I>(pr, s, h0, q, kv, idx, sink, scratch, out);
 }
 #ifdef CSA_X86
 template <typename I>
 CSA_TARGET_AVX512 __attribute__((flatten)) void tiles_avx512(
     const sa::Problem& pr, const sa::tiled::Shape& s, int64_t h0, const float* q,
-    const float* kv, const I* idx, const float* sink, float* scratch, float* out) {
+    const sa::tiled::Source& kv, const I* idx, const float* sink, float* scratch, float* out) {
   sa::tiled::task<sa::tiled::CfgAvx512, I>(pr, s, h0, q, kv, idx, sink, scratch, out);
 }
 template <typename I>
 CSA_TARGET_AVX2 __attribute__((flatten)) void tiles_avx2(
     const sa::Problem& pr, const sa::tiled::Shape& s, int64_t h0, const float* q,
-    const float* kv, const I* idx, const float* sink, float* scratch, float* out) {
+    const sa::tiled::Source& kv, const I* idx, const float* sink, float* scratch, float* out) {
   sa::tiled::task<sa::tiled::CfgAvx2, I>(pr, s, h0, q, kv, idx, sink, scratch, out);
+}
+#endif
+
+// The once-per-call unpacking of the packed entries: part t = (query row, block of 64).
+template <typename I>
+using UnpackFn = void (*)(const Job<I>&, size_t);
+
+template <typename Cfg, typename I>
+__attribute__((always_inline)) inline void unpack_part(const Job<I>& j, size_t t) {
+  const int64_t blocks = (j.pr.k + sa::kBlock - 1) / sa::kBlock;
+  const int64_t row = static_cast<int64_t>(t) / blocks, j0 = static_cast<int64_t>(t) % blocks * sa::kBlock;
+  const int64_t j1 = j0 + sa::kBlock < j.pr.k ? j0 + sa::kBlock : j.pr.k;
+  sa::tiled::unpack_entries<Cfg>(source_of(j, row), j.pr.d, j.idx + row * j.pr.k, j0, j1,
+                                 j.unpacked + row * j.pr.k * j.pr.d);
+}
+template <typename I>
+__attribute__((flatten)) void unpack_scalar(const Job<I>& j, size_t t) {
+  unpack_part<sa::tiled::CfgScalar>(j, t);
+}
+#ifdef CSA_X86
+template <typename I>
+CSA_TARGET_AVX512 __attribute__((flatten)) void unpack_avx512(const Job<I>& j, size_t t) {
+  unpack_part<sa::tiled::CfgAvx512>(j, t);
+}
+template <typename I>
+CSA_TARGET_AVX2 __attribute__((flatten)) void unpack_avx2(const Job<I>& j, size_t t) {
+  unpack_part<sa::tiled::CfgAvx2>(j, t);
 }
 #endif
 
@@ -85,12 +142,13 @@ void run_task(Job<I>& j, size_t t, std::vector<float>& scratch, TilesFn<I> tiles
   const int64_t row = static_cast<int64_t>(t) / j.splits;
   const int64_t h0 = static_cast<int64_t>(t) % j.splits * j.group;
   const int64_t g = pr.h - h0 < j.group ? pr.h - h0 : j.group;
-  const sa::tiled::Shape shape = sa::tiled::shape_of<Cfg>(g, pr.d);
+  const sa::tiled::Shape shape =
+      sa::tiled::shape_of<Cfg>(g, pr.d, j.packed != nullptr && j.unpacked == nullptr);
   const size_t need = static_cast<size_t>(sa::tiled::scratch_floats(shape));
   if (scratch.size() < need) scratch.resize(need);
-  const int64_t b = row / j.s;
-  tiles(pr, shape, h0, j.q + row * pr.h * pr.d, j.kv + b * pr.n * pr.d, j.idx + row * pr.k,
-        j.sink, scratch.data(), j.out + row * pr.h * pr.d);
+  const sa::tiled::Source src = source_of(j, row);
+  tiles(pr, shape, h0, j.q + row * pr.h * pr.d, src, j.idx + row * pr.k, j.sink,
+        scratch.data(), j.out + row * pr.h * pr.d);
 }
 
 template <typename I>
@@ -149,31 +207,63 @@ Isa select_isa() {
   return csa::select_isa("CSA_SPARSE_ATTENTION_ISA", /*has_reference=*/true);
 }
 
+// The reference path with a packed cache: the definition runs on the concatenated float
+// rows [b, n + n_cache, d] (KV's, then Compressed's unpacked), made here.
+template <typename I>
+std::vector<float> concatenated_rows(const Job<I>& j, int64_t b) {
+  const int64_t d = j.pr.d, n = j.pr.n, total = n + j.n_cache;
+  std::vector<float> rows(static_cast<size_t>(b * total * d));
+  for (int64_t e = 0; e < b; ++e) {
+    float* dst = rows.data() + e * total * d;
+    std::memcpy(dst, j.kv + e * n * d, static_cast<size_t>(n * d) * sizeof(float));
+    for (int64_t r = 0; r < j.n_cache; ++r)
+      packed::unpack_row_scalar(j.format, j.packed + (e * j.n_cache + r) * j.row_bytes, d,
+                                dst + (n + r) * d);
+  }
+  return rows;
+}
+
 template <typename I>
 struct SparseAttentionKernel {
   float scale = 0.0f;
+  bool has_format = false;
+  packed::Format format = packed::Format::kFp4E4m3;
   Isa isa;
 
   SparseAttentionKernel(const OrtApi*, const OrtKernelInfo* info) : isa(select_isa()) {
-    require_node_io(info, "SparseAttention", 4, 1);
+    require_node_io(info, "SparseAttention", 4, 1);  // Compressed is optional
+    const Ort::ConstKernelInfo ki(info);
     try {
-      scale = Ort::ConstKernelInfo(info).GetAttribute<float>("softmax_scale");
+      scale = ki.GetAttribute<float>("softmax_scale");
     } catch (const Ort::Exception&) {
       fail("attribute softmax_scale (float) is required");
     }
     if (!(scale > 0.0f)) fail("softmax_scale must be > 0, got " + std::to_string(scale));
+    std::string name;
+    try {
+      name = ki.GetAttribute<std::string>("compressed_format");
+      has_format = true;
+    } catch (const Ort::Exception&) {
+      has_format = false;  // absent: no packed cache
+    }
+    if (has_format && !packed::parse_format(name, &format))
+      fail("unknown compressed_format \"" + name + "\" (expected " + packed::kFormatChoices +
+           ")");
   }
 
   Ort::Status Compute(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& q,
                       const Ort::Custom::Tensor<float>& kv,
                       const Ort::Custom::Tensor<float>& sink, const Ort::Custom::Tensor<I>& idx,
+                      std::optional<const Ort::Custom::Tensor<uint8_t>*> compressed,
                       Ort::Custom::Tensor<float>& o) {
-    return status_of([&] { Run(ctx, q, kv, sink, idx, o); });
+    return status_of([&] { Run(ctx, q, kv, sink, idx, compressed, o); });
   }
 
   void Run(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& q,
            const Ort::Custom::Tensor<float>& kv, const Ort::Custom::Tensor<float>& sink,
-           const Ort::Custom::Tensor<I>& idx, Ort::Custom::Tensor<float>& o) {
+           const Ort::Custom::Tensor<I>& idx,
+           std::optional<const Ort::Custom::Tensor<uint8_t>*> compressed,
+           Ort::Custom::Tensor<float>& o) {
     const std::vector<int64_t> qs = q.Shape(), ks = kv.Shape(), ss = sink.Shape(),
                                is = idx.Shape();
     if (qs.size() != 4) fail("Q must be [b, s, h, d], got " + shape_string(qs));
@@ -187,16 +277,40 @@ struct SparseAttentionKernel {
       fail("Idx must be [b, s, k] = [" + std::to_string(b) + ", " + std::to_string(s) +
            ", k], got " + shape_string(is));
     const int64_t n = ks[1], k = is[2];
+    // The packed cache: [b, n_cache, row_bytes(format, d)].
+    const uint8_t* packed_rows = nullptr;
+    int64_t n_cache = 0, row_bytes = 0;
+    if (compressed.has_value() && *compressed != nullptr) {
+      const std::vector<int64_t> cs = (*compressed)->Shape();
+      if (!has_format)
+        fail("input Compressed needs the attribute compressed_format (" +
+             std::string(packed::kFormatChoices) + ")");
+      if (!packed::dim_fits(format, d))
+        fail(std::string("compressed_format ") + packed::format_name(format) + " packs blocks of " +
+             std::to_string(packed::block_of(format)) + " values, which do not divide d = " +
+             std::to_string(d));
+      row_bytes = packed::row_bytes(format, d);
+      if (cs.size() != 3 || cs[0] != b || cs[2] != row_bytes)
+        fail("Compressed must be [b, n_cache, row_bytes] = [" + std::to_string(b) + ", n_cache, " +
+             std::to_string(row_bytes) + "] (" + packed::format_name(format) + " rows of d = " +
+             std::to_string(d) + "), got " + shape_string(cs));
+      n_cache = cs[1];
+      packed_rows = (*compressed)->Data();
+    }
+    const int64_t rows_total = n + n_cache;
     const I* ix = idx.Data();
     const int64_t count = b * s * k;
     for (int64_t i = 0; i < count; ++i) {
       const int64_t v = static_cast<int64_t>(ix[i]);
-      if (v < -1 || v >= n) {
+      if (v < -1 || v >= rows_total) {
         const int64_t row = i / (k > 0 ? k : 1);
         fail("Idx[" + std::to_string(row / (s > 0 ? s : 1)) + ", " +
              std::to_string(row % (s > 0 ? s : 1)) + ", " + std::to_string(i % k) + "] = " +
              std::to_string(v) + " is out of range: indices must be -1 or in [0, " +
-             std::to_string(n) + ")");
+             std::to_string(rows_total) + ")" +
+             (packed_rows != nullptr ? " (KV's " + std::to_string(n) + " rows, then " +
+                                           std::to_string(n_cache) + " rows of Compressed)"
+                                     : std::string()));
       }
     }
     float* out = o.Allocate(qs);
@@ -207,6 +321,19 @@ struct SparseAttentionKernel {
     const int64_t group = reference ? h : heads_per_task(rows, h);
     const int64_t splits = (h + group - 1) / group;
     Job<I> job{{h, d, k, n, scale}, s, q.Data(), kv.Data(), sink.Data(), ix, out, group, splits};
+    if (packed_rows != nullptr && n_cache > 0) {
+      job.packed = packed_rows;
+      job.n_cache = n_cache;
+      job.row_bytes = row_bytes;
+      job.format = format;
+    }
+    std::vector<float> concatenated;  // the reference path's rows with a packed cache
+    if (reference && job.packed != nullptr) {
+      concatenated = concatenated_rows(job, b);
+      job.kv = concatenated.data();
+      job.pr.n = rows_total;
+      job.packed = nullptr;
+    }
     using Fn = void (*)(Job<I>&, size_t, std::vector<float>&);
     Fn fn = task_scalar<I>;
 #ifdef CSA_X86
@@ -219,6 +346,35 @@ struct SparseAttentionKernel {
       if (cpu_has(Isa::kAvx512)) fn = row_avx512<I>;
       else if (cpu_has(Isa::kAvx2)) fn = row_avx2<I>;
 #endif
+    }
+    // Heads split over tasks: each task would unpack the row's packed entries again, so they
+    // are unpacked once here (in parallel over query rows and blocks) and read in place.
+    if (!reference && job.packed != nullptr && splits > 1 && k > 0) {
+      // Kept per calling thread (the buffer's pages stay mapped from call to call; fewer than
+      // kMinTasks query rows: at most 15 * k * d floats). Only the packed entries are written.
+      thread_local std::vector<float> unpacked;
+      if (unpacked.size() < static_cast<size_t>(rows * k * d))
+        unpacked.resize(static_cast<size_t>(rows * k * d));
+      job.unpacked = unpacked.data();
+      UnpackFn<I> unpack = unpack_scalar<I>;
+#ifdef CSA_X86
+      if (isa == Isa::kAvx512) unpack = unpack_avx512<I>;
+      if (isa == Isa::kAvx2) unpack = unpack_avx2<I>;
+#endif
+      struct Pass {
+        const Job<I>* job;
+        UnpackFn<I> fn;
+      } pass{&job, unpack};
+      const int64_t parts = rows * ((k + sa::kBlock - 1) / sa::kBlock);
+      auto part = [](void* data, size_t t) {
+        const Pass& p = *static_cast<const Pass*>(data);
+        p.fn(*p.job, t);
+      };
+      if (rows * k * d < (1 << 16)) {
+        for (int64_t t = 0; t < parts; ++t) part(&pass, static_cast<size_t>(t));
+      } else {
+        Ort::KernelContext(ctx).ParallelFor(part, static_cast<size_t>(parts), 0, &pass);
+      }
     }
     struct Call {
       Job<I>* job;

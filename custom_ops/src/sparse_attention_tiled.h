@@ -4,7 +4,11 @@
 //   - The block's valid rows are gathered once per task, as a list of row pointers: kv's own
 //     rows when d is a multiple of the vector width (the tiles read them in place; a row is
 //     contiguous and, after the logits pass, cache-resident for P @ V), else copies padded
-//     with zeros in a tile [64][ldt]. Entries that are -1 are left out (the definition skips
+//     with zeros in a tile [64][ldt]. With a packed compressed cache (Source), an index at or
+//     past the window's rows names a packed row, unpacked into the tile on this gather
+//     (packed_quant.h: value(code) * scale, the exact floats the unpacked cache would hold),
+//     so the result is the one on the concatenated float rows, bit for bit, and no
+//     concatenated copy of the cache is ever made. Entries that are -1 are left out (the definition skips
 //     them in P @ V and masks their logits to -inf, so what they would compute never
 //     matters); the list is padded to a multiple of 16 with a zero row.
 //   - Logits: one tile of GV heads x J entries keeps its accumulators in registers,
@@ -32,6 +36,7 @@
 #include <cstring>
 #include <limits>
 
+#include "packed_quant.h"
 #include "simd.h"
 #include "sparse_attention.h"
 
@@ -123,6 +128,10 @@ struct VScalar {
 #ifdef CSA_X86
 struct CfgAvx512 {
   using V = VAvx512;
+  CSA_TARGET_AVX512 static inline void unpack(packed::Format f, const uint8_t* p, int64_t d,
+                                              float* y) {
+    packed::unpack_row_avx512(f, p, d, y);
+  }
   static constexpr int kPad = 16;  // heads and columns are padded to a multiple of this
   static constexpr int kG1 = 64, kJ1 = 4, kG2 = 32, kJ2 = 8, kG3 = 16, kJ3 = 16;
   static constexpr int kLaneJ = 4;
@@ -131,6 +140,10 @@ struct CfgAvx512 {
 // AVX2 (16 ymm): 8 accumulators per tile.
 struct CfgAvx2 {
   using V = VAvx2;
+  CSA_TARGET_AVX2 static inline void unpack(packed::Format f, const uint8_t* p, int64_t d,
+                                            float* y) {
+    packed::unpack_row_avx2(f, p, d, y);
+  }
   static constexpr int kPad = 8;
   static constexpr int kG1 = 32, kJ1 = 2, kG2 = 16, kJ2 = 4, kG3 = 8, kJ3 = 8;
   static constexpr int kLaneJ = 2;
@@ -140,6 +153,9 @@ struct CfgAvx2 {
 // Without SIMD: small tiles (fmaf is a libm call there; this path is for checking).
 struct CfgScalar {
   using V = VScalar;
+  static inline void unpack(packed::Format f, const uint8_t* p, int64_t d, float* y) {
+    packed::unpack_row_scalar(f, p, d, y);
+  }
   static constexpr int kPad = 4;
   static constexpr int kG1 = 4, kJ1 = 4, kG2 = 4, kJ2 = 4, kG3 = 4, kJ3 = 4;
   static constexpr int kLaneJ = 1;
@@ -159,18 +175,45 @@ struct Shape {
   int64_t ldt;    // tile row stride: dp + 16, so that a column slice of 64 rows spreads over
                   // the L1 cache's sets instead of aliasing at a 2 KiB stride
   bool direct;    // d == dp: the tiles read kv's rows in place, nothing is copied
+  bool tile;      // rows are copied or unpacked into a tile (!direct, or a packed cache)
 };
 
 template <typename Cfg>
-inline Shape shape_of(int64_t g, int64_t d) {
+inline Shape shape_of(int64_t g, int64_t d, bool packed_rows = false) {
   const int64_t gp = round_up(g, Cfg::kPad), dp = round_up(d, Cfg::kPad);
-  return {g, gp, d, dp, dp + 16, d == dp};
+  return {g, gp, d, dp, dp + 16, d == dp, d != dp || packed_rows};
+}
+
+// Where a task's rows come from: index i < n_window reads kv's row i; with a packed
+// compressed cache, i >= n_window reads its row i - n_window, unpacked (packed_quant.h) into
+// the tile on the gather, or, when `unpacked` is set, already unpacked there: row j of the
+// query's index list at unpacked + j * d (the op unpacks once per call when several tasks
+// share a query's rows).
+struct Source {
+  const float* kv;                  // [n_window, d] of the batch entry
+  int64_t n_window;
+  const uint8_t* packed = nullptr;  // [n_cache, row_bytes] of the batch entry, or null
+  int64_t row_bytes = 0;
+  packed::Format format = packed::Format::kFp4E4m3;
+  const float* unpacked = nullptr;  // [k, d] of the query row, or null
+};
+
+// Unpacks the packed entries of one block of a query's index list (positions [j0, j1)) to
+// out + j * d, the layout Source::unpacked reads.
+template <typename Cfg, typename I>
+inline void unpack_entries(const Source& src, int64_t d, const I* idx, int64_t j0, int64_t j1,
+                           float* out) {
+  for (int64_t j = j0; j < j1; ++j) {
+    const int64_t ix = static_cast<int64_t>(idx[j]);
+    if (ix >= src.n_window)
+      Cfg::unpack(src.format, src.packed + (ix - src.n_window) * src.row_bytes, d, out + j * d);
+  }
 }
 
 // Scratch for one task, in floats.
 inline int64_t scratch_floats(const Shape& s) {
   return s.d * s.gp            // qT
-         + (s.direct ? 0 : kBlock * s.ldt)  // tile (rows read in place need none)
+         + (s.tile ? kBlock * s.ldt : 0)  // tile (rows read in place need none)
          + kBlock * s.gp       // logit sums [entry][head]
          + kBlock * s.gp       // bf16(p) of the valid entries [entry][head]
          + s.gp * s.dp         // acc
@@ -349,17 +392,18 @@ inline void softmax(const Shape& s, float scale, int64_t nv, const int* slot, fl
   }
 }
 
-// One task: heads [h0, h0 + s.g) of one query row. q: [h, d] of the row; kv: [n, d] of the
-// batch; idx: [k]; sink: [h]; out: [h, d] of the row. Indices already checked.
+// One task: heads [h0, h0 + s.g) of one query row. q: [h, d] of the row; src: the batch
+// entry's rows (s.tile must be set when src has packed rows to unpack); idx: [k]; sink: [h]; out:
+// [h, d] of the row. Indices already checked (-1, or below n_window + the packed rows).
 // kRoundOut: as in sparse_attention::row.
 template <typename Cfg, typename I, bool kRoundOut = true>
 inline void task(const Problem& pr, const Shape& s, int64_t h0, const float* q,
-                        const float* kv, const I* idx, const float* sink, float* scratch,
-                        float* out) {
+                 const Source& src, const I* idx, const float* sink, float* scratch,
+                 float* out) {
   const int64_t d = s.d, dp = s.dp, gp = s.gp, g = s.g, k = pr.k, ldt = s.ldt;
   float* qt = scratch;              // [d][gp]
   float* tile = qt + d * gp;        // [64][ldt]
-  float* lsum = tile + (s.direct ? 0 : kBlock * ldt);  // [64][gp]
+  float* lsum = tile + (s.tile ? kBlock * ldt : 0);  // [64][gp]
   float* pb = lsum + kBlock * gp;   // [64][gp]
   float* acc = pb + gp * kBlock;    // [gp][dp]
   float* m = acc + gp * dp;         // [gp]
@@ -398,11 +442,17 @@ inline void task(const Problem& pr, const Shape& s, int64_t h0, const float* q,
       const int64_t ix = j < len ? static_cast<int64_t>(idx[j0 + j]) : -1;
       slot[j] = ix < 0 ? -1 : static_cast<int>(nv);
       if (ix < 0) continue;
-      if (s.direct) {
-        rows[nv] = kv + ix * d;
+      if (ix < src.n_window && s.direct) {
+        rows[nv] = src.kv + ix * d;
+      } else if (ix >= src.n_window && src.unpacked != nullptr) {
+        rows[nv] = src.unpacked + (j0 + j) * d;  // d is a multiple of 16: no padding
       } else {
         float* t = tile + nv * ldt;
-        std::memcpy(t, kv + ix * d, static_cast<size_t>(d) * sizeof(float));
+        if (ix < src.n_window) {
+          std::memcpy(t, src.kv + ix * d, static_cast<size_t>(d) * sizeof(float));
+        } else {
+          Cfg::unpack(src.format, src.packed + (ix - src.n_window) * src.row_bytes, d, t);
+        }
         for (int64_t e = d; e < dp; ++e) t[e] = 0.0f;
         rows[nv] = t;
       }
@@ -455,6 +505,14 @@ inline void task(const Problem& pr, const Shape& s, int64_t h0, const float* q,
       out[(h0 + i) * d + e] = kRoundOut ? round_bf16(o) : o;
     }
   }
+}
+
+// The same on float rows only (kv: [n, d] of the batch entry).
+template <typename Cfg, typename I, bool kRoundOut = true>
+inline void task(const Problem& pr, const Shape& s, int64_t h0, const float* q,
+                 const float* kv, const I* idx, const float* sink, float* scratch,
+                 float* out) {
+  task<Cfg, I, kRoundOut>(pr, s, h0, q, Source{kv, pr.n}, idx, sink, scratch, out);
 }
 
 }  // namespace csa::sparse_attention::tiled

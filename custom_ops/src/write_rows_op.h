@@ -8,6 +8,6 @@ struct OrtLiteCustomOp;
 }
 
 namespace csa {
-// Appends the WriteRows kernel (float, CPU) to `ops`.
+// Appends the WriteRows kernels (float and uint8, CPU) to `ops`.
 void AppendWriteRowsOps(std::vector<std::unique_ptr<Ort::Custom::OrtLiteCustomOp>>& ops);
 }  // namespace csa
