@@ -181,7 +181,8 @@ def torch_sum_last_axis(op: OpBuilder, x: ir.Value, n: int) -> ir.Value:
 
 def sparse_attention(op: OpBuilder, q: ir.Value, kv: ir.Value, sink: ir.Value, idx: ir.Value,
                      scale: float, compressed: ir.Value | None = None,
-                     compressed_format: PackedFormat | None = None) -> ir.Value:
+                     compressed_format: PackedFormat | None = None,
+                     head_dim: int | None = None) -> ir.Value:
     """The reference's sparse_attn (graphs/sparse_attn.py states the semantics): q
     [b,s,h,d], kv [b,n,d], sink [h], idx [b,s,k] (int64 or int32, -1 = nothing) -> bf16
     values in float32 [b,s,h,d], in torch CPU's arithmetic order, row by row.
@@ -198,10 +199,10 @@ def sparse_attention(op: OpBuilder, q: ir.Value, kv: ir.Value, sink: ir.Value, i
                       ir.DataType.FLOAT, q.shape)
     _check_packed_format(compressed_format)
     if is_portable(op):
-        d = _static_last_dim(kv) or _static_last_dim(q)
+        d = head_dim or _static_last_dim(kv) or _static_last_dim(q)
         if d is None:
-            raise ValueError("a portable SparseAttention over a packed cache needs a static "
-                             "head dim (kv's or q's last dimension)")
+            raise ValueError("a portable SparseAttention over a packed cache needs the head "
+                             "dim: pass head_dim, or give kv or q a static last dimension")
         rows = op.Concat(kv, unpack_quantized(op, compressed, compressed_format, d), axis=1)
         return _typed(csa.SparseAttention(q, rows, sink, idx, softmax_scale=float(scale)),
                       ir.DataType.FLOAT, q.shape)

@@ -293,7 +293,8 @@ def PackQuantized(X: FLOAT, format: str):
     code = op.Where(bad, op.Constant(value_int=0), op.Where(is_fp8, code8, code4))
 
     per_byte = op.Where(is_fp8, op.Constant(value_ints=[1]), op.Constant(value_ints=[2]))
-    pairs = op.Reshape(code, op.Concat(lead, op.Constant(value_ints=[-1]), per_byte, axis=0))
+    # explicit sizes, not -1: a row count of 0 (no new rows) leaves -1 undefined
+    pairs = op.Reshape(code, op.Concat(lead, op.Div(d, per_byte), per_byte, axis=0))
     weights = op.Slice(op.Constant(value_ints=[1, 16]), [0], per_byte)
     codes = op.ReduceSum(pairs * weights, [-1], keepdims=0)
 
@@ -308,7 +309,7 @@ def PackQuantized(X: FLOAT, format: str):
                         to=onnx.TensorProto.INT64) + op.Constant(value_int=127)
     e8m0_byte = op.Where(bad, op.Constant(value_int=255), e8m0_byte)
     scale_bytes = op.Reshape(op.Where(is_e4m3, e4m3_byte, e8m0_byte),
-                             op.Concat(lead, op.Constant(value_ints=[-1]), axis=0))
+                             op.Concat(lead, op.Div(d, block), axis=0))
     return op.Cast(op.Concat(codes, scale_bytes, axis=-1), to=onnx.TensorProto.UINT8)
 
 
@@ -339,7 +340,7 @@ def UnpackQuantized(P, format: str, dim: int) -> FLOAT:
     scale_bytes = scale_bytes + op.Cast(is_e4m3, to=onnx.TensorProto.INT64) * op.Constant(
         value_int=256)
     scales = op.Gather(op.Constant(value_floats=_E8M0_VALUES + _E4M3_VALUES), scale_bytes)
-    y = op.Reshape(values, op.Concat(lead, op.Constant(value_ints=[-1]), block, axis=0))
+    y = op.Reshape(values, op.Concat(lead, op.Div(d, block), block, axis=0))
     return op.Reshape(y * op.Unsqueeze(scales, [-1]), op.Concat(lead, d, axis=0))
 
 

@@ -28,6 +28,7 @@ import ml_dtypes
 import numpy as np
 import onnxruntime as ort
 
+from csa2onnx.custom_ops.constants import packed_row_bytes
 from csa2onnx.export.checkpoint import open_checkpoint
 from csa2onnx.export.config import AttentionConfig
 from csa2onnx.export.plan import StackPlan, plan_stack
@@ -35,6 +36,7 @@ from csa2onnx.export.runtime import AttentionRuntime
 from csa2onnx.export.stack import export_stack
 from csa2onnx.export.synthetic import attention_tensors
 from csa2onnx.export.weights import LayerWeights
+from csa2onnx.graphs.kv_cache import INDEX_KEY_FORMAT
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -291,7 +293,9 @@ def run_bench(opts: BenchOptions,
         # The index_k slot of an upstream stack can hold a later owner's keys; a range that
         # reads it from outside gets it empty: its own owner publishes before reading, and
         # the slot then points at that owner (as upstream's layers alone run).
-        slots = ({"index_k": np.zeros((opts.batch, 0, config.index_head_dim), np.float32)}
+        empty_keys = np.zeros((opts.batch, 0, packed_row_bytes(INDEX_KEY_FORMAT,
+                                                               config.index_head_dim)), np.uint8)
+        slots = ({"index_k": empty_keys}
                  if runtime.manifest.external_slots else None)
         ours, out_ours = _run_csa2onnx(runtime, opts, layers, config.dim, say, slots)
         ours.setup_s, ours.held_mib = setup_s, rss_mib() - rss_before

@@ -15,13 +15,20 @@ from typing import NamedTuple
 import onnx_ir as ir
 from onnxscript import OpBuilder, nn
 
+from csa2onnx.custom_ops.ops import pack_quantized, unpack_quantized
 from csa2onnx.export.plan import LayerPlan, StackPlan
 from csa2onnx.export.weights import LayerWeights
 from csa2onnx.graphs.attention_q import QueryProjection, WindowKVProjection
 from csa2onnx.graphs.common import Mode
 from csa2onnx.graphs.compressor import Compressor
 from csa2onnx.graphs.indexer import CandidateConfig, Indexer
-from csa2onnx.graphs.kv_cache import cache_row_start, latent_to_cache_rows, write_rows
+from csa2onnx.graphs.kv_cache import (
+    COMPRESSED_KV_FORMAT,
+    WINDOW_FORMAT,
+    cache_row_start,
+    latent_to_cache_rows,
+    write_rows,
+)
 from csa2onnx.graphs.numerics import FLOAT, INT64, weight
 from csa2onnx.graphs.output import OutputProjection
 from csa2onnx.graphs.rope import RopeTables, layer_rope_params
@@ -63,9 +70,10 @@ class Publication(NamedTuple):
 
 
 class SlotReads(NamedTuple):
-    """What a compressed layer reads from the slots: the cache of the layer it takes KV
-    from, the first end_pos // r rows of the index_k slot (index sources), the selection
-    of the layer it takes top-k from (others), the candidates (candidate users)."""
+    """What a compressed layer reads from the slots: the (packed) cache of the layer it
+    takes KV from, the first end_pos // r rows of the index_k slot unpacked (index
+    sources), the selection of the layer it takes top-k from (others), the candidates
+    (candidate users)."""
 
     compress_kv: ir.Value
     index_k: ir.Value | None = None
@@ -154,19 +162,23 @@ class AttentionLayer(nn.Module):
         passes the state it returns): window, indexer, sparse attention, output."""
         c, p = self.config, self.plan
         qr, q = self.attn_q(op, x, pos)
-        _, kv = self.window_kv(op, x, pos)  # (before fp8, after): the window reads the latter
+        kv_prequant, kv = self.window_kv(op, x, pos)  # before and after act_quant (fp8)
         debug("qr", qr)
         debug("q_rope", q)
         debug("window_kv", kv)
+        # The ring holds the window packed: rows are packed, then unpacked for attention
+        # (the values of act_quant exactly).
+        packed = pack_quantized(op, kv_prequant, WINDOW_FORMAT)
         if mode == "prefill":  # at start_pos 0 (rows = kv) or continuing a sequence
-            window_idx, window_rows, ring = window_chunk(op, kv, state.window_kv, pos,
-                                                         c.window_size)
+            window_idx, rows, ring = window_chunk(op, packed, state.window_kv, pos,
+                                                  c.window_size)
         else:
-            window_idx, ring = window_decode(op, kv, state.window_kv, pos, c.window_size)
-            window_rows = ring
+            window_idx, ring = window_decode(op, packed, state.window_kv, pos, c.window_size)
+            rows = ring
+        window_rows = unpack_quantized(op, rows, WINDOW_FORMAT, c.head_dim)
         state = state._replace(window_kv=ring)
 
-        idx, attn_kv, topk, candidates = window_idx, window_rows, None, None
+        idx, compressed, topk, candidates = window_idx, None, None, None
         if p.compressed:
             if slots is None:
                 raise ValueError(f"L{p.layer}: a compressed layer reads the slots")
@@ -180,12 +192,14 @@ class AttentionLayer(nn.Module):
                 topk, candidates = selection.topk_idxs, selection.candidates
                 if candidates is not None:
                     debug("candidates", candidates)
-            n_rows = op.Div(op.Add(pos, op.Slice(op.Shape(x), [1], [2])), p.ratio)
-            attn_kv = op.Concat(window_rows, op.Slice(slots.compress_kv, [0], n_rows, [1]),
-                                axis=1)
+            # The compressed cache is read packed, in place: indices past the window rows
+            # are its rows (all < end_pos // r by the selection).
+            compressed = slots.compress_kv
             idx = op.Concat(window_idx, op.Cast(topk, to=INT64), axis=-1)
         debug("attn_topk_idxs", idx)
-        o = sparse_attn(op, q, attn_kv, self.attn_sink, idx, c.head_dim ** -0.5)
+        o = sparse_attn(op, q, window_rows, self.attn_sink, idx, c.head_dim ** -0.5,
+                        compressed, COMPRESSED_KV_FORMAT if compressed is not None else None,
+                        head_dim=c.head_dim)
         debug("attn_o", o)
         out = self.output(op, o, pos)
         return LayerOutput(out, state, topk if p.index_source else None, candidates)

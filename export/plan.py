@@ -117,28 +117,26 @@ class StackPlan:
         tensors: list[StateTensor] = []
         for p in self.layers:
             tensors.append(StateTensor("window_kv", p.layer, c.window_size, c.head_dim,
-                                       "bf16_in_f32", "replaced",
-                                       "ring buffer: position p in slot p % window"))
+                                       "replaced", "ring buffer: position p in slot p % window"))
             if p.kv_source and p.ratio > 1:
                 for role in ("compressor.kv_state", "compressor.score_state"):
-                    tensors.append(StateTensor(role, p.layer, p.ratio, c.head_dim, "f32",
-                                               "replaced",
-                                               "compressor's partial group (f32)"))
+                    tensors.append(StateTensor(role, p.layer, p.ratio, c.head_dim, "replaced",
+                                               "compressor's open group (f32)"))
             if p.kv_source:
                 kv_readers = [q.ratio for q in self.layers if q.kv_from == p.layer]
                 tensors.append(StateTensor("compress_kv", p.layer, c.max_seq_len // p.ratio,
-                                           c.head_dim, "bf16_in_f32", "in_place",
+                                           c.head_dim, "in_place",
                                            "compressed-KV cache",
                                            read_ratio=min([p.ratio, *kv_readers])))
             if p.owns_index_k:
                 # Through the shared slot any slot reader may slice this cache, at its ratio.
                 slot_readers = [self.layer(i).ratio for i in self.slot_readers]
                 tensors.append(StateTensor("index_k", p.layer, c.max_seq_len // p.ratio,
-                                           c.index_head_dim, "bf16_in_f32", "in_place",
+                                           c.index_head_dim, "in_place",
                                            "index-key cache",
                                            read_ratio=min([p.ratio, *slot_readers])))
         if self.slot_readers and self.owners:
-            tensors.append(StateTensor("index_k_publisher", None, 1, 1, "int64", "replaced",
+            tensors.append(StateTensor("index_k_publisher", None, 1, 1, "replaced",
                                        "layer whose index-key cache the shared slot "
                                        "holds (-1: none yet)"))
         return StateLayout(tuple(tensors))

@@ -20,6 +20,7 @@ import onnx
 import onnxruntime as ort
 
 from csa2onnx.custom_ops import session_options
+from csa2onnx.custom_ops.reference import unpack_quantized
 from csa2onnx.export.artifacts import Manifest, read_manifest
 from csa2onnx.export.shared_weights import SharedWeights
 from csa2onnx.export.state_layout import STORAGES
@@ -154,8 +155,11 @@ class AttentionRuntime:
                    for v in self.state.values())
 
     def state_array(self, name: str) -> np.ndarray:
-        """A copy of a state tensor (a cache: only the rows it holds now)."""
-        return np.array(self.state[name].numpy())
+        """A state tensor's values (a cache: the rows it holds now; packed storage
+        unpacked, exactly the values the graphs compute with)."""
+        t = self.layout[name]
+        array = np.array(self.state[name].numpy())
+        return unpack_quantized(array, t.storage, t.width) if t.packed else array
 
     def cache_rows(self) -> dict[str, int]:
         """The rows each cache holds now (its capacity)."""

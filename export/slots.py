@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 import onnx_ir as ir
 from onnxscript import OpBuilder
 
+from csa2onnx.custom_ops.ops import unpack_quantized
 from csa2onnx.export.layer import LayerOutput, Publication, SlotReads
 from csa2onnx.export.plan import LayerPlan, StackPlan
-from csa2onnx.graphs.numerics import FLOAT
+from csa2onnx.graphs.kv_cache import INDEX_KEY_FORMAT
 
 
 @dataclass
@@ -73,9 +74,12 @@ class Slots:
         topk = self.topk_idxs.get(p.topk_from) if p.topk_from is not None else None
         index_k = candidates = None
         if p.index_source:
-            # index_keys="own": an owner reads its own cache (the indexer slices it)
-            index_k = (self._read_index_k(op, op.Div(end_pos, p.ratio))
-                       if self.plan.reads_index_k_slot(p) else self.index_k[p.layer])
+            # index_keys="own": an owner reads its own cache
+            rows = op.Div(end_pos, p.ratio)
+            packed = (self._read_index_k(op, rows) if self.plan.reads_index_k_slot(p)
+                      else op.Slice(self.index_k[p.layer], [0], rows, [1]))
+            index_k = unpack_quantized(op, packed, INDEX_KEY_FORMAT,
+                                       self.plan.config.index_head_dim)
             topk = None  # it selects its own
         if p.uses_candidates:
             candidates = self.candidates if self.candidates is not None \
@@ -88,7 +92,7 @@ class Slots:
             candidates=candidates)
 
     def _read_index_k(self, op: OpBuilder, rows: ir.Value) -> ir.Value:
-        """The first `rows` rows of the key cache the index_k slot points to: an in-range
+        """The first `rows` rows (packed) of the key cache the index_k slot points to: an in-range
         owner's current cache when `publisher` names it, else the external slot input (or,
         with none, the last owner). Slicing clamps, as the reference's [:end_pos // r]."""
         owners = list(self.index_k.items())
@@ -121,5 +125,5 @@ def _if(op: OpBuilder, condition: ir.Value, then: Callable[[OpBuilder], ir.Value
     else_graph = builder.subgraph(lambda o: o.Identity(otherwise), inputs=[],
                                   outputs=[ir.Value(name="k_rows")], name="slot_is_another")
     result = op.If(op.Squeeze(condition, [0]), then_branch=then_graph, else_branch=else_graph)
-    result.type = ir.TensorType(FLOAT)
+    result.type = ir.TensorType(ir.DataType.UINT8)  # packed key rows
     return result

@@ -15,6 +15,7 @@ import onnx
 import onnx_ir as ir
 from onnxscript import GraphBuilder
 
+from csa2onnx.custom_ops.constants import packed_row_bytes
 from csa2onnx.custom_ops.library import DOMAIN, DOMAIN_VERSION
 from csa2onnx.custom_ops.ops import PORTABLE_KEY
 from csa2onnx.custom_ops.portable import portable_functions
@@ -26,6 +27,7 @@ from csa2onnx.export.plan import StackPlan
 from csa2onnx.export.shared_weights import WEIGHTS_FILE, SharedWeightsWriter
 from csa2onnx.export.slots import Slots
 from csa2onnx.export.weights import LayerWeights, check_layer
+from csa2onnx.graphs.kv_cache import COMPRESSED_KV_FORMAT, INDEX_KEY_FORMAT
 from csa2onnx.graphs.numerics import Fp8Weight
 from csa2onnx.graphs.standalone import IR_VERSION, OPSET, check_parameter_names
 
@@ -142,9 +144,11 @@ def graph_weights(config: AttentionConfig, layer: int, weights: LayerWeights
 
 def _slot_type(plan: StackPlan, name: str, seq: int | str) -> tuple[ir.DataType, list]:
     c = plan.config
-    return {
-        "compress_kv": (ir.DataType.FLOAT, ["batch", "compress_rows", c.head_dim]),
-        "index_k": (ir.DataType.FLOAT, ["batch", "index_rows", c.index_head_dim]),
+    return {  # caches travel packed, as the state holds them
+        "compress_kv": (ir.DataType.UINT8, ["batch", "compress_rows",
+                                            packed_row_bytes(COMPRESSED_KV_FORMAT, c.head_dim)]),
+        "index_k": (ir.DataType.UINT8, ["batch", "index_rows",
+                                        packed_row_bytes(INDEX_KEY_FORMAT, c.index_head_dim)]),
         "topk_idxs": (ir.DataType.INT64, ["batch", seq, "topk"]),
         "candidates": (ir.DataType.BOOL, ["batch", seq, "candidate_width"]),
     }[name]

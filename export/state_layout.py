@@ -22,6 +22,9 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Literal, get_args
 
+from csa2onnx.custom_ops.constants import packed_row_bytes
+from csa2onnx.graphs.kv_cache import COMPRESSED_KV_FORMAT, INDEX_KEY_FORMAT, WINDOW_FORMAT
+
 StateRole = Literal["window_kv", "compressor.kv_state", "compressor.score_state",
                     "compress_kv", "index_k", "index_k_publisher"]
 Access = Literal["in_place", "replaced"]
@@ -29,23 +32,38 @@ Access = Literal["in_place", "replaced"]
 
 @dataclass(frozen=True)
 class Storage:
-    """How one row of `width` values is stored: element type and elements per row."""
+    """How one row of `width` values is stored: element type and elements per row. A
+    packed storage (custom_ops PackQuantized's formats) holds the codes then the block
+    scales of a row as bytes; unpacking gives the round trip's values exactly."""
 
     name: str
     dtype: Literal["float32", "int64", "uint8"]
     itemsize: int
     what: str
+    packed: bool = False
 
     def row_elements(self, width: int) -> int:
-        return width
+        return packed_row_bytes(self.name, width) if self.packed else width
 
 
-# The storages the layout uses (the reference keeps bf16 caches; bf16 values are exact in f32).
 STORAGES = {s.name: s for s in (
     Storage("f32", "float32", 4, "float32"),
-    Storage("bf16_in_f32", "float32", 4, "bf16 values held as float32"),
     Storage("int64", "int64", 8, "int64"),
+    Storage("fp8_e8m0_32", "uint8", 1, "e4m3 codes + an e8m0 scale per 32 (8.25 bits a value)",
+            packed=True),
+    Storage("fp4_e4m3_16", "uint8", 1, "e2m1 codes + an e4m3 scale per 16 (4.5 bits a value)",
+            packed=True),
+    Storage("fp4_e8m0_32", "uint8", 1, "e2m1 codes + an e8m0 scale per 32 (4.25 bits a value)",
+            packed=True),
 )}
+
+# How each role is stored. The caches and the window hold quantised values (reference.md:
+# the latent's fp4 with e4m3 scales, the index keys' fp4 with e8m0 scales, the window's
+# act_quant fp8), so they are kept packed; the compressor's open group is float32.
+ROLE_STORAGE: dict[str, str] = {
+    "window_kv": WINDOW_FORMAT, "compressor.kv_state": "f32", "compressor.score_state": "f32",
+    "compress_kv": COMPRESSED_KV_FORMAT, "index_k": INDEX_KEY_FORMAT,
+    "index_k_publisher": "int64"}
 
 
 @dataclass(frozen=True)
@@ -61,7 +79,6 @@ class StateTensor:
     layer: int | None  # None: the stack's own (the index_k publisher)
     rows: int
     width: int
-    storage: str
     access: Access
     description: str
     read_ratio: int = 0
@@ -69,8 +86,6 @@ class StateTensor:
     def __post_init__(self) -> None:
         if self.role not in get_args(StateRole):
             raise ValueError(f"unknown state role {self.role!r}")
-        if self.storage not in STORAGES:
-            raise ValueError(f"unknown state storage {self.storage!r}")
         if (self.access == "in_place") != (self.read_ratio > 0):
             raise ValueError(f"{self.name}: in-place caches and only they have a read_ratio")
 
@@ -85,6 +100,14 @@ class StateTensor:
     @property
     def output_name(self) -> str:
         return f"present.{self.name}"
+
+    @property
+    def storage(self) -> str:
+        return ROLE_STORAGE[self.role]
+
+    @property
+    def packed(self) -> bool:
+        return STORAGES[self.storage].packed
 
     @property
     def dtype(self) -> str:
@@ -122,8 +145,8 @@ class StateTensor:
         return count * STORAGES[self.storage].itemsize
 
     def to_json(self) -> dict:
-        return {**asdict(self), "name": self.name, "dtype": self.dtype,
-                "shape": self.shape()}
+        return {**asdict(self), "name": self.name, "storage": self.storage,
+                "dtype": self.dtype, "shape": self.shape()}
 
     @classmethod
     def from_json(cls, entry: dict) -> StateTensor:

@@ -17,9 +17,10 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript import OpBuilder, nn
 
-from csa2onnx.custom_ops.ops import torch_topk
+from csa2onnx.custom_ops.ops import pack_quantized, torch_topk
 from csa2onnx.graphs.candidates import select_candidate_blocks
 from csa2onnx.graphs.common import NEG_INF, Mode, scalar_i64
+from csa2onnx.graphs.kv_cache import INDEX_KEY_FORMAT
 from csa2onnx.graphs.numerics import FLOAT, Linear, RMSNorm, Weight, linear, round_bf16, weight
 from csa2onnx.graphs.quant import fp4_e8m0
 from csa2onnx.graphs.rope import RopeParams, apply_rotary_emb, freqs_cis, rope_at
@@ -39,8 +40,8 @@ class CandidateConfig:
 
 
 class IndexKeyRows(NamedTuple):
-    """An owner's new index keys [b, n, D]: after RoPE, and after the fp4 round trip (the
-    rows written to its key cache)."""
+    """An owner's new index keys [b, n, D] after RoPE, and their fp4 (e8m0 scales) packed
+    (uint8 [b, n, row bytes]): the rows written to its key cache."""
 
     rope_prequant: ir.Value
     rows: ir.Value
@@ -63,7 +64,7 @@ class IndexerOutput(NamedTuple):
 
 class IndexKeyProjection(nn.Module):
     """An index-key owner's keys: k = RoPE(k_norm(wk(latent))) at the group positions, and
-    their fp4 (e8m0, block 32) round trip, the rows written to the index-key cache."""
+    their fp4 (e8m0, block 32) packed, the rows written to the index-key cache."""
 
     def __init__(self, wk: np.ndarray, k_norm: np.ndarray, norm_eps: float,
                  rope: RopeParams) -> None:
@@ -79,7 +80,7 @@ class IndexKeyProjection(nn.Module):
         cos, sin = rope_at(op, self.freqs_cos, self.freqs_sin, positions)
         k = apply_rotary_emb(op, self.k_norm(op, self.wk(op, latent)), cos, sin,
                              self.rope_head_dim)
-        return IndexKeyRows(k, fp4_e8m0(op, k))
+        return IndexKeyRows(k, pack_quantized(op, k, INDEX_KEY_FORMAT))
 
 
 class Indexer(nn.Module):

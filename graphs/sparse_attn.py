@@ -30,11 +30,16 @@ RUNNING_MAX_INIT = SPARSE_ATTENTION_RUNNING_MAX_INIT
 
 
 def sparse_attn(op: OpBuilder, q: ir.Value, kv: ir.Value, attn_sink: ir.Value,
-                idx: ir.Value, softmax_scale: float) -> ir.Value:
+                idx: ir.Value, softmax_scale: float, compressed: ir.Value | None = None,
+                compressed_format: str | None = None, head_dim: int | None = None) -> ir.Value:
     """o[b,t,h] = attention of q[b,t,h] ([b,s,h,d]) over rows kv[b, idx[b,t,:]] ([b,n,d]).
 
     `idx` [b,s,k] (int32/int64, k dynamic, any size including 0); -1 entries are skipped.
     Each row is both key and value. `attn_sink` [h] (float32) joins the denominator only.
+    `compressed` (packed rows [b, n_cache, bytes] in `compressed_format`): indices >= n
+    read its row i - n, as if it were concatenated to kv unpacked (`head_dim`: d, which a
+    portable graph needs to unpack it when kv's shape is not static).
     Returns bf16 values in float32, [b,s,h,d].
     """
-    return sparse_attention(op, q, kv, attn_sink, idx, softmax_scale)
+    return sparse_attention(op, q, kv, attn_sink, idx, softmax_scale, compressed,
+                            compressed_format, head_dim=head_dim)

@@ -11,6 +11,7 @@ import pytest
 from helpers import GOLDENS, golden
 
 from csa2onnx.custom_ops import make_session
+from csa2onnx.custom_ops.reference import pack_quantized
 from csa2onnx.export.cli import main as cli
 from csa2onnx.export.config import AttentionConfig
 from csa2onnx.export.goldens import compare
@@ -139,9 +140,9 @@ def test_single_layer_export_takes_slots_as_inputs(tmp_path: Path) -> None:
         "start_pos": np.zeros(1, np.int64),  # a first prefill ignores the ring it is given
         "past.L3.window_kv": np.zeros((x.shape[0], g.model_args["window_size"],
                                        g.model_args["head_dim"]), np.float32),
-        "slot_in.compress_kv": kv,
+        "slot_in.compress_kv": pack_quantized(kv, "fp4_e4m3_16"),  # caches travel packed
         "slot_in.candidates": g.step("prefill", 1, "candidates"),
-        "slot_in.index_k": g.step("prefill", 1, "index_k_rows"),
+        "slot_in.index_k": pack_quantized(g.step("prefill", 1, "index_k_rows"), "fp4_e8m0_32"),
     }
     out = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds),
                    strict=True))
@@ -219,7 +220,7 @@ def test_large_models_keep_weights_as_external_data(tmp_path: Path, monkeypatch)
     assert data.stat().st_size > graph.stat().st_size
     runtime = AttentionRuntime(tmp_path)
     # Layer 3 (outside) also owns index keys; layer 1 publishes its own before reading here.
-    no_keys = {"index_k": np.zeros((1, 0, 64), np.float32)}
+    no_keys = {"index_k": np.zeros((1, 0, 34), np.uint8)}  # no packed rows (64 values: 34 B)
     out = runtime.prefill({layer: g.step("prefill", layer, "x") for layer in (0, 1)},
                           slots=no_keys).out
     assert compare(out[1], g.step("prefill", 1, "out")).ok

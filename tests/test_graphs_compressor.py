@@ -12,14 +12,22 @@ import onnx_ir as ir
 import pytest
 from helpers import CASES, GOLDENS, golden, run_model
 
+from csa2onnx.custom_ops.constants import packed_row_bytes
+from csa2onnx.custom_ops.reference import unpack_quantized
 from csa2onnx.export.goldens import compare
 from csa2onnx.graphs.compressor import Compressor
-from csa2onnx.graphs.kv_cache import cache_row_start, latent_to_cache_rows, write_rows
+from csa2onnx.graphs.kv_cache import (
+    COMPRESSED_KV_FORMAT,
+    cache_row_start,
+    latent_to_cache_rows,
+    write_rows,
+)
 from csa2onnx.graphs.numerics import FLOAT, INT64
 from csa2onnx.graphs.rope import freqs_cis, layer_rope_params, rope_at
 from csa2onnx.graphs.standalone import build_model
 
 COMPONENT = "compressor"
+UINT8 = ir.DataType.UINT8
 
 
 def _kv_sources() -> list[tuple[str, int]]:
@@ -147,47 +155,50 @@ def _cache_rows_model(case: str) -> onnx.ModelProto:
 
     return build_model("latent_to_cache_rows",
                        [("latent", FLOAT, ["b", "n", args["head_dim"]]),
-                        ("positions", INT64, ["n"])], ["prequant", "quant"], body)
+                        ("positions", INT64, ["n"])], ["prequant", "packed"], body)
 
 
 @cache
-def _write_model(ratio: int, head_dim: int) -> onnx.ModelProto:
+def _write_model(ratio: int, row_bytes: int) -> onnx.ModelProto:
     def body(op, cache_in, rows, start_pos):
         row_start = cache_row_start(op, start_pos, ratio)
         return write_rows(op, cache_in, rows, row_start), row_start
 
-    return build_model("write_rows", [("cache", FLOAT, ["b", "R", head_dim]),
-                                      ("rows", FLOAT, ["b", "n", head_dim]),
+    return build_model("write_rows", [("cache", UINT8, ["b", "R", row_bytes]),
+                                      ("rows", UINT8, ["b", "n", row_bytes]),
                                       ("start_pos", INT64, [])],
                        ["cache_out", "row_start"], body)
 
 
 @pytest.mark.parametrize(("case", "layer"), KV_SOURCES, ids=IDS)
 def test_compressed_kv_cache(case: str, layer: int, golden_report) -> None:
-    """RoPE + e4m3 fp4 of the golden latents, written step by step into an empty cache
-    (decode steps without a latent write 0 rows) and compared at the end."""
+    """RoPE + e4m3 fp4 of the golden latents, packed, written step by step into an empty
+    cache (decode steps without a latent write 0 rows) and compared (unpacked) at the end."""
     g = golden(case)
     args = g.model_args
     r, hd = args["compress_ratios"][layer], args["head_dim"]
     b = g.step("prefill", layer, "x").shape[0]
-    kv_cache = np.zeros((b, args["max_seq_len"] // r, hd), np.float32)
+    width = packed_row_bytes(COMPRESSED_KV_FORMAT, hd)
+    kv_cache = np.zeros((b, args["max_seq_len"] // r, width), np.uint8)
     for entry in _schedule(case):
         step, pos = entry["step"], entry["start_pos"]
-        rows = np.zeros((b, 0, hd), np.float32)
+        rows = np.zeros((b, 0, width), np.uint8)
         if g.has(step, layer, "latent"):
             latent = g.step(step, layer, "latent")
             first = 0 if step == "prefill" else pos + 1 - r
             positions = first + r * np.arange(latent.shape[1], dtype=np.int64)
             out = run_model(_cache_rows_model(case), {"latent": latent, "positions": positions})
-            for name, key in (("latent_rope_prequant", "prequant"),
-                              ("latent_rope_quant", "quant"), ("compress_kv_rows", "quant")):
-                golden_report.check(case, "kv_cache", f"{step}.L{layer}.{name}", out[key],
+            quant = unpack_quantized(out["packed"], COMPRESSED_KV_FORMAT, hd)
+            golden_report.check(case, "kv_cache", f"{step}.L{layer}.latent_rope_prequant",
+                                out["prequant"], g.step(step, layer, "latent_rope_prequant"))
+            for name in ("latent_rope_quant", "compress_kv_rows"):
+                golden_report.check(case, "kv_cache", f"{step}.L{layer}.{name}", quant,
                                     g.step(step, layer, name))
-            rows = out["quant"]
-        written = run_model(_write_model(r, hd), {"cache": kv_cache, "rows": rows,
-                                                  "start_pos": np.array(pos, np.int64)})
+            rows = out["packed"]
+        written = run_model(_write_model(r, width), {"cache": kv_cache, "rows": rows,
+                                                     "start_pos": np.array(pos, np.int64)})
         kv_cache = written["cache_out"]
-        assert kv_cache.shape == (b, args["max_seq_len"] // r, hd)
+        assert kv_cache.shape == (b, args["max_seq_len"] // r, width)
         if g.has(step, layer, "compress_kv_row_start"):
             golden_report.check(case, "kv_cache", f"{step}.L{layer}.compress_kv_row_start",
                                 written["row_start"],
@@ -195,7 +206,8 @@ def test_compressed_kv_cache(case: str, layer: int, golden_report) -> None:
         if g.has(step, layer, "compress_kv_cache_after"):
             end_pos = pos + entry["seqlen"]
             golden_report.check(case, "kv_cache", f"{step}.L{layer}.compress_kv_cache_after",
-                                kv_cache[:, :end_pos // r],
+                                unpack_quantized(kv_cache[:, :end_pos // r],
+                                                 COMPRESSED_KV_FORMAT, hd),
                                 g.step(step, layer, "compress_kv_cache_after"))
     assert any(g.has(e["step"], layer, "compress_kv_cache_after") for e in _schedule(case))
 

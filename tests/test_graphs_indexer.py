@@ -13,8 +13,10 @@ import onnx_ir as ir
 import pytest
 from helpers import CASES, GOLDENS, golden, run_model
 
+from csa2onnx.custom_ops.reference import unpack_quantized
 from csa2onnx.export.goldens import GoldenCase, load_case
 from csa2onnx.graphs.indexer import CandidateConfig, Indexer
+from csa2onnx.graphs.kv_cache import INDEX_KEY_FORMAT
 from csa2onnx.graphs.numerics import FLOAT, INT64
 from csa2onnx.graphs.rope import layer_rope_params
 from csa2onnx.graphs.standalone import build_model
@@ -185,9 +187,11 @@ def test_indexer_keys(case: str, layer: int, golden_report) -> None:
         out = run_model(_keys_model(case, layer), {
             "latent": g.step(step, layer, "latent"),
             "positions": _latent_positions(g, step, layer, entry["start_pos"])})
-        for name, key in (("index_k_rope_prequant", "prequant"),
-                          ("index_k_rope_quant", "rows"), ("index_k_rows", "rows")):
-            golden_report.check(case, COMPONENT, f"{step}.L{layer}.{name}", out[key],
+        rows = unpack_quantized(out["rows"], INDEX_KEY_FORMAT, g.model_args["index_head_dim"])
+        golden_report.check(case, COMPONENT, f"{step}.L{layer}.index_k_rope_prequant",
+                            out["prequant"], g.step(step, layer, "index_k_rope_prequant"))
+        for name in ("index_k_rope_quant", "index_k_rows"):  # the packed rows, unpacked
+            golden_report.check(case, COMPONENT, f"{step}.L{layer}.{name}", rows,
                                 g.step(step, layer, name))
         published += 1
     assert published >= 2  # prefill and at least one decode step

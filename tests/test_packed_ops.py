@@ -331,6 +331,12 @@ def test_portable_bodies_equal_the_kernels(fmt) -> None:
     every = np.random.default_rng(4).integers(0, 256, (256, p.shape[-1]), dtype=np.uint8)
     (y,) = unpack.run(None, {"P": every})
     assert_same_values(y, unpack_quantized(every, fmt, d), "portable unpack, every byte")
+    # no rows (a call that completes no group writes none)
+    (p,) = portable_session(pack_model(fmt, portable=True)).run(
+        None, {"X": np.zeros((0, d), np.float32)})
+    assert p.shape == (0, want_p.shape[-1])
+    (y,) = unpack.run(None, {"P": p})
+    assert y.shape == (0, d)
 
 
 def test_portable_bodies_pass_the_checker() -> None:
