@@ -38,7 +38,8 @@ def test_released_layout_plan() -> None:
     layout = plan.state_layout()
     assert layout.get(2, "compressor.kv_state").shape() == ["batch", 2, 512]
     assert layout.get(20, "compressor.kv_state") is None  # ratio 1: no partial group
-    assert layout.get(8, "index_k").shape() == ["batch", 1048576 // 2, 128]
+    assert layout.get(8, "index_k").width == 128  # values; stored packed: 64 + 4 bytes a row
+    assert layout.get(8, "index_k").shape() == ["batch", 1048576 // 2, 68]
     assert layout.get(8, "index_k").in_place  # read at ratio 1 by layer 20 (the slot)
     assert layout.get(8, "index_k").read_ratio == 1
     assert layout.get(None, "index_k_publisher").dtype == "int64"
