@@ -7,6 +7,7 @@
 
 #include "fp4_op.h"
 #include "fp8_linear_op.h"
+#include "rope_cos_sin_op.h"
 #include "sparse_attention_op.h"
 #include "torch_linear_op.h"
 #include "torch_rms_norm_op.h"
@@ -29,6 +30,7 @@ struct Library {
     csa::AppendTorchRMSNormOps(ops);
     csa::AppendSparseAttentionOps(ops);
     csa::AppendWriteRowsOps(ops);
+    csa::AppendRopeCosSinOps(ops);
     for (auto& op : ops) domain.Add(op.get());
   }
 };
