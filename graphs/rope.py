@@ -118,7 +118,7 @@ class FreqsCis(nn.Module):
         self.inverse_frequencies = inverse_frequencies(params)
 
     def __call__(self, op: OpBuilder, positions: ir.Value) -> tuple[ir.Value, ir.Value]:
-        if is_portable(op) and "cos" not in self._parameters:
+        if is_portable(op) and not hasattr(self, "cos"):
             # registered before Module.__call__ realises the parameters in scope
             cos, sin = freqs_cis(self.params)
             self.cos = weight(cos, FLOAT)
