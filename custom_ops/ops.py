@@ -11,6 +11,8 @@ also has a standard-op body there (`MatMul`, exact up to the summation order), a
 `UnpackQuantized` (bit-exact, NaN payloads aside). `SparseAttention` with a packed cache
 becomes Concat(kv, UnpackQuantized(cache)) and the 4-input node there: a function body
 cannot leave out an optional input it uses (onnxruntime rejects the inlined node).
+`RopeCosSin` has no body: a portable graph keeps the RoPE tables as initializers instead
+(graphs/rope.py).
 """
 
 from __future__ import annotations
@@ -94,6 +96,25 @@ def fp8_linear(op: OpBuilder, x: ir.Value, w: ir.Value, w_scale: ir.Value) -> ir
         n = w.shape[0] if w.shape is not None and len(w.shape) == 2 else None
         shape = ir.Shape([*list(x.shape)[:-1], n])
     return _typed(y, ir.DataType.FLOAT, shape)
+
+
+def rope_cos_sin(op: OpBuilder, positions: ir.Value, inverse_frequencies: Sequence[float],
+                 max_positions: int) -> tuple[ir.Value, ir.Value]:
+    """(cos, sin) float32 [..., len(f)] of the angles f32(positions) * f_i (int64 positions
+    [...], each in [0, max_positions)), through the C library's cosf/sinf as torch.polar
+    computes freqs_cis: the rows of the reference's tables, with no table in the model."""
+    freqs = [float(f) for f in inverse_frequencies]
+    if not freqs:
+        raise ValueError("RopeCosSin needs at least one inverse frequency")
+    if max_positions <= 0:
+        raise ValueError(f"RopeCosSin max_positions must be > 0, got {max_positions}")
+    csa = op.builder.opset(DOMAIN, DOMAIN_VERSION)
+    cos, sin = csa.RopeCosSin(positions, inverse_frequencies=freqs,
+                              max_positions=int(max_positions), _outputs=2)
+    shape = None
+    if positions.shape is not None:
+        shape = ir.Shape([*list(positions.shape), len(freqs)])
+    return _typed(cos, ir.DataType.FLOAT, shape), _typed(sin, ir.DataType.FLOAT, shape)
 
 
 PORTABLE_KEY = "csa2onnx.portable"  # graph metadata: emit standard ONNX only

@@ -31,7 +31,7 @@ from csa2onnx.graphs.kv_cache import (
 )
 from csa2onnx.graphs.numerics import FLOAT, INT64, weight
 from csa2onnx.graphs.output import OutputProjection
-from csa2onnx.graphs.rope import RopeTables, layer_rope_params
+from csa2onnx.graphs.rope import FreqsCis, layer_rope_params
 from csa2onnx.graphs.sparse_attn import sparse_attn
 from csa2onnx.graphs.window import window_chunk, window_decode
 
@@ -107,7 +107,7 @@ class AttentionLayer(nn.Module):
                                          w.get("compressor.wgate.weight"),
                                          w["compressor.norm.weight"], ratio=plan.ratio,
                                          head_dim=c.head_dim, norm_eps=c.norm_eps)
-            self.latent_rope = RopeTables(rope)
+            self.latent_rope = FreqsCis(rope)
         if plan.index_source:
             candidates = (CandidateConfig(c.candidate_topk_blocks, c.candidate_block_size)
                           if plan.candidate_source else None)

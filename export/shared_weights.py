@@ -11,12 +11,13 @@ process holds one copy (the page cache's), not one per session.
 from __future__ import annotations
 
 import hashlib
+import sys
 from pathlib import Path
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import onnxruntime as ort
-from onnx.external_data_helper import set_external_data
 
 WEIGHTS_FILE = "weights.onnx.data"
 ALIGNMENT = 4096  # page-aligned: mappable, and aligned for every element type
@@ -24,7 +25,14 @@ SIZE_THRESHOLD = 1024  # smaller initializers stay inside the model
 
 
 class SharedWeightsWriter:
-    """Moves models' initializers into one file, each distinct content once."""
+    """Moves models' initializers into one file, each distinct content once.
+
+    Works on the IR model before it is serialised: each tensor's bytes go from its own
+    buffer (a checkpoint tensor is a view of the shard's memory map) straight to the file,
+    and the initializer becomes a reference to them. No serialised copy of the weights (a
+    protobuf holding every raw_data) is ever made, so an export holds the weights at most
+    once (the mapped pages) plus one model's graph.
+    """
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -38,13 +46,15 @@ class SharedWeightsWriter:
     def close(self) -> None:
         self._file.close()
 
-    def externalize(self, proto: onnx.ModelProto) -> None:
-        """Point proto's large initializers at the file (writing contents not yet in it)."""
-        for tensor in proto.graph.initializer:
-            if (tensor.data_location == onnx.TensorProto.EXTERNAL
-                    or len(tensor.raw_data) < SIZE_THRESHOLD):
+    def externalize(self, model: ir.Model) -> None:
+        """Point the model's large initializers at the file (writing contents not yet in
+        it); they become ir.ExternalTensor, which serialise as external-data entries."""
+        for value in model.graph.initializers.values():
+            tensor = value.const_value
+            if (tensor is None or isinstance(tensor, ir.ExternalTensor)
+                    or tensor.nbytes < SIZE_THRESHOLD):
                 continue
-            data = tensor.raw_data
+            data = _raw_view(tensor)
             key = hashlib.sha256(data).digest()
             if key not in self._offsets:
                 pad = -self._end % ALIGNMENT
@@ -52,9 +62,21 @@ class SharedWeightsWriter:
                 self._offsets[key] = self._end + pad
                 self._file.write(data)
                 self._end += pad + len(data)
-            set_external_data(tensor, self.path.name, offset=self._offsets[key],
-                              length=len(data))
-            tensor.ClearField("raw_data")
+            value.const_value = ir.ExternalTensor(
+                self.path.name, self._offsets[key], len(data), tensor.dtype,
+                shape=tensor.shape, name=value.name or tensor.name or "",
+                base_dir=self.path.parent)
+
+
+def _raw_view(tensor: ir.TensorProtocol) -> memoryview:
+    """The tensor's ONNX raw_data bytes, without a copy where they already lie in memory (a
+    whole-byte type held as a little-endian numpy array, as every weight here is)."""
+    if (isinstance(tensor, ir.Tensor) and sys.byteorder == "little"
+            and tensor.dtype.bitwidth % 8 == 0):
+        array = tensor.numpy()
+        if array.dtype.itemsize * 8 == tensor.dtype.bitwidth:
+            return memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+    return memoryview(tensor.tobytes())
 
 
 def _external_field(tensor: onnx.TensorProto, key: str) -> str | None:

@@ -197,11 +197,11 @@ def export_stack(plan: StackPlan, weights: dict[int, LayerWeights], folder: str 
                 # (protobuf cannot hold over 2 GiB); both modes then share the file
                 writer = SharedWeightsWriter(folder / WEIGHTS_FILE)
             weights_file = WEIGHTS_FILE if writer is not None else None
+            if writer is not None:  # before serialising: the proto then holds no weights
+                writer.externalize(model)
+                writer.flush()
             proto = to_proto(model, plan, portable, weights_file)
             del model
-            if writer is not None:
-                writer.externalize(proto)
-                writer.flush()
             path = folder / f"{mode}.onnx"
             onnx.save_model(proto, str(path))
             del proto

@@ -10,7 +10,7 @@ from onnxscript import OpBuilder, nn
 
 from csa2onnx.graphs import quant
 from csa2onnx.graphs.numerics import RMSNorm, Weight, linear
-from csa2onnx.graphs.rope import RopeParams, RopeTables, apply_rotary_emb, token_positions
+from csa2onnx.graphs.rope import FreqsCis, RopeParams, apply_rotary_emb, token_positions
 
 
 def _check_rope(rope: RopeParams, rope_head_dim: int, head_dim: int) -> None:
@@ -47,7 +47,7 @@ class QueryProjection(nn.Module):
         self.wq_a = linear(wq_a)
         self.q_norm = RMSNorm(q_norm, norm_eps)
         self.wq_b = linear(wq_b)
-        self.freqs_cis = RopeTables(rope)
+        self.freqs_cis = FreqsCis(rope)
 
     def forward(self, op: OpBuilder, x: ir.Value,
                 start_pos: ir.Value) -> tuple[ir.Value, ir.Value]:
@@ -75,7 +75,7 @@ class WindowKVProjection(nn.Module):
         self.rope_head_dim = rope_head_dim
         self.wkv = linear(wkv)
         self.kv_norm = RMSNorm(kv_norm, norm_eps)
-        self.freqs_cis = RopeTables(rope)
+        self.freqs_cis = FreqsCis(rope)
 
     def forward(self, op: OpBuilder, x: ir.Value,
                 start_pos: ir.Value) -> tuple[ir.Value, ir.Value]:

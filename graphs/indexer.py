@@ -21,9 +21,9 @@ from csa2onnx.custom_ops.ops import pack_quantized, torch_topk
 from csa2onnx.graphs.candidates import select_candidate_blocks
 from csa2onnx.graphs.common import NEG_INF, Mode, scalar_i64
 from csa2onnx.graphs.kv_cache import INDEX_KEY_FORMAT
-from csa2onnx.graphs.numerics import FLOAT, Linear, RMSNorm, Weight, linear, round_bf16, weight
+from csa2onnx.graphs.numerics import Linear, RMSNorm, Weight, linear, round_bf16
 from csa2onnx.graphs.quant import fp4_e8m0
-from csa2onnx.graphs.rope import RopeParams, apply_rotary_emb, freqs_cis, rope_at
+from csa2onnx.graphs.rope import FreqsCis, RopeParams, apply_rotary_emb
 
 
 @dataclass(frozen=True)
@@ -72,12 +72,10 @@ class IndexKeyProjection(nn.Module):
         self.wk = Linear(wk)
         self.k_norm = RMSNorm(k_norm, norm_eps)
         self.rope_head_dim = rope.rope_head_dim
-        cos, sin = freqs_cis(rope)
-        self.freqs_cos = weight(cos, FLOAT)
-        self.freqs_sin = weight(sin, FLOAT)
+        self.freqs_cis = FreqsCis(rope)
 
     def forward(self, op: OpBuilder, latent: ir.Value, positions: ir.Value) -> IndexKeyRows:
-        cos, sin = rope_at(op, self.freqs_cos, self.freqs_sin, positions)
+        cos, sin = self.freqs_cis(op, positions)
         k = apply_rotary_emb(op, self.k_norm(op, self.wk(op, latent)), cos, sin,
                              self.rope_head_dim)
         return IndexKeyRows(k, pack_quantized(op, k, INDEX_KEY_FORMAT))
@@ -134,9 +132,7 @@ class Indexer(nn.Module):
         if wk is not None:
             self.key_projection = IndexKeyProjection(wk, k_norm, norm_eps, rope)
         self.owns_keys = wk is not None
-        cos, sin = freqs_cis(rope)  # compress_rope_theta (+ YaRN) table of this layer
-        self.freqs_cos = weight(cos, FLOAT)
-        self.freqs_sin = weight(sin, FLOAT)
+        self.freqs_cis = FreqsCis(rope)  # compress_rope_theta (+ YaRN) of this layer
 
     def keys(self, op: OpBuilder, latent: ir.Value, positions: ir.Value) -> IndexKeyRows:
         """latent [b, n, head_dim] (pre-RoPE, n may be 0), positions int64 [n]."""
@@ -162,7 +158,7 @@ class Indexer(nn.Module):
         return self(op, x, qr, index_k, start_pos, candidates, window_rows, mode=mode)
 
     def _rope(self, op: OpBuilder, x: ir.Value, positions: ir.Value) -> ir.Value:
-        cos, sin = rope_at(op, self.freqs_cos, self.freqs_sin, positions)
+        cos, sin = self.freqs_cis(op, positions)
         return apply_rotary_emb(op, x, cos, sin, self.rope_head_dim)
 
     def forward(self, op: OpBuilder, x: ir.Value, qr: ir.Value, index_k: ir.Value,

@@ -9,7 +9,7 @@ from onnxscript import OpBuilder, nn
 
 from csa2onnx.custom_ops.ops import torch_linear
 from csa2onnx.graphs.numerics import BFLOAT16, Weight, linear, round_bf16, weight
-from csa2onnx.graphs.rope import RopeParams, RopeTables, apply_rotary_emb, token_positions
+from csa2onnx.graphs.rope import FreqsCis, RopeParams, apply_rotary_emb, token_positions
 
 
 class OutputProjection(nn.Module):
@@ -46,7 +46,7 @@ class OutputProjection(nn.Module):
         self.o_groups, self.o_lora_rank, self.group_dim = o_groups, o_lora_rank, group_dim
         self.wo_a = weight(wo_a, BFLOAT16)  # a raw parameter: used per group, not as a Linear
         self.wo_b = linear(wo_b)
-        self.freqs_cis = RopeTables(rope)
+        self.freqs_cis = FreqsCis(rope)
 
     def forward(self, op: OpBuilder, o: ir.Value, start_pos: ir.Value) -> ir.Value:
         cos, sin = self.freqs_cis(op, token_positions(op, o, start_pos))

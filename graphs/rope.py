@@ -3,6 +3,7 @@ apply_rotary_emb on the LAST `rope_head_dim` features, adjacent pairs as complex
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ import onnx_ir as ir
 from onnxscript import OpBuilder, nn
 
 from csa2onnx.custom_ops.library import libm_cos_sin
+from csa2onnx.custom_ops.ops import is_portable, rope_cos_sin
 from csa2onnx.graphs.numerics import FLOAT, INT64, round_bf16, weight
 
 
@@ -69,15 +71,18 @@ def inverse_frequencies(p: RopeParams) -> np.ndarray:
     return freqs.astype(np.float32)
 
 
+@functools.lru_cache(maxsize=2)  # as upstream's: the modules of a layer share one pair
 def freqs_cis(p: RopeParams) -> tuple[np.ndarray, np.ndarray]:
-    """(cos, sin) tables [max_seq_len, rd/2] of the float32 angles pos * f_i.
+    """(cos, sin) tables [max_seq_len, rd/2] of the float32 angles pos * f_i (read-only).
 
     The angle is the float32 product torch.outer computes; cos and sin come from the C
     library's cosf/sinf, as torch.polar evaluates them, so the tables are bit-exact.
     """
     angles = (np.arange(p.max_seq_len, dtype=np.float32)[:, None]
               * inverse_frequencies(p)[None, :]).astype(np.float32)
-    return libm_cos_sin(angles)
+    cos, sin = libm_cos_sin(angles)
+    cos.flags.writeable = sin.flags.writeable = False
+    return cos, sin
 
 
 def token_positions(op: OpBuilder, x: ir.Value, start_pos: ir.Value) -> ir.Value:
@@ -90,23 +95,40 @@ def token_positions(op: OpBuilder, x: ir.Value, start_pos: ir.Value) -> ir.Value
 
 def rope_at(op: OpBuilder, cos_table: ir.Value, sin_table: ir.Value,
             positions: ir.Value) -> tuple[ir.Value, ir.Value]:
-    """(cos, sin) rows [n, rd/2] of the freqs_cis tables ([max_seq_len, rd/2]) at positions."""
+    """(cos, sin) rows [n, rd/2] of freqs_cis tables ([max_seq_len, rd/2]) at positions (the
+    portable graphs' way; FreqsCis computes the rows instead where the library is)."""
     return op.Gather(cos_table, positions, axis=0), op.Gather(sin_table, positions, axis=0)
 
 
-class RopeTables(nn.Module):
-    """A layer's freqs_cis as two float32 initializers `cos`, `sin` [max_seq_len, rd/2]
-    (identical tables are stored once per artifact by the exporter)."""
+class FreqsCis(nn.Module):
+    """A layer's freqs_cis rows at given positions: (cos, sin) [..., rd/2] for int64
+    positions [...].
+
+    With the custom-op library, RopeCosSin computes the rows each call from the inverse
+    frequencies (an attribute): the model holds no table, so neither its size nor its
+    export time grows with max_seq_len. A portable graph (no library) keeps the tables as
+    two float32 initializers `cos`, `sin` [max_seq_len, rd/2] and gathers from them: ONNX's
+    Cos and Sin are not the C library's cosf/sinf (identical tables are stored once per
+    artifact by the exporter).
+    """
 
     def __init__(self, params: RopeParams, name: str | None = None) -> None:
         super().__init__(name)
         self.params = params
-        cos, sin = freqs_cis(params)
-        self.cos = weight(cos, FLOAT)
-        self.sin = weight(sin, FLOAT)
+        self.inverse_frequencies = inverse_frequencies(params)
+
+    def __call__(self, op: OpBuilder, positions: ir.Value) -> tuple[ir.Value, ir.Value]:
+        if is_portable(op) and not hasattr(self, "cos"):
+            # registered before Module.__call__ realises the parameters in scope
+            cos, sin = freqs_cis(self.params)
+            self.cos = weight(cos, FLOAT)
+            self.sin = weight(sin, FLOAT)
+        return super().__call__(op, positions)
 
     def forward(self, op: OpBuilder, positions: ir.Value) -> tuple[ir.Value, ir.Value]:
-        return rope_at(op, self.cos, self.sin, positions)
+        if is_portable(op):
+            return rope_at(op, self.cos, self.sin, positions)
+        return rope_cos_sin(op, positions, self.inverse_frequencies, self.params.max_seq_len)
 
 
 def apply_rotary_emb(op: OpBuilder, x: ir.Value, cos: ir.Value, sin: ir.Value,

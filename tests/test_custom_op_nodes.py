@@ -16,6 +16,8 @@ OPS = {  # op: (input types, output names, attributes)
     "TorchRMSNorm": ([TensorProto.FLOAT, TensorProto.FLOAT], ["Y"], {"epsilon": 1e-6}),
     "Fp8Linear": ([TensorProto.FLOAT, TensorProto.FLOAT8E4M3FN, TensorProto.FLOAT], ["Y"], {}),
     "WriteRows": ([TensorProto.FLOAT, TensorProto.FLOAT, TensorProto.INT64], ["Y"], {}),
+    "RopeCosSin": ([TensorProto.INT64], ["Cos", "Sin"],
+                   {"inverse_frequencies": [1.0, 0.5], "max_positions": 16}),
 }
 
 

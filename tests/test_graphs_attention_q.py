@@ -14,7 +14,13 @@ from helpers import every_step_and_layer, golden
 
 from csa2onnx.custom_ops import make_session
 from csa2onnx.graphs.attention_q import QueryProjection, WindowKVProjection
-from csa2onnx.graphs.rope import RopeParams, RopeTables, layer_rope_params, token_positions
+from csa2onnx.graphs.rope import (
+    FreqsCis,
+    RopeParams,
+    freqs_cis,
+    layer_rope_params,
+    token_positions,
+)
 from csa2onnx.graphs.standalone import build_model
 
 FLOAT, INT64 = ir.DataType.FLOAT, ir.DataType.INT64
@@ -73,17 +79,26 @@ def test_layer_rope_params() -> None:
         a["compress_rope_theta"], a["original_seq_len"], a["rope_factor"])
 
 
-def test_rope_at_positions() -> None:
-    """rope_at gathers freqs_cis rows at start_pos.. (a scalar start_pos works too)."""
+@pytest.mark.parametrize("portable", [False, True], ids=["RopeCosSin", "tables"])
+def test_freqs_cis_rows_at_positions(portable: bool) -> None:
+    """FreqsCis gives the freqs_cis rows at start_pos.. (a scalar start_pos works too): the
+    RopeCosSin op, or in a portable graph a Gather from the tables."""
     params = RopeParams(rope_head_dim=8, max_seq_len=16, base=10000.0)
 
-    def body(op, x, start_pos):  # RopeTables.forward is rope_at on its initializers
-        return RopeTables(params, name="rope")(op, token_positions(op, x, start_pos))
+    def body(op, x, start_pos):
+        return FreqsCis(params, name="rope")(op, token_positions(op, x, start_pos))
 
     model = build_model("rope_at", [("x", FLOAT, [1, "s", 2]), ("start_pos", INT64, [])],
-                        ["cos", "sin"], body)
+                        ["cos", "sin"], body, portable=portable)
+    ops = {node.op_type for node in model.graph.node}
+    assert ("RopeCosSin" in ops) != portable and ("Gather" in ops) == portable
+    tables = [t.name for t in model.graph.initializer if t.name.endswith((".cos", ".sin"))]
+    assert tables == (["rope.cos", "rope.sin"] if portable else [])
     cos, sin = make_session(model.SerializeToString()).run(
         None, {"x": np.zeros((1, 3, 2), np.float32), "start_pos": np.array(5, np.int64)})
+    table_cos, table_sin = freqs_cis(params)
+    np.testing.assert_array_equal(cos.view(np.uint32), table_cos[5:8].view(np.uint32))
+    np.testing.assert_array_equal(sin.view(np.uint32), table_sin[5:8].view(np.uint32))
     angles = np.arange(5, 8, dtype=np.float32)[:, None] * (
         1 / np.float32(10000.0) ** (np.arange(0, 8, 2, dtype=np.float32) / 8))
     np.testing.assert_allclose(cos, np.cos(angles), atol=1e-6)

@@ -8,6 +8,7 @@
 #include "fp4_op.h"
 #include "fp8_linear_op.h"
 #include "packed_ops.h"
+#include "rope_cos_sin_op.h"
 #include "sparse_attention_op.h"
 #include "torch_linear_op.h"
 #include "torch_rms_norm_op.h"
@@ -31,6 +32,7 @@ struct Library {
     csa::AppendSparseAttentionOps(ops);
     csa::AppendWriteRowsOps(ops);
     csa::AppendPackedOps(ops);
+    csa::AppendRopeCosSinOps(ops);
     for (auto& op : ops) domain.Add(op.get());
   }
 };
