@@ -27,3 +27,7 @@ def test_sparse_attention_constants() -> None:
 
 def test_fp8_block() -> None:
     assert header_constant("fp8_linear.h", "kBlock") == constants.FP8_BLOCK
+
+
+def test_torch_linear_panel() -> None:
+    assert header_constant("torch_linear_op.cc", "kPanel") == constants.TORCH_LINEAR_PANEL
