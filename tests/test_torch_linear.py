@@ -855,6 +855,9 @@ def test_panels64_bad_shapes_and_attributes_are_clear_errors() -> None:
          r"weight_layout \"panels64\" needs the attributes out_features \(N\) and in_features"),
         (panels_model_of(panels, bf16, attrs=attrs(out_features=-1)),
          r"out_features and in_features must be >= 0, got -1 and 31"),
+        (panels_model_of(panels, bf16, attrs=attrs(out_features=2**63 - 1, in_features=2**63 - 1)),
+         r"must have shape \[144115188075855872, 4611686018427387904, 64, 2\] .*, got "
+         r"\[2, 16, 64, 2\]"),
         (panels_model_of(panels, bf16, attrs=attrs(weight_layout="rows")),
          r"unknown weight_layout \"rows\" \(expected \"plain\" or \"panels64\"\)"),
         (panels_model_of(panels, bf16, attrs=attrs(weight_layout=1)),

@@ -151,10 +151,11 @@ inline ExponentRange bf16_exponents(const uint16_t* w, size_t count) {
 
 enum class Layout { kPlain, kPanels64 };
 
-// The shape of a panels64 W for N outputs and K inputs (bf16: k-pairs of two halves).
+// The shape of a panels64 W for N outputs and K inputs (bf16: k-pairs of two halves);
+// N, K >= 0 from the attributes, rounded up without overflowing.
 std::vector<int64_t> panels_shape(bool bf16, int64_t N, int64_t K) {
-  const int64_t panels = (N + kPanel - 1) / kPanel;
-  if (bf16) return {panels, (K + 1) / 2, kPanel, 2};
+  const int64_t panels = N / kPanel + (N % kPanel != 0);
+  if (bf16) return {panels, K / 2 + K % 2, kPanel, 2};
   return {panels, K, kPanel};
 }
 
