@@ -5,6 +5,7 @@ SPARSE_ATTENTION_BLOCK = 64  # the reference kernel's block of indices (sparse_a
 # finite, so an all -1 row gives exp(sink + 1e30) = inf -> o = 0 (kRunningMaxInit)
 SPARSE_ATTENTION_RUNNING_MAX_INIT = -1e30
 FP8_BLOCK = 32  # act_quant and the fp8 linears' block (fp8_linear.h)
+TORCH_LINEAR_PANEL = 64  # columns per panel of TorchLinear's packed W (torch_linear_op.cc kPanel)
 
 # Packed state rows (custom_ops/src/packed_quant.h): format -> (block, codes per byte). A row
 # of d values is d / codes_per_byte code bytes, then one scale byte per block.

@@ -70,16 +70,26 @@ def torch_topk(op: OpBuilder, x: ir.Value, k: ir.Value, *, largest: bool = True,
     return _typed(values, ir.DataType.FLOAT), _typed(indices, ir.DataType.INT64)
 
 
-def torch_linear(op: OpBuilder, x: ir.Value, w: ir.Value) -> ir.Value:
+def torch_linear(op: OpBuilder, x: ir.Value, w: ir.Value, *,
+                 panels: tuple[int, int] | None = None) -> ir.Value:
     """float32 x @ W^T (W: [N, K], bfloat16 or float32) summed in torch CPU's order.
 
-    No rounding inside: round the result to bf16 where the reference does.
+    `panels=(N, K)`: W is stored in the kernel's panels64 layout (custom_ops/weight_layout.py),
+    which the kernel reads in place; not in a portable graph, whose MatMul body reads a plain
+    W. No rounding inside: round the result to bf16 where the reference does.
     """
     csa = op.builder.opset(DOMAIN, DOMAIN_VERSION)
-    y = csa.TorchLinear(x, w)
+    if panels is None:
+        y = csa.TorchLinear(x, w)
+        n = w.shape[0] if w.shape is not None and len(w.shape) == 2 else None
+    else:
+        if is_portable(op):
+            raise ValueError("a portable graph takes plain [N, K] TorchLinear weights (its "
+                             "standard-op body is a MatMul), not panels64 ones")
+        n, k = panels
+        y = csa.TorchLinear(x, w, weight_layout="panels64", out_features=n, in_features=k)
     shape = None
     if x.shape is not None:  # x.shape[:-1] + [N]
-        n = w.shape[0] if w.shape is not None and len(w.shape) == 2 else None
         shape = ir.Shape([*list(x.shape)[:-1], n])
     return _typed(y, ir.DataType.FLOAT, shape)
 

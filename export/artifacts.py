@@ -34,7 +34,8 @@ class Manifest:
     roles: list[dict[str, Any]]
     state: list[dict[str, Any]]  # the StateLayout (export/state_layout.py), as JSON
     external_slots: list[str]
-    # layer (as a string, JSON's key type) -> linear -> weight format, from config + plan
+    # layer (as a string, JSON's key type) -> linear -> weight format as stored (dtype, and
+    # /panels64 where TorchLinear reads it in place), from config + plan + portable
     linear_formats: dict[str, dict[str, str]] = field(default_factory=dict)
     # layer -> {"at_max_seq_len", "per_1024_tokens", "fixed"}: state bytes at batch 1
     state_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -74,7 +75,8 @@ def manifest_for(plan: StackPlan, portable: bool, weights_file: str | None = Non
         roles=[{"layer": p.layer, "ratio": p.ratio, "role": p.role} for p in plan.layers],
         state=plan.state_layout().to_json(),
         external_slots=list(plan.external_slots()),
-        linear_formats={str(p.layer): linear_formats(plan.config, p) for p in plan.layers},
+        linear_formats={str(p.layer): linear_formats(plan.config, p, portable=portable)
+                        for p in plan.layers},
         state_bytes=state_bytes_per_layer(plan),
         weights_file=weights_file,
     )

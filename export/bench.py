@@ -61,6 +61,7 @@ class BenchOptions:
     upstream: Path | None = None
     state: str = "grow"  # grow | full (in place, max_seq_len rows) | copy (no in-place binding)
     share_weights: bool = True
+    prefill_arena: bool = False  # keep onnxruntime's CPU arena in the prefill session
 
 
 @dataclass
@@ -156,6 +157,9 @@ class BenchResult:
                          ".0f"))
         lines.append(row("memory held MiB", o.held_mib, u.held_mib if u else None, ".0f"))
         lines.append(row("peak RSS MiB", o.peak_rss_mib, u.peak_rss_mib if u else None, ".0f"))
+        held = (self.weight_bytes + self.state_bytes) / 2**20
+        lines.append(f"csa2onnx's memory over weights + state ({held:.0f} MiB): loaded "
+                     f"{o.loaded_mib / held:.2f}x, held after its run {o.held_mib / held:.2f}x")
         if u and chunked:
             lines.append(f"upstream cannot prefill in chunks: its prefill ({u.prefill_s:.3f} s) "
                          f"is {self.options['prefill']} tokens at once, and it decodes at "
@@ -283,7 +287,8 @@ def run_bench(opts: BenchOptions,
         runtime = AttentionRuntime(tmp, intra_op_num_threads=opts.threads, spinning=False,
                                    grow_caches=opts.state == "grow",
                                    in_place=opts.state != "copy",
-                                   share_weights=opts.share_weights)
+                                   share_weights=opts.share_weights,
+                                   prefill_arena=opts.prefill_arena)
         setup_s = time.perf_counter() - t0
         loaded_mib = rss_mib() - rss_before
         if set(runtime.manifest.external_slots) - {"index_k"}:

@@ -8,6 +8,14 @@ and kept across sequences; their capacity grows with the context by doubling (co
 the rows on growth) up to max_seq_len // r rows, so memory follows the context, not
 max_seq_len. The small state (window ring, compressor's partial group) is a new output
 each call that becomes the next call's input.
+
+Memory: the weights are one mapping of the artifact's weights file that both sessions
+read in place (TorchLinear's are stored in its kernel's panels). The prefill session runs
+without onnxruntime's CPU arena: an arena would keep a prefill's activations (they grow
+with the prompt: ~250 MiB at 256 tokens, ~1.9 GiB at 1024 for three released-size layers)
+resident for as long as the runtime lives; without it they go back to the allocator after
+each call, for a few percent of prefill time. Decode (small activations, latency per token)
+keeps the arena.
 """
 
 from __future__ import annotations
@@ -51,13 +59,15 @@ class AttentionRuntime:
     def __init__(self, folder: str | Path, provider: str = "cpu",
                  intra_op_num_threads: int = 0, spinning: bool = True,
                  grow_caches: bool = True, in_place: bool = True,
-                 share_weights: bool = True) -> None:
+                 share_weights: bool = True, prefill_arena: bool = False) -> None:
         """`spinning=False` keeps idle intra-op threads from spinning between calls (for
         benchmarks beside another framework). For comparisons: `grow_caches=False`
         allocates every cache at max_seq_len // r rows up front instead of growing it with
         the context; `in_place=False` gives each call new cache outputs (WriteRows then
         copies the whole cache, as before in-place state); `share_weights=False` lets each
-        session load its own copy of the weights."""
+        session load its own copy of the weights; `prefill_arena=True` gives the prefill
+        session onnxruntime's CPU arena (slightly faster prefills, whose activations then
+        stay resident)."""
         self.folder = Path(folder)
         self.manifest: Manifest = read_manifest(self.folder)
         self.grow_caches = grow_caches
@@ -65,6 +75,7 @@ class AttentionRuntime:
         # onnxruntime inlines, dropping the unused ordering input: copy there instead.
         self.in_place = in_place and not self.manifest.portable
         self.share_weights = share_weights
+        self.prefill_arena = prefill_arena
         self.layout = self.manifest.state_layout
         self.caches = {t.name: t for t in self.layout.caches}
         providers = ["CPUExecutionProvider"]
@@ -177,6 +188,8 @@ class AttentionRuntime:
         options.log_severity_level = 3
         if not spinning:
             options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        if mode == "prefill" and not self.prefill_arena:
+            options.enable_cpu_mem_arena = False  # activations freed after each call
         path = self.folder / f"{mode}.onnx"
         if self.weights is not None and self.device == "cpu" and self.share_weights:
             # onnxruntime uses these buffers as they are (no copy) and never loads them

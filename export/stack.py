@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -19,14 +20,21 @@ from csa2onnx.custom_ops.constants import packed_row_bytes
 from csa2onnx.custom_ops.library import DOMAIN, DOMAIN_VERSION
 from csa2onnx.custom_ops.ops import PORTABLE_KEY
 from csa2onnx.custom_ops.portable import portable_functions
+from csa2onnx.custom_ops.weight_layout import PANELS64, PackedWeight, pack_panels
 from csa2onnx.export.artifacts import manifest_for, write_manifest
 from csa2onnx.export.config import AttentionConfig
 from csa2onnx.export.in_place import check_in_place_order, in_place_writes
 from csa2onnx.export.layer import STATE_FIELDS, AttentionLayer, LayerState, Mode
-from csa2onnx.export.plan import StackPlan
+from csa2onnx.export.plan import StackPlan, plan_layer
 from csa2onnx.export.shared_weights import WEIGHTS_FILE, SharedWeightsWriter
 from csa2onnx.export.slots import Slots
-from csa2onnx.export.weights import LayerWeights, check_layer
+from csa2onnx.export.weights import (
+    LayerWeights,
+    check_layer,
+    expected_tensors,
+    is_linear,
+    linear_layout,
+)
 from csa2onnx.graphs.kv_cache import COMPRESSED_KV_FORMAT, INDEX_KEY_FORMAT
 from csa2onnx.graphs.numerics import Fp8Weight
 from csa2onnx.graphs.standalone import IR_VERSION, OPSET, check_parameter_names
@@ -40,10 +48,37 @@ EXTERNAL_DATA_BYTES = 256 << 20  # larger models keep their weights beside them
 _DTYPES = {"float32": ir.DataType.FLOAT, "int64": ir.DataType.INT64, "uint8": ir.DataType.UINT8}
 
 
-def build_stack_model(plan: StackPlan, weights: dict[int, LayerWeights], mode: Mode, *,
-                      portable: bool = False, debug_outputs: bool = False,
+# A weight as the graphs take it: an array in its stored dtype, packed for TorchLinear (wo_a:
+# one packed weight per group of heads), or fp8 values with their block scales.
+GraphWeight = np.ndarray | PackedWeight | tuple[PackedWeight, ...] | Fp8Weight
+
+
+@dataclass(frozen=True)
+class StackWeights:
+    """Every layer's weights as the graphs take them (graph_weights): prepared once per
+    export, for a portable artifact (plain) or not (packed), and shared by both models."""
+
+    portable: bool
+    layers: dict[int, dict[str, GraphWeight]]
+
+
+def stack_weights(plan: StackPlan, weights: dict[int, LayerWeights], *,
+                  portable: bool) -> StackWeights:
+    return StackWeights(portable, {p.layer: graph_weights(plan.config, p.layer,
+                                                          weights[p.layer], portable=portable)
+                                   for p in plan.layers})
+
+
+def build_stack_model(plan: StackPlan, weights: dict[int, LayerWeights] | StackWeights,
+                      mode: Mode, *, portable: bool = False, debug_outputs: bool = False,
                       progress: Callable[[str], None] | None = None) -> ir.Model:
-    """Trace the stack's `mode` call into an ONNX IR model."""
+    """Trace the stack's `mode` call into an ONNX IR model (`weights`: checked or raw
+    per-layer weights, or the ones stack_weights prepared for the same `portable`)."""
+    if not isinstance(weights, StackWeights):
+        weights = stack_weights(plan, weights, portable=portable)
+    elif weights.portable != portable:
+        raise ValueError(f"weights prepared for portable={weights.portable} given to a "
+                         f"portable={portable} model")
     c = plan.config
     graph = ir.Graph([], [], nodes=[], name=f"csa2onnx_{mode}",
                      opset_imports={"": OPSET, DOMAIN: DOMAIN_VERSION})
@@ -79,7 +114,7 @@ def build_stack_model(plan: StackPlan, weights: dict[int, LayerWeights], mode: M
     for i, p in enumerate(plan.layers):
         if progress:
             progress(f"[{i + 1}/{len(plan.layers)}] {mode} layer {p.layer} ({p.role})")
-        layer = AttentionLayer(plan, p, graph_weights(c, p.layer, weights[p.layer]))
+        layer = AttentionLayer(plan, p, weights.layers[p.layer])
 
         def debug(name: str, value: ir.Value, layer_id: int = p.layer) -> None:
             if debug_outputs:
@@ -127,18 +162,30 @@ def build_stack_model(plan: StackPlan, weights: dict[int, LayerWeights], mode: M
     return ir.Model(graph, ir_version=IR_VERSION)
 
 
-def graph_weights(config: AttentionConfig, layer: int, weights: LayerWeights
-                  ) -> dict[str, np.ndarray | Fp8Weight]:
+def graph_weights(config: AttentionConfig, layer: int, weights: LayerWeights, *,
+                  portable: bool = False) -> dict[str, GraphWeight]:
     """A layer's checked weights as the graphs take them: in their stored dtypes (bf16
-    stays bf16, never an f32 copy), fp8 linears as e4m3 values with their block scales."""
+    stays bf16, never an f32 copy), fp8 linears as e4m3 values with their block scales,
+    and, unless `portable`, TorchLinear's weights packed into the panels its kernel reads
+    in place (linear_layout; the one place an export packs them). wo_a is o_groups
+    TorchLinears, one per group of heads: packed per group."""
     checked = check_layer(config, layer, weights)
     scales = {name.removesuffix(".scale") for name in checked if name.endswith(".scale")}
-    graph: dict[str, np.ndarray | Fp8Weight] = {
+    graph: dict[str, GraphWeight] = {
         k: v for k, v in checked.items()
         if not (k.endswith(".scale") or k.removesuffix(".weight") in scales)}
     for base in scales:
         graph[f"{base}.weight"] = Fp8Weight(np.asarray(checked[f"{base}.weight"]),
                                             np.asarray(checked[f"{base}.scale"], np.float32))
+    for name, spec in expected_tensors(config, plan_layer(config, layer)).items():
+        if not is_linear(name, spec) or linear_layout(spec, portable) != PANELS64:
+            continue
+        w = checked[name]
+        if name == "wo_a.weight":
+            r = config.o_lora_rank
+            graph[name] = tuple(pack_panels(w[g * r:(g + 1) * r]) for g in range(config.o_groups))
+        else:
+            graph[name] = pack_panels(w)
     return graph
 
 
@@ -189,8 +236,9 @@ def export_stack(plan: StackPlan, weights: dict[int, LayerWeights], folder: str 
     (folder / WEIGHTS_FILE).unlink(missing_ok=True)
     writer: SharedWeightsWriter | None = None
     try:
+        prepared = stack_weights(plan, weights, portable=portable)  # packed once
         for mode in ("prefill", "decode"):
-            model = build_stack_model(plan, weights, mode, portable=portable,
+            model = build_stack_model(plan, prepared, mode, portable=portable,
                                       debug_outputs=debug_outputs, progress=progress)
             weight_bytes = sum(v.const_value.nbytes for v in model.graph.initializers.values())
             if writer is None and weight_bytes > EXTERNAL_DATA_BYTES:

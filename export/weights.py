@@ -1,7 +1,7 @@
 """Per-layer attention weights, named as the reference's `Attention.named_parameters()`
 names them (`wq_a.weight`, `compressor.wkv.weight`, `indexer.wq_b.weight`, ...), and the one
 table of what each layer holds: every tensor's shape and stored dtype for the config's
-precision (`expected_tensors`).
+precision (`expected_tensors`), and how an artifact stores each linear (`linear_layout`).
 
 Sources: a golden case (`weights.L{l}.{param}`, float32 arrays holding the stored values),
 safetensors files with the reference's checkpoint names (`layers.{l}.attn.{param}`), or a
@@ -18,6 +18,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from csa2onnx.custom_ops.weight_layout import PANELS64, PLAIN
 from csa2onnx.export.config import FP8_BLOCK_SIZE, FP8_SCALE_FMT, AttentionConfig
 from csa2onnx.export.plan import LayerPlan, plan_layer
 from csa2onnx.export.safetensors_io import SafetensorsFile
@@ -97,13 +98,26 @@ def expected_shapes(config: AttentionConfig, plan: LayerPlan) -> dict[str, tuple
     return {name: spec.shape for name, spec in expected_tensors(config, plan).items()}
 
 
-def linear_formats(config: AttentionConfig, plan: LayerPlan) -> dict[str, str]:
-    """Each linear's weight format (`fp8-e4m3/32x32-ue8m0`, `bf16`, `f32`), for manifests."""
+def is_linear(name: str, spec: TensorSpec) -> bool:
+    return name.endswith(".weight") and len(spec.shape) == 2
+
+
+def linear_layout(spec: TensorSpec, portable: bool) -> str:
+    """How an artifact stores a linear's weight: TorchLinear's (bf16, f32) in the kernel's
+    panels (`panels64`, custom_ops/weight_layout.py), which its sessions read in place; a
+    portable artifact's plain [N, K] (its TorchLinear body is a MatMul), as fp8 ones."""
+    return PLAIN if portable or spec.dtype == E4M3 else PANELS64
+
+
+def linear_formats(config: AttentionConfig, plan: LayerPlan, *,
+                   portable: bool = False) -> dict[str, str]:
+    """Each linear's weight format as the artifact stores it (`fp8-e4m3/32x32-ue8m0`,
+    `bf16/panels64`, `f32/panels64`; `bf16`, `f32` in a portable one), for manifests."""
     tensors = expected_tensors(config, plan)
     names = {"bfloat16": "bf16", "float32": "f32", "float8_e4m3fn": FP8_FORMAT}
-    return {name.removesuffix(".weight"): names[spec.dtype.name]
-            for name, spec in tensors.items()
-            if name.endswith(".weight") and len(spec.shape) == 2}
+    return {name.removesuffix(".weight"): names[spec.dtype.name] + (
+        f"/{PANELS64}" if linear_layout(spec, portable) == PANELS64 else "")
+        for name, spec in tensors.items() if is_linear(name, spec)}
 
 
 def check_layer(config: AttentionConfig, layer: int, weights: Mapping[str, np.ndarray],

@@ -17,7 +17,7 @@ import onnx_ir as ir
 from onnxscript import OpBuilder, nn
 
 from csa2onnx.graphs.common import Mode, scalar_i64
-from csa2onnx.graphs.numerics import INT64, Linear, LinearF32, RMSNorm, round_bf16
+from csa2onnx.graphs.numerics import INT64, Linear, LinearF32, RMSNorm, TorchWeight, round_bf16
 
 # What an empty state slot holds: kv 0 and a -inf score, so it gets zero softmax weight.
 KV_STATE_FILL = 0.0
@@ -44,7 +44,7 @@ class Compressor(nn.Module):
     one graph.
     """
 
-    def __init__(self, wkv: np.ndarray, wgate: np.ndarray | None, norm: np.ndarray, *,
+    def __init__(self, wkv: TorchWeight, wgate: TorchWeight | None, norm: np.ndarray, *,
                  ratio: int, head_dim: int, norm_eps: float) -> None:
         super().__init__()
         if ratio < 1:

@@ -21,7 +21,7 @@ from csa2onnx.custom_ops.ops import pack_quantized, torch_topk
 from csa2onnx.graphs.candidates import select_candidate_blocks
 from csa2onnx.graphs.common import NEG_INF, Mode, scalar_i64
 from csa2onnx.graphs.kv_cache import INDEX_KEY_FORMAT
-from csa2onnx.graphs.numerics import Linear, RMSNorm, Weight, linear, round_bf16
+from csa2onnx.graphs.numerics import Linear, RMSNorm, TorchWeight, Weight, linear, round_bf16
 from csa2onnx.graphs.quant import fp4_e8m0
 from csa2onnx.graphs.rope import FreqsCis, RopeParams, apply_rotary_emb
 
@@ -66,7 +66,7 @@ class IndexKeyProjection(nn.Module):
     """An index-key owner's keys: k = RoPE(k_norm(wk(latent))) at the group positions, and
     their fp4 (e8m0, block 32) packed, the rows written to the index-key cache."""
 
-    def __init__(self, wk: np.ndarray, k_norm: np.ndarray, norm_eps: float,
+    def __init__(self, wk: TorchWeight, k_norm: np.ndarray, norm_eps: float,
                  rope: RopeParams) -> None:
         super().__init__()
         self.wk = Linear(wk)
@@ -91,8 +91,8 @@ class Indexer(nn.Module):
     Build a fresh module per exported model: parameters bind to one graph.
     """
 
-    def __init__(self, wq_b: Weight, weights_proj: np.ndarray,
-                 wk: np.ndarray | None = None, k_norm: np.ndarray | None = None, *,
+    def __init__(self, wq_b: Weight, weights_proj: TorchWeight,
+                 wk: TorchWeight | None = None, k_norm: np.ndarray | None = None, *,
                  index_n_heads: int, index_head_dim: int, index_topk: int, ratio: int,
                  rope: RopeParams, norm_eps: float, window_size: int,
                  candidates: CandidateConfig | None = None, uses_candidates: bool = False) -> None:

@@ -14,6 +14,7 @@ import onnx_ir as ir
 from onnxscript import OpBuilder, nn
 
 from csa2onnx.custom_ops.ops import fp8_linear, torch_linear, torch_rms_norm
+from csa2onnx.custom_ops.weight_layout import PackedWeight
 
 FLOAT = ir.DataType.FLOAT
 BFLOAT16 = ir.DataType.BFLOAT16
@@ -40,18 +41,31 @@ def as_float(op: OpBuilder, w: ir.Value) -> ir.Value:
 
 
 class Linear(nn.Module):
-    """y = bf16(x @ W^T), float32 accumulation, one rounding (W: [out, in], bf16)."""
+    """y = bf16(x @ W^T), float32 accumulation, one rounding (W: [out, in], bf16); `rounded`
+    False leaves y in float32. W is an array, or a PackedWeight: stored in TorchLinear's
+    panels64 layout, which the kernel reads in place (the exporter packs every weight so)."""
 
-    def __init__(self, w: np.ndarray, dtype: ir.DataType = BFLOAT16,
-                 name: str | None = None) -> None:
+    def __init__(self, w: np.ndarray | PackedWeight, dtype: ir.DataType = BFLOAT16,
+                 name: str | None = None, *, rounded: bool = True) -> None:
         super().__init__(name)
         if np.ndim(w) != 2:
             raise ValueError(f"Linear weight must be [out, in], got shape {np.shape(w)}")
         self.out_features, self.in_features = np.shape(w)
-        self.weight = weight(w, dtype)
+        self.rounded = rounded
+        self.packed = isinstance(w, PackedWeight)
+        if isinstance(w, PackedWeight):
+            want = ml_dtypes.bfloat16 if dtype == BFLOAT16 else np.float32
+            if w.dtype != want:
+                raise ValueError(f"a packed Linear weight must be {np.dtype(want)}, got "
+                                 f"{w.dtype}")
+            self.weight = nn.Parameter(w.panels.shape, data=ir.tensor(w.panels))
+        else:
+            self.weight = weight(w, dtype)
 
     def forward(self, op: OpBuilder, x: ir.Value) -> ir.Value:
-        return round_bf16(op, torch_linear(op, x, self.weight))
+        panels = (self.out_features, self.in_features) if self.packed else None
+        y = torch_linear(op, x, self.weight, panels=panels)
+        return round_bf16(op, y) if self.rounded else y
 
 
 @dataclass(frozen=True)
@@ -92,7 +106,8 @@ class Fp8Linear(nn.Module):
         return round_bf16(op, fp8_linear(op, x, self.weight, self.scale))
 
 
-Weight = np.ndarray | Fp8Weight  # a Linear weight: bf16 values, or the checkpoint's fp8
+TorchWeight = np.ndarray | PackedWeight  # a TorchLinear weight, plain or packed
+Weight = TorchWeight | Fp8Weight  # a Linear weight: bf16 values, or the checkpoint's fp8
 
 
 def linear(w: Weight) -> Linear | Fp8Linear:
@@ -103,11 +118,8 @@ def linear(w: Weight) -> Linear | Fp8Linear:
 class LinearF32(Linear):
     """F.linear on float32 input and float32 weights, no rounding (the ratio > 1 compressor)."""
 
-    def __init__(self, w: np.ndarray, name: str | None = None) -> None:
-        super().__init__(w, FLOAT, name)
-
-    def forward(self, op: OpBuilder, x: ir.Value) -> ir.Value:
-        return torch_linear(op, x, self.weight)
+    def __init__(self, w: np.ndarray | PackedWeight, name: str | None = None) -> None:
+        super().__init__(w, FLOAT, name, rounded=False)
 
 
 class RMSNorm(nn.Module):

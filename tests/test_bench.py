@@ -22,7 +22,8 @@ def test_bench_reports_a_small_stack(capsys) -> None:
     assert len(result.ours.decode_ms) == 3 and result.ours.prefill_s > 0
     assert result.read_bandwidth > 1e8 and result.weight_read_limit_ms > 0
     table = result.table()
-    for text in ("prefill s", "decode median ms", "decode weight-read limit", "peak RSS"):
+    for text in ("prefill s", "decode median ms", "decode weight-read limit", "peak RSS",
+                 "memory over weights + state"):
         assert text in table
 
 

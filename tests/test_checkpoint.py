@@ -75,12 +75,15 @@ def test_fp8_table_shapes_and_formats() -> None:
     assert tensors["indexer.weights_proj.weight"].dtype == BF16
     small = replace(config, n_heads=1, o_groups=1, q_lora_rank=40)  # partial scale blocks
     assert expected_tensors(small, plan_layer(small, 0))["wq_a.scale"].shape == (2, 8)
-    formats = linear_formats(config, plan_layer(config, 3))
-    assert formats == {"wq_a": "fp8-e4m3/32x32-ue8m0", "wq_b": "fp8-e4m3/32x32-ue8m0",
-                       "wkv": "fp8-e4m3/32x32-ue8m0", "wo_a": "bf16",
-                       "wo_b": "fp8-e4m3/32x32-ue8m0", "compressor.wkv": "bf16",
-                       "indexer.wq_b": "fp8-e4m3/32x32-ue8m0", "indexer.weights_proj": "bf16",
-                       "indexer.wk": "bf16"}
+    portable = linear_formats(config, plan_layer(config, 3), portable=True)
+    assert portable == {"wq_a": "fp8-e4m3/32x32-ue8m0", "wq_b": "fp8-e4m3/32x32-ue8m0",
+                        "wkv": "fp8-e4m3/32x32-ue8m0", "wo_a": "bf16",
+                        "wo_b": "fp8-e4m3/32x32-ue8m0", "compressor.wkv": "bf16",
+                        "indexer.wq_b": "fp8-e4m3/32x32-ue8m0", "indexer.weights_proj": "bf16",
+                        "indexer.wk": "bf16"}
+    # TorchLinear's weights are stored in its kernel's panels, except in portable artifacts
+    assert linear_formats(config, plan_layer(config, 3)) == {
+        k: v if v.startswith("fp8") else f"{v}/panels64" for k, v in portable.items()}
 
 
 # ---------------------------------------------------------------------------- check_layer
@@ -366,12 +369,12 @@ def test_cli_exports_a_bf16_model_folder(bf16_folder: Path, tmp_path: Path,
     manifest = read_manifest(out)
     assert manifest.config["weight_format"] == "bf16"
     assert manifest.linear_formats == {"3": {
-        "wq_a": "bf16", "wq_b": "bf16", "wkv": "bf16", "wo_a": "bf16", "wo_b": "bf16",
-        "compressor.wkv": "bf16", "indexer.wq_b": "bf16", "indexer.weights_proj": "bf16",
-        "indexer.wk": "bf16"}}
+        name: "bf16/panels64" for name in ("wq_a", "wq_b", "wkv", "wo_a", "wo_b",
+                                           "compressor.wkv", "indexer.wq_b",
+                                           "indexer.weights_proj", "indexer.wk")}}
     capsys.readouterr()
     assert main(["inspect", str(out)]) == 0
-    assert "linears: wq_a bf16, wq_b bf16" in capsys.readouterr().out
+    assert "linears: wq_a bf16/panels64, wq_b bf16/panels64" in capsys.readouterr().out
 
 
 def test_cli_exports_an_fp8_model_folder(fp8_folder: Path, tmp_path: Path,

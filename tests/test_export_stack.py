@@ -5,13 +5,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import onnx
 import pytest
 from helpers import GOLDENS, golden
+from onnx import helper
 
 from csa2onnx.custom_ops import make_session
 from csa2onnx.custom_ops.reference import pack_quantized
+from csa2onnx.custom_ops.weight_layout import pack_panels, panels_shape
+from csa2onnx.export.artifacts import read_manifest
 from csa2onnx.export.cli import main as cli
 from csa2onnx.export.config import AttentionConfig
 from csa2onnx.export.goldens import compare
@@ -19,7 +23,7 @@ from csa2onnx.export.plan import plan_stack
 from csa2onnx.export.runtime import AttentionRuntime, RuntimeStateError
 from csa2onnx.export.stack import export_stack
 from csa2onnx.export.verify import verify_case
-from csa2onnx.export.weights import from_golden
+from csa2onnx.export.weights import check_layer, from_golden
 
 VERIFIED = ["case1_r2_r1", "case1_r2_r1_ownk", "case2_candidates", "case3_r4_r128",
             "case3_r4_r128_ownk"]
@@ -224,3 +228,51 @@ def test_large_models_keep_weights_as_external_data(tmp_path: Path, monkeypatch)
     out = runtime.prefill({layer: g.step("prefill", layer, "x") for layer in (0, 1)},
                           slots=no_keys).out
     assert compare(out[1], g.step("prefill", 1, "out")).ok
+
+
+@pytest.mark.parametrize("portable", [False, True])
+def test_torch_linear_weights_are_stored_packed_except_in_portable(tmp_path: Path,
+                                                                   portable: bool) -> None:
+    """Every TorchLinear reads its weight in the kernel's panels64 layout, stored packed once
+    in the artifact (wo_a per group of heads), and nothing else holds it; a portable
+    artifact keeps the plain [N, K] its MatMul body reads. The manifest says which."""
+    g = golden("case3_r4_r128")
+    config = AttentionConfig.from_model_args(g.model_args)
+    plan = plan_stack(config)
+    weights = from_golden(g.arrays, range(6))
+    export_stack(plan, weights, tmp_path, portable=portable)
+    expected = set()  # the bytes of every TorchLinear weight as the artifact should hold it
+    for layer in range(6):
+        checked = check_layer(config, layer, weights[layer])
+        for name, w in checked.items():
+            if not name.endswith(".weight") or w.ndim != 2:
+                continue
+            r = config.o_lora_rank
+            parts = ([w[i * r:(i + 1) * r] for i in range(config.o_groups)]
+                     if name == "wo_a.weight" else [w])
+            expected |= {(np.ascontiguousarray(p) if portable else pack_panels(p).panels)
+                         .tobytes() for p in parts}
+    for mode in ("prefill", "decode"):
+        model = onnx.load(str(tmp_path / f"{mode}.onnx"))
+        initializers = {t.name: t for t in model.graph.initializer}
+        stored = set()
+        linears = [n for n in model.graph.node if n.op_type == "TorchLinear"]
+        for node in linears:
+            attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+            w = initializers[node.input[1]]  # an initializer itself: no Slice, no Cast
+            dtype = ml_dtypes.bfloat16 if w.data_type == onnx.TensorProto.BFLOAT16 else np.float32
+            if portable:
+                assert attrs == {} and len(w.dims) == 2
+            else:
+                assert attrs.keys() == {"weight_layout", "out_features", "in_features"}
+                assert attrs["weight_layout"] == b"panels64"
+                assert tuple(w.dims) == panels_shape(attrs["out_features"],
+                                                     attrs["in_features"], np.dtype(dtype))
+            stored.add(w.raw_data)
+        assert stored == expected, mode
+        others = {t.raw_data for t in model.graph.initializer
+                  if t.name not in {n.input[1] for n in linears}}
+        assert not others & expected  # no second copy of a weight in another layout
+    formats = read_manifest(tmp_path).linear_formats["1"]
+    assert formats["wq_a"] == ("bf16" if portable else "bf16/panels64")
+    assert formats["compressor.wkv"] == ("f32" if portable else "f32/panels64")

@@ -40,3 +40,7 @@ def test_packed_formats() -> None:
         assert header_constant("packed_quant.h", block) == constants.PACKED_FORMATS[fmt][0]
         assert header_constant("packed_quant.h", per_byte) == constants.PACKED_FORMATS[fmt][1]
     assert header_constant("packed_quant.h", "kFp8E8m0Block") == constants.FP8_BLOCK
+
+
+def test_torch_linear_panel() -> None:
+    assert header_constant("torch_linear_op.cc", "kPanel") == constants.TORCH_LINEAR_PANEL

@@ -3,6 +3,7 @@ tensor once), and both sessions run on OrtValues over one mapping of it."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,7 @@ from csa2onnx.export.plan import plan_stack
 from csa2onnx.export.runtime import AttentionRuntime, describe
 from csa2onnx.export.shared_weights import ALIGNMENT, WEIGHTS_FILE
 from csa2onnx.export.stack import export_stack
+from csa2onnx.export.synthetic import attention_tensors
 from csa2onnx.export.weights import from_golden
 
 
@@ -79,3 +81,43 @@ def test_manifest_state_bytes(tmp_path: Path) -> None:
             assert sizes["per_1024_tokens"] > 0
         else:
             assert sizes == {"at_max_seq_len": window, "per_1024_tokens": 0, "fixed": window}
+
+
+def _rss_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+def test_a_loaded_stack_holds_its_weights_once(tmp_path: Path, monkeypatch) -> None:
+    """Loading adds the weights once (the one mapping both sessions read, TorchLinear's in
+    place) and little else, and a prefill's activations do not stay (the prefill session
+    has no arena): ~80 MiB of weights, where a kernel copy per session would add 2x that."""
+    import csa2onnx.export.stack as stack
+
+    monkeypatch.setattr(stack, "EXTERNAL_DATA_BYTES", 1)
+    base = AttentionConfig.from_model_args(golden("case1_r2_r1").model_args)
+    config = replace(base, dim=2048, q_lora_rank=1024, n_heads=16, o_groups=4,
+                     o_lora_rank=512)
+    plan = plan_stack(config, 0, 3)
+    rng = np.random.default_rng(0)
+    weights = {p.layer: attention_tensors(config, p.layer, rng) for p in plan.layers}
+    weight_mib = sum(a.nbytes for w in weights.values() for a in w.values()) / 2**20
+    assert weight_mib > 70
+    export_stack(plan, weights, tmp_path)
+    del weights
+    slack = 40  # two sessions' graphs, kernels and onnxruntime's own bookkeeping
+    before = _rss_mib()
+    runtime = AttentionRuntime(tmp_path, intra_op_num_threads=1)
+    assert not runtime.sessions["prefill"].get_session_options().enable_cpu_mem_arena
+    assert runtime.sessions["decode"].get_session_options().enable_cpu_mem_arena
+    loaded = _rss_mib() - before
+    assert loaded < 1.15 * weight_mib + slack, (loaded, weight_mib)
+    xs = {p.layer: rng.standard_normal((1, 128, 2048), np.float32) for p in plan.layers}
+    runtime.prefill(xs)
+    for _ in range(4):
+        runtime.decode({layer: x[:, :1] for layer, x in xs.items()})
+    held = _rss_mib() - before
+    state_mib = runtime.state_bytes() / 2**20
+    assert held < 1.15 * (weight_mib + state_mib) + slack, (held, weight_mib, state_mib)

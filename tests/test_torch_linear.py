@@ -1,7 +1,8 @@
 """TorchLinear through onnxruntime: bit for bit against torch's F.linear (bf16 weights: the
 bf16 result; f32 weights: the float32 result), against a NumPy emulation of each summation
 order on every instruction-set path the CPU offers, constant and fed weights, thread-count
-independence, empty shapes, clear errors, and the standard-op body."""
+independence, empty shapes, clear errors, and the standard-op body; W in the panels64 layout
+(read in place) against the plain one."""
 
 from __future__ import annotations
 
@@ -11,13 +12,16 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import onnxruntime as ort
 import pytest
+from helpers import custom_op_model
 from onnx import TensorProto, helper, numpy_helper
 
 from csa2onnx.custom_ops import make_session, session_options
 from csa2onnx.custom_ops.portable import portable_functions
+from csa2onnx.custom_ops.weight_layout import PackedWeight, pack_panels, unpack_panels
 
 W_TYPES = {"bf16": TensorProto.BFLOAT16, "f32": TensorProto.FLOAT}
 ISAS = ("avx512bf16", "avx512", "avx2", "scalar", "reference")
@@ -643,3 +647,251 @@ def test_avx512bf16_is_a_clear_error_where_the_cpu_lacks_it() -> None:
     with pytest.raises(Errors, match="CSA_TORCH_LINEAR_ISA=avx512bf16 but this CPU does not "
                                      "support it"):
         session_for(linear_model(TensorProto.BFLOAT16), "avx512bf16")
+
+
+# ------------------------------------------------------------------ the panels64 layout
+def panels_model(w: np.ndarray, w_type: str, *, const: bool = True,
+                 attrs: dict | None = None) -> bytes:
+    """Y = TorchLinear(X, W) with W (bf16-valued float32 or float32 [N, K]) in the panels64
+    layout: an initializer (`const`) or a graph input; `attrs` replaces the node's."""
+    n, k = w.shape
+    packed = pack_panels(w.astype(ml_dtypes.bfloat16) if w_type == "bf16" else w).panels
+    return panels_model_of(packed, W_TYPES[w_type], const=const,
+                           attrs={"weight_layout": "panels64", "out_features": n,
+                                  "in_features": k} if attrs is None else attrs)
+
+
+def panels_model_of(panels: np.ndarray, w_type: int, *, const: bool = True,
+                    attrs: dict) -> bytes:
+    inputs = [helper.make_tensor_value_info("X", TensorProto.FLOAT, None)]
+    initializers = []
+    if not const:
+        inputs.append(helper.make_tensor_value_info("W", w_type, None))
+    elif w_type == TensorProto.BFLOAT16:
+        initializers.append(helper.make_tensor("W", w_type, panels.shape,
+                                               panels.view(np.uint16).tobytes(), raw=True))
+    else:
+        initializers.append(numpy_helper.from_array(panels, "W"))
+    graph = helper.make_graph(
+        [helper.make_node("TorchLinear", ["X", "W"], ["Y"], domain="csa2onnx", **attrs)],
+        "linear", inputs, [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)],
+        initializers)
+    return custom_op_model(graph)
+
+
+def panels_feed(w: np.ndarray, w_type: str) -> ort.OrtValue:
+    if w_type == "bf16":
+        panels = pack_panels(w.astype(ml_dtypes.bfloat16)).panels
+        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(panels.view(np.uint16),
+                                                               TensorProto.BFLOAT16)
+    return ort.OrtValue.ortvalue_from_numpy(pack_panels(w).panels)
+
+
+def run_fed_panels(session: ort.InferenceSession, x: np.ndarray, w: np.ndarray,
+                   w_type: str) -> np.ndarray:
+    feeds = {"X": ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(x, np.float32)),
+             "W": panels_feed(w, w_type)}
+    return session.run_with_ort_values(["Y"], feeds)[0].numpy()
+
+
+@pytest.mark.parametrize("w_type", ["bf16", "f32"])
+def test_pack_panels_is_the_documented_layout(w_type: str) -> None:
+    rng = np.random.default_rng(31)
+    for n, k in ((1, 1), (64, 2), (65, 3), (130, 97), (5, 0), (0, 4)):
+        w = rng.standard_normal((n, k)).astype(np.float32)
+        w = w.astype(ml_dtypes.bfloat16) if w_type == "bf16" else w
+        packed = pack_panels(w)
+        p = packed.panels
+        assert packed.shape == (n, k) and p.dtype == w.dtype
+        assert p.shape == ((-(-n // 64), -(-k // 2), 64, 2) if w_type == "bf16"
+                           else (-(-n // 64), k, 64))
+        np.testing.assert_array_equal(unpack_panels(packed), w)
+        # Element [p, i, c, h] is w[64p + c, 2i + h] (f32: [p, k, c] is w[64p + c, k]), and
+        # everything no weight lands on is +0.
+        want = np.zeros(p.shape, p.dtype)
+        cols, ks = np.meshgrid(np.arange(n), np.arange(k), indexing="ij")
+        if w_type == "bf16":
+            want[cols // 64, ks // 2, cols % 64, ks % 2] = w
+        else:
+            want[cols // 64, ks, cols % 64] = w
+        uint = np.uint16 if w_type == "bf16" else np.uint32
+        np.testing.assert_array_equal(p.view(uint), want.view(uint))
+    with pytest.raises(ValueError, match=r"has shape \[1, 2, 64, 2\], got \[1, 2, 64\]"):
+        PackedWeight(np.zeros((1, 2, 64), ml_dtypes.bfloat16), 3, 4)
+
+
+PANEL_SHAPES = [  # (M, N, K): every order, odd K, N past a multiple of 64, tiny and empty
+    (1, 70, 1100), (7, 64, 701), (13, 65, 130), (100, 130, 97), (3, 129, 2049),  # pairs
+    (1, 16, 256), (3, 5, 77), (1, 3, 200), (2, 1, 1),  # torch dot (<= 4096)
+    (9, 100, 385), (61, 17, 1000), (5, 13, 7),  # MKL chunks
+    (1, 20, 13), (2, 30, 99), (50, 11, 40)]  # MKL lanes
+
+
+@pytest.mark.parametrize(("m", "n", "k"), PANEL_SHAPES)
+@pytest.mark.parametrize("w_type", ["bf16", "f32"])
+def test_panels64_gives_the_plain_bits_on_every_path(fed_sessions, w_type: str, m: int,
+                                                     n: int, k: int) -> None:
+    """A panels64 W, constant or fed, against the plain layout (checked against the
+    emulation above) on every path this CPU has; X bf16-valued (the vdpbf16ps path's case)
+    and not."""
+    rng = np.random.default_rng(m * 7 + n * 131 + k)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    w = bf16_round(w) if w_type == "bf16" else w
+    xs = (bf16_round(rng.standard_normal((m, k)).astype(np.float32)),
+          rng.standard_normal((m, k)).astype(np.float32))
+    for isa in sorted({isa for isa, _ in fed_sessions}):
+        plain = fed_sessions[(isa, w_type)]
+        const = session_for(panels_model(w, w_type), isa)
+        fed = session_for(panels_model(w, w_type, const=False), isa)
+        for x in xs:
+            want = bits(run(plain, x, w, w_type))
+            np.testing.assert_array_equal(bits(run(const, x)), want, err_msg=f"isa={isa}")
+            np.testing.assert_array_equal(bits(run_fed_panels(fed, x, w, w_type)), want,
+                                          err_msg=f"isa={isa}, fed")
+    y = run(session_for(panels_model(w, w_type)), np.zeros((2, 0, k), np.float32))
+    assert y.shape == (2, 0, n)
+
+
+@pytest.mark.parametrize("w_type", ["bf16", "f32"])
+def test_panels64_thread_count_does_not_change_a_bit(w_type: str) -> None:
+    rng = np.random.default_rng(32)
+    w = rng.standard_normal((300, 701)).astype(np.float32)
+    w = bf16_round(w) if w_type == "bf16" else w
+    plain = session_for(linear_model(W_TYPES[w_type], w), threads=1)
+    for threads in (1, 2):
+        packed = session_for(panels_model(w, w_type), threads=threads)
+        for m in (1, 97, 250):
+            x = bf16_round(np.random.default_rng(m).standard_normal((m, 701)).astype(np.float32))
+            np.testing.assert_array_equal(bits(run(packed, x)), bits(run(plain, x)),
+                                          err_msg=f"threads={threads} M={m}")
+
+
+@needs_avx512bf16
+def test_panels64_runs_on_vdpbf16ps_with_the_reference_bits(dp_and_reference) -> None:
+    """The exponent range the path needs is read off the panels (constant: once; fed: per
+    call), and a denormal in a fed W still sends the call to the fmaf tiles."""
+    rng = np.random.default_rng(33)
+    w = bf16_round(rng.standard_normal((130, 1101)).astype(np.float32))
+    ref = dp_and_reference[1]
+    const = session_for(panels_model(w, "bf16"), "avx512bf16", threads=2)
+    fed = session_for(panels_model(w, "bf16", const=False), "avx512bf16")
+    for m in (1, 6, 97):
+        x = bf16_round(rng.standard_normal((m, 1101)).astype(np.float32))
+        want = bits(run(ref, x, w, "bf16"))
+        before = dp_calls()
+        np.testing.assert_array_equal(bits(run(const, x)), want)
+        np.testing.assert_array_equal(bits(run_fed_panels(fed, x, w, "bf16")), want)
+        assert dp_calls() == before + 2
+    w_denormal = w.copy()
+    w_denormal[129, 1100] = bf16_denormals(rng, (1,))[0]
+    before = dp_calls()
+    np.testing.assert_array_equal(bits(run_fed_panels(fed, x, w_denormal, "bf16")),
+                                  bits(run(ref, x, w_denormal, "bf16")))
+    assert dp_calls() == before
+
+
+@pytest.mark.parametrize("w_type", ["bf16", "f32"])
+def test_a_constant_panels64_w_is_read_where_it_lies(w_type: str) -> None:
+    """A session given the panels as its own buffer (add_initializer, as the runtime hands
+    the shared weights file to both sessions) reads that buffer on every call: negating W
+    in it afterwards negates Y. The plain layout packs its own copy at session creation
+    and does not see the change."""
+    rng = np.random.default_rng(34)
+    n, k = 70, 301
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    w = bf16_round(w) if w_type == "bf16" else w
+    x = bf16_round(rng.standard_normal((5, k)).astype(np.float32))
+    onnx_type = W_TYPES[w_type]
+    for layout in ("panels64", "plain"):
+        plain = w.astype(ml_dtypes.bfloat16) if w_type == "bf16" else w.copy()
+        if layout == "panels64":
+            held = pack_panels(plain).panels
+            model = panels_model(w, w_type)
+        else:
+            held = plain
+            model = linear_model(onnx_type, w)
+        held = held.view(np.uint16) if w_type == "bf16" else held
+        value = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(held, onnx_type)
+        for isa in ("avx512bf16" if has_avx512bf16() else "avx2", "scalar", "reference"):
+            options = quiet_options()
+            options.add_initializer("W", value)
+            os.environ["CSA_TORCH_LINEAR_ISA"] = isa
+            try:
+                session = make_session(model, options=options)
+            finally:
+                os.environ.pop("CSA_TORCH_LINEAR_ISA")
+            before = run(session, x)
+            sign = np.uint16(0x8000) if w_type == "bf16" else np.uint32(0x80000000)
+            as_bits = held.view(np.uint16 if w_type == "bf16" else np.uint32)
+            nonzero = as_bits != 0  # the padding stays +0
+            as_bits[nonzero] ^= sign
+            after = run(session, x)
+            as_bits[nonzero] ^= sign
+            expected = -before if layout == "panels64" or isa == "reference" else before
+            np.testing.assert_array_equal(after, expected, err_msg=f"{layout} isa={isa}")
+
+
+def test_panels64_bad_shapes_and_attributes_are_clear_errors() -> None:
+    w = bf16_round(np.random.default_rng(35).standard_normal((70, 31)).astype(np.float32))
+    panels = pack_panels(w.astype(ml_dtypes.bfloat16)).panels
+    bf16 = TensorProto.BFLOAT16
+
+    def attrs(**kw: object) -> dict:
+        return {"weight_layout": "panels64", "out_features": 70, "in_features": 31} | kw
+
+    for model, message in [
+        (panels_model_of(panels, bf16, attrs=attrs(out_features=130)),
+         r"a panels64 W \(bfloat16\) for out_features 130 and in_features 31 must have shape "
+         r"\[3, 16, 64, 2\] \(\[ceil\(N/64\), ceil\(K/2\), 64, 2\]\), got \[2, 16, 64, 2\]"),
+        (panels_model_of(panels, bf16, attrs=attrs(in_features=33)),
+         r"must have shape \[2, 17, 64, 2\] .*, got \[2, 16, 64, 2\]"),
+        (panels_model_of(panels.reshape(2, 16, 128), bf16, attrs=attrs()),
+         r"must have shape \[2, 16, 64, 2\] .*, got \[2, 16, 128\]"),
+        (panels_model_of(np.zeros((2, 31, 64), np.float32), TensorProto.FLOAT,
+                         attrs=attrs(in_features=32)),
+         r"a panels64 W \(float\) for out_features 70 and in_features 32 must have shape "
+         r"\[2, 32, 64\] \(\[ceil\(N/64\), K, 64\]\), got \[2, 31, 64\]"),
+        (panels_model_of(panels, bf16, attrs={"weight_layout": "panels64", "in_features": 31}),
+         r"weight_layout \"panels64\" needs the attributes out_features \(N\) and in_features"),
+        (panels_model_of(panels, bf16, attrs=attrs(out_features=-1)),
+         r"out_features and in_features must be >= 0, got -1 and 31"),
+        (panels_model_of(panels, bf16, attrs=attrs(out_features=2**63 - 1, in_features=2**63 - 1)),
+         r"must have shape \[144115188075855872, 4611686018427387904, 64, 2\] .*, got "
+         r"\[2, 16, 64, 2\]"),
+        (panels_model_of(panels, bf16, attrs=attrs(weight_layout="rows")),
+         r"unknown weight_layout \"rows\" \(expected \"plain\" or \"panels64\"\)"),
+        (panels_model_of(panels, bf16, attrs=attrs(weight_layout=1)),
+         r"attribute weight_layout must be a string"),
+        (panels_model_of(panels, bf16, attrs=attrs(in_features=31.0)),
+         r"attribute in_features must be an int"),
+        (panels_model_of(w.astype(ml_dtypes.bfloat16), bf16,
+                         attrs={"out_features": 70, "in_features": 31}),
+         r"out_features and in_features belong to weight_layout \"panels64\""),
+    ]:
+        with pytest.raises(Errors, match="TorchLinear: .*" + message):
+            session_for(model)  # a constant W is checked when the session is created
+    for where, column, k in (((1, 3, 6, 0), 70, 6), ((0, 15, 5, 1), 5, 31)):
+        bad = panels.copy()
+        bad[where] = 1.0  # a column past N, or the unused half of an odd K's last pair
+        with pytest.raises(Errors, match=rf"TorchLinear: a panels64 W must hold zeros in its "
+                                         rf"padding; column {column} \(N is 70\), k {k} \(K is "
+                                         rf"31\) is not zero"):
+            session_for(panels_model_of(bad, bf16, attrs=attrs()))
+        fed = session_for(panels_model_of(bad, bf16, const=False, attrs=attrs()))
+        with pytest.raises(ort.capi.onnxruntime_pybind11_state.InvalidArgument,
+                           match="must hold zeros in its padding"):
+            fed.run_with_ort_values(["Y"], {
+                "X": ort.OrtValue.ortvalue_from_numpy(np.ones((2, 31), np.float32)),
+                "W": ort.OrtValue.ortvalue_from_numpy_with_onnx_type(bad.view(np.uint16), bf16)})
+    fed = session_for(panels_model(w, "bf16", const=False))
+    for x_shape, w_value, message in [
+        ((2, 30), panels, r"the last dimension of X \(30\) must equal in_features \(31\); X "
+                          r"shape \[2, 30\]"),
+        ((2, 31), panels[:1], r"must have shape \[2, 16, 64, 2\] .*, got \[1, 16, 64, 2\]"),
+        ((), panels, r"X must have rank >= 1, got a scalar")]:
+        with pytest.raises(ort.capi.onnxruntime_pybind11_state.InvalidArgument,
+                           match="TorchLinear: .*" + message):
+            fed.run_with_ort_values(["Y"], {
+                "X": ort.OrtValue.ortvalue_from_numpy(np.ones(x_shape, np.float32)),
+                "W": ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
+                    np.ascontiguousarray(w_value).view(np.uint16), bf16)})

@@ -1,14 +1,23 @@
 // TorchLinear (domain csa2onnx): Y = X @ W^T with every output summed in the order torch
 // 2.13 CPU's F.linear uses (torch_linear.h), so that Y matches the reference bit for bit
 // where MLAS's MatMul would differ in the last bit of ~0.01% of the outputs.
-// Inputs X (float, [..., K], rank >= 1) and W (float or bfloat16, [N, K]); output Y (float,
+// Inputs X (float, [..., K], rank >= 1) and W (float or bfloat16); output Y (float,
 // [..., N]); no rounding to bf16 inside (the graph rounds where the reference does).
 //
-// W is packed into panels of 64 columns once when it is a constant initializer, else on
-// every call: float W as [K][64], bf16 W as [ceil(K/2)][64] k-pairs (w[k] | w[k+1] << 16,
-// the layout vdpbf16ps reads; the fmaf tiles widen a pair with a mask and a shift). That
-// packed copy is the only one the kernel keeps: 2 bytes a bf16 weight, 4 a float32 one,
-// plus the padding to 64 columns (and to an even K for bf16).
+// The kernels read W in panels of 64 columns: float W as [K][64], bf16 W as [ceil(K/2)][64]
+// k-pairs (w[k] | w[k+1] << 16, the layout vdpbf16ps reads; the fmaf tiles widen a pair
+// with a mask and a shift), the columns past N and the partner of an odd K's last k zero.
+// W comes in one of two layouts (attribute weight_layout):
+// - "plain" (the default): W is [N, K]. The kernel packs it into panels once when it is a
+//   constant initializer (its own copy: 2 bytes a bf16 weight, 4 a float32 one, plus the
+//   padding), else on every call.
+// - "panels64": W is already the panels, bf16 [ceil(N/64), ceil(K/2), 64, 2] (element
+//   [p, i, c, h] is w[64p + c, 2i + h]) or float [ceil(N/64), K, 64] (element [p, k, c] is
+//   w[64p + c, k]); attributes out_features (N) and in_features (K) are required. The
+//   kernel reads W where it lies (a constant initializer is checked once, at kernel
+//   creation: shape, zero padding, and the exponent range the vdpbf16ps path needs), so
+//   the process holds no copy of it: the exporter stores every TorchLinear weight this way.
+// Both layouts give the same bits on every path.
 //
 // Two kinds of tiles, every one giving the same bits:
 // - fmaf tiles (avx512: 6 rows x 64 columns, avx2: 2 x 32, scalar: 1 x 64): walk k in the
@@ -26,10 +35,11 @@
 // CSA_TORCH_LINEAR_ISA (or CSA2ONNX_ISA; read when a session creates the kernel) forces a
 // path for tests: "avx512bf16" (the default where the CPU has AVX512_BF16; float W runs on
 // the avx512 tiles), "avx512", "avx2", "scalar" (the tiles without SIMD) or "reference"
-// (reference_dot per output, single-threaded).
+// (reference_dot per output, single-threaded; panels64 W is read a column at a time).
 #include "ort_api.h"
 
 #include <atomic>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
@@ -124,6 +134,70 @@ struct PackedBf16 {
     }
   }
 };
+
+// The exponent range of bf16 values (for a panels64 W, read where it lies; zeros, the
+// padding included, do not count).
+inline ExponentRange bf16_exponents(const uint16_t* w, size_t count) {
+  uint32_t lo = 255, hi = 0, denormal = 0;
+  for (size_t i = 0; i < count; ++i) {
+    const uint32_t e = (w[i] >> 7) & 0xFFu;
+    const bool nonzero = (w[i] & 0x7FFFu) != 0;
+    lo = nonzero && e < lo ? e : lo;
+    hi = nonzero && e > hi ? e : hi;
+    denormal |= nonzero && e == 0;
+  }
+  return ExponentRange{lo, hi, denormal != 0};
+}
+
+enum class Layout { kPlain, kPanels64 };
+
+// The shape of a panels64 W for N outputs and K inputs (bf16: k-pairs of two halves);
+// N, K >= 0 from the attributes, rounded up without overflowing.
+std::vector<int64_t> panels_shape(bool bf16, int64_t N, int64_t K) {
+  const int64_t panels = N / kPanel + (N % kPanel != 0);
+  if (bf16) return {panels, K / 2 + K % 2, kPanel, 2};
+  return {panels, K, kPanel};
+}
+
+// Where w[n, k] lies in a panels64 W (pairs = ceil(K/2) for bf16).
+inline int64_t panel_index_f32(int64_t n, int64_t k, int64_t K) {
+  return (n / kPanel * K + k) * kPanel + n % kPanel;
+}
+inline int64_t panel_index_bf16(int64_t n, int64_t k, int64_t pairs) {
+  return ((n / kPanel * pairs + k / 2) * kPanel + n % kPanel) * 2 + k % 2;
+}
+
+bool is_zero(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof u);
+  return u == 0;
+}
+bool is_zero(uint16_t v) { return v == 0; }
+
+// A panels64 W's padding holds +0 bits: columns N.. of the last panel and, for bf16 with an
+// odd K, the unused half of every column's last pair. (No output reads the padding, and
+// the exponent range would only grow from it; the layout fixes it so that one W has one
+// encoding.)
+template <typename S>
+void check_padding(const S* w, int64_t N, int64_t K) {
+  constexpr bool kBf16 = sizeof(S) == 2;
+  const int64_t rows = kBf16 ? (K + 1) / 2 : K, halves = kBf16 ? 2 : 1;
+  const int64_t last = (N - 1) / kPanel;  // the last panel (N > 0)
+  auto bad = [&](int64_t column, int64_t k) {
+    fail("a panels64 W must hold zeros in its padding; column " + std::to_string(column) +
+         " (N is " + std::to_string(N) + "), k " + std::to_string(k) + " (K is " +
+         std::to_string(K) + ") is not zero");
+  };
+  for (int64_t col = N; col < (last + 1) * kPanel; ++col)
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t h = 0; h < halves; ++h) {
+        const int64_t i = ((last * rows + r) * kPanel + col % kPanel) * halves + h;
+        if (!is_zero(w[i])) bad(col, r * halves + h);
+      }
+  if (kBf16 && K % 2)
+    for (int64_t col = 0; col < N; ++col)
+      if (!is_zero(w[panel_index_bf16(col, K, rows)])) bad(col, K);
+}
 
 template <typename S> struct PackedFor;
 template <> struct PackedFor<float> { using Type = PackedF32; };
@@ -514,21 +588,101 @@ Isa select_isa() {
   return csa::select_isa("CSA_TORCH_LINEAR_ISA", /*has_reference=*/true, /*has_bf16=*/true);
 }
 
+// Reads an optional attribute into `out`; false when the node does not have it. onnxruntime
+// reports "absent" and "another type" with one error code: the message tells them apart.
+template <typename T>
+bool read_attribute(const OrtKernelInfo* info, const char* name, const char* kind, T& out) {
+  try {
+    out = Ort::ConstKernelInfo(info).GetAttribute<T>(name);
+    return true;
+  } catch (const Ort::Exception& e) {
+    if (std::string(e.what()).find("No attribute") != std::string::npos) return false;
+    fail("attribute " + std::string(name) + " must be " + kind + " (" + e.what() + ")");
+  }
+}
+
+// The node's attributes, checked when the session creates the kernel.
+struct LinearAttributes {
+  Layout layout = Layout::kPlain;
+  int64_t n = 0, k = 0;  // panels64: out_features (N) and in_features (K)
+
+  explicit LinearAttributes(const OrtKernelInfo* info) {
+    std::string name = "plain";
+    read_attribute(info, "weight_layout", "a string", name);
+    const bool has_n = read_attribute(info, "out_features", "an int", n);
+    const bool has_k = read_attribute(info, "in_features", "an int", k);
+    if (name == "panels64") {
+      layout = Layout::kPanels64;
+      if (!has_n || !has_k)
+        fail("weight_layout \"panels64\" needs the attributes out_features (N) and "
+             "in_features (K): the panels' shape pads both");
+      if (n < 0 || k < 0)
+        fail("out_features and in_features must be >= 0, got " + std::to_string(n) + " and " +
+             std::to_string(k));
+    } else if (name == "plain") {
+      if (has_n || has_k)
+        fail("out_features and in_features belong to weight_layout \"panels64\"; a plain W "
+             "is [N, K] and gives them");
+    } else {
+      fail("unknown weight_layout \"" + name + "\" (expected \"plain\" or \"panels64\")");
+    }
+  }
+};
+
 // OrtT: the onnxruntime type of W (float or BFloat16_t); S: its storage.
 template <typename OrtT, typename S>
 struct TorchLinearKernel {
   static constexpr bool kBf16 = sizeof(S) == 2;
   using Packed = typename PackedFor<S>::Type;
   Isa isa;
-  Packed constant_w;  // packed once when W is a constant initializer
+  LinearAttributes attrs;
+  Packed constant_w;                   // plain: a constant W, packed once
+  const S* constant_panels = nullptr;  // panels64: a constant W, checked once, read in place
+  ExponentRange constant_range;        // ... and the exponents of its values (bf16)
 
-  TorchLinearKernel(const OrtApi*, const OrtKernelInfo* info) : isa(select_isa()) {
-    require_node_io(info, "TorchLinear", 2, 1);
+  TorchLinearKernel(const OrtApi*, const OrtKernelInfo* info)
+      : isa(select_isa()), attrs((require_node_io(info, "TorchLinear", 2, 1), info)) {
     const Ort::ConstValue w = constant_input(info, 1);
-    if (w == nullptr) return;  // not a constant: packed on every call
+    if (w == nullptr) return;  // not a constant: packed (plain) or checked (panels64) per call
     const std::vector<int64_t> shape = w.GetTensorTypeAndShapeInfo().GetShape();
+    const S* data = static_cast<const S*>(w.GetTensorRawData());
+    if (attrs.layout == Layout::kPanels64) {  // a bad constant fails the session's creation
+      check_panels(shape, data);
+      constant_panels = data;
+      if constexpr (kBf16) constant_range = bf16_exponents(data, element_count(shape));
+      return;
+    }
     if (shape.size() != 2 || shape[0] < 0 || shape[1] < 0) return;  // Compute reports it
-    constant_w.pack(reinterpret_cast<const S*>(w.GetTensorRawData()), shape[0], shape[1]);
+    constant_w.pack(data, shape[0], shape[1]);
+  }
+
+  static size_t element_count(const std::vector<int64_t>& shape) {
+    size_t count = 1;
+    for (int64_t d : shape) count *= static_cast<size_t>(d);
+    return count;
+  }
+
+  // A panels64 W: its shape for out_features x in_features, its alignment (the kernels read
+  // bf16 pairs as uint32) and its zero padding.
+  void check_panels(const std::vector<int64_t>& shape, const S* data) const {
+    const std::vector<int64_t> want = panels_shape(kBf16, attrs.n, attrs.k);
+    if (shape != want) {
+      fail(std::string("a panels64 W (") + (kBf16 ? "bfloat16" : "float") +
+           ") for out_features " + std::to_string(attrs.n) + " and in_features " +
+           std::to_string(attrs.k) + " must have shape " + shape_string(want) +
+           (kBf16 ? " ([ceil(N/64), ceil(K/2), 64, 2])" : " ([ceil(N/64), K, 64])") +
+           ", got " + shape_string(shape));
+    }
+    if (reinterpret_cast<uintptr_t>(data) % alignof(uint32_t) != 0)
+      fail("a panels64 W must be 4-byte aligned (onnxruntime's tensors are)");
+    if (attrs.n > 0) check_padding(data, attrs.n, attrs.k);
+  }
+
+  // Column n of a panels64 W as K contiguous values (the reference path's dot products).
+  static void unpack_column(const S* w, int64_t n, int64_t K, S* column) {
+    const int64_t pairs = (K + 1) / 2;
+    for (int64_t k = 0; k < K; ++k)
+      column[k] = w[kBf16 ? panel_index_bf16(n, k, pairs) : panel_index_f32(n, k, K)];
   }
 
   Ort::Status Compute(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& x,
@@ -541,13 +695,28 @@ struct TorchLinearKernel {
     const std::vector<int64_t> x_shape = x.Shape();
     const std::vector<int64_t> w_shape = w.Shape();
     if (x_shape.empty()) fail("X must have rank >= 1, got a scalar");
-    if (w_shape.size() != 2)
-      fail("W must be [N, K] (rank 2), got shape " + shape_string(w_shape));
-    const int64_t N = w_shape[0], K = w_shape[1];
-    if (x_shape.back() != K) {
-      fail("the last dimension of X (" + std::to_string(x_shape.back()) +
-           ") must equal K, the second dimension of W (" + std::to_string(K) + "); X shape " +
-           shape_string(x_shape) + ", W shape " + shape_string(w_shape));
+    const bool in_panels = attrs.layout == Layout::kPanels64;
+    const S* wd = reinterpret_cast<const S*>(w.Data());
+    int64_t N, K;
+    if (in_panels) {
+      N = attrs.n;
+      K = attrs.k;
+      if (x_shape.back() != K) {
+        fail("the last dimension of X (" + std::to_string(x_shape.back()) +
+             ") must equal in_features (" + std::to_string(K) + "); X shape " +
+             shape_string(x_shape));
+      }
+      if (constant_panels == nullptr || wd != constant_panels) check_panels(w_shape, wd);
+    } else {
+      if (w_shape.size() != 2)
+        fail("W must be [N, K] (rank 2), got shape " + shape_string(w_shape));
+      N = w_shape[0];
+      K = w_shape[1];
+      if (x_shape.back() != K) {
+        fail("the last dimension of X (" + std::to_string(x_shape.back()) +
+             ") must equal K, the second dimension of W (" + std::to_string(K) + "); X shape " +
+             shape_string(x_shape) + ", W shape " + shape_string(w_shape));
+      }
     }
     int64_t M = 1;
     for (size_t d = 0; d + 1 < x_shape.size(); ++d) M *= x_shape[d];
@@ -562,21 +731,31 @@ struct TorchLinearKernel {
 
     const Plan plan = torch_linear::plan_linear(kBf16, M, N, K);
     const float* xd = x.Data();
-    const S* wd = reinterpret_cast<const S*>(w.Data());
     if (isa == Isa::kReference || plan.order == Order::kTorchDot) {
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t n = 0; n < N; ++n)
-          out[m * N + n] = torch_linear::reference_dot(plan, xd + m * K, wd + n * K, K);
+      std::vector<S> column(in_panels ? static_cast<size_t>(K) : 0);
+      for (int64_t n = 0; n < N; ++n) {
+        const S* wn = wd + n * K;
+        if (in_panels) {
+          unpack_column(wd, n, K, column.data());
+          wn = column.data();
+        }
+        for (int64_t m = 0; m < M; ++m)
+          out[m * N + n] = torch_linear::reference_dot(plan, xd + m * K, wn, K);
+      }
       return;
     }
 
     Packed per_call;
-    const Packed* packed = &constant_w;
-    if (constant_w.n != N || constant_w.k != K) {
-      per_call.pack(wd, N, K);
-      packed = &per_call;
+    const Packed* packed = nullptr;  // plain: the kernel's packed copy
+    if (!in_panels) {
+      packed = &constant_w;
+      if (constant_w.n != N || constant_w.k != K) {
+        per_call.pack(wd, N, K);
+        packed = &per_call;
+      }
     }
-    Job job{plan, xd, nullptr, packed->data.data(), out, M, N, K, (K + 1) / 2,
+    const void* panels = in_panels ? static_cast<const void*>(wd) : packed->data.data();
+    Job job{plan, xd, nullptr, panels, out, M, N, K, (K + 1) / 2,
             kMaxRows, (M + kMaxRows - 1) / kMaxRows, (N + kPanel - 1) / kPanel};
     struct Call {
       const Job* job;
@@ -591,7 +770,11 @@ struct TorchLinearKernel {
         xb.reset(new uint32_t[static_cast<size_t>(M * job.pairs)]);
         bool bf16_exact = true;
         const ExponentRange x_range = convert_rows(ctx, xd, M, K, xb.get(), bf16_exact);
-        if (bf16_exact && dp_is_exact(x_range, packed->range, K)) {
+        const ExponentRange w_range =
+            !in_panels ? packed->range
+            : wd == constant_panels ? constant_range
+                                    : bf16_exponents(wd, element_count(w_shape));
+        if (bf16_exact && dp_is_exact(x_range, w_range, K)) {
           job.xb = xb.get();
           job.rows_per_task = kDpRows;
           job.row_blocks = (M + kDpRows - 1) / kDpRows;
