@@ -38,13 +38,24 @@ def panels_shape(out_features: int, in_features: int, dtype: np.dtype) -> tuple[
 @dataclass(frozen=True)
 class PackedWeight:
     """A TorchLinear weight [out_features, in_features] in the panels64 layout. `shape` and
-    `ndim` are the weight's own ([N, K]), as np.shape / np.ndim read them."""
+    `ndim` are the weight's own ([N, K]), as np.shape / np.ndim read them.
 
-    panels: np.ndarray
+    `panels` is the packed array, or None for a weight packed on demand from `plain`
+    (`packed_later`): an export then packs each weight while writing it and never holds
+    the packed copies of all of them at once."""
+
+    panels: np.ndarray | None
     out_features: int
     in_features: int
+    plain: np.ndarray | None = None
 
     def __post_init__(self) -> None:
+        if self.panels is None:
+            if self.plain is None or self.plain.shape != (self.out_features, self.in_features):
+                raise ValueError("a PackedWeight packed on demand needs its plain weight "
+                                 f"[{self.out_features}, {self.in_features}]")
+            panels_shape(self.out_features, self.in_features, self.plain.dtype)  # dtype check
+            return
         want = panels_shape(self.out_features, self.in_features, self.panels.dtype)
         if self.panels.shape != want:
             raise ValueError(f"a panels64 weight [{self.out_features}, {self.in_features}] "
@@ -61,7 +72,23 @@ class PackedWeight:
 
     @property
     def dtype(self) -> np.dtype:
-        return self.panels.dtype
+        return (self.plain if self.panels is None else self.panels).dtype
+
+    @property
+    def panels_shape(self) -> tuple[int, ...]:
+        return panels_shape(self.out_features, self.in_features, self.dtype)
+
+    def packed(self) -> np.ndarray:
+        """The panels (packed now when packed on demand; the caller holds the only copy)."""
+        return self.panels if self.panels is not None else pack_panels(self.plain).panels
+
+
+def packed_later(w: np.ndarray) -> PackedWeight:
+    """W [N, K] as a PackedWeight that packs when its panels are asked for."""
+    w = np.asarray(w)
+    if w.ndim != 2:
+        raise ValueError(f"a TorchLinear weight is [N, K], got shape {list(w.shape)}")
+    return PackedWeight(None, w.shape[0], w.shape[1], plain=w)
 
 
 def pack_panels(w: np.ndarray) -> PackedWeight:
@@ -89,7 +116,7 @@ def pack_panels(w: np.ndarray) -> PackedWeight:
 def unpack_panels(packed: PackedWeight) -> np.ndarray:
     """The plain W [N, K] of a panels64 weight (for tests and tools)."""
     n, k = packed.shape
-    p = packed.panels
+    p = packed.packed()
     rows = p.shape[0] * TORCH_LINEAR_PANEL
     if p.dtype == BF16:
         cols = p.transpose(0, 2, 1, 3).reshape(rows, 2 * p.shape[1])

@@ -20,7 +20,7 @@ from csa2onnx.custom_ops.constants import packed_row_bytes
 from csa2onnx.custom_ops.library import DOMAIN, DOMAIN_VERSION
 from csa2onnx.custom_ops.ops import PORTABLE_KEY
 from csa2onnx.custom_ops.portable import portable_functions
-from csa2onnx.custom_ops.weight_layout import PANELS64, PackedWeight, pack_panels
+from csa2onnx.custom_ops.weight_layout import PANELS64, PackedWeight, packed_later
 from csa2onnx.export.artifacts import manifest_for, write_manifest
 from csa2onnx.export.config import AttentionConfig
 from csa2onnx.export.in_place import check_in_place_order, in_place_writes
@@ -183,9 +183,10 @@ def graph_weights(config: AttentionConfig, layer: int, weights: LayerWeights, *,
         w = checked[name]
         if name == "wo_a.weight":
             r = config.o_lora_rank
-            graph[name] = tuple(pack_panels(w[g * r:(g + 1) * r]) for g in range(config.o_groups))
+            graph[name] = tuple(packed_later(w[g * r:(g + 1) * r])
+                                for g in range(config.o_groups))
         else:
-            graph[name] = pack_panels(w)
+            graph[name] = packed_later(w)
     return graph
 
 

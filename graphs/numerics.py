@@ -58,7 +58,12 @@ class Linear(nn.Module):
             if w.dtype != want:
                 raise ValueError(f"a packed Linear weight must be {np.dtype(want)}, got "
                                  f"{w.dtype}")
-            self.weight = nn.Parameter(w.panels.shape, data=ir.tensor(w.panels))
+            if w.panels is not None:
+                data = ir.tensor(w.panels)
+            else:  # packed when serialised or hashed, a tensor at a time
+                data = ir.LazyTensor(lambda w=w: ir.tensor(w.packed()), dtype=dtype,
+                                     shape=ir.Shape(w.panels_shape))
+            self.weight = nn.Parameter(w.panels_shape, data=data)
         else:
             self.weight = weight(w, dtype)
 

@@ -143,7 +143,7 @@ def test_single_layer_export_takes_slots_as_inputs(tmp_path: Path) -> None:
         "x.L3": x,
         "start_pos": np.zeros(1, np.int64),  # a first prefill ignores the ring it is given
         "past.L3.window_kv": np.zeros((x.shape[0], g.model_args["window_size"],
-                                       g.model_args["head_dim"]), np.float32),
+                                       g.model_args["head_dim"] * 33 // 32), np.uint8),
         "slot_in.compress_kv": pack_quantized(kv, "fp4_e4m3_16"),  # caches travel packed
         "slot_in.candidates": g.step("prefill", 1, "candidates"),
         "slot_in.index_k": pack_quantized(g.step("prefill", 1, "index_k_rows"), "fp4_e8m0_32"),

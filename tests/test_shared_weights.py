@@ -68,15 +68,16 @@ def test_manifest_state_bytes(tmp_path: Path) -> None:
     manifest = AttentionRuntime(tmp_path).manifest
     assert manifest.weights_file is None  # small: the weights stay inside the models
     assert manifest.state_layout == plan.state_layout()
+    hd, ihd = config.head_dim, config.index_head_dim
     for p in plan.layers:
         sizes = manifest.state_bytes[str(p.layer)]
-        window = config.window_size * config.head_dim * 4
+        window = config.window_size * (hd + hd // 32)  # packed: e4m3 codes + e8m0 per 32
         if p.kv_source:
             rows = config.max_seq_len // p.ratio
-            extra = rows * config.head_dim * 4 + (2 * p.ratio * config.head_dim * 4
-                                                  if p.ratio > 1 else 0)
+            # e2m1 codes two a byte + an e4m3 scale per 16; the open group is float32
+            extra = rows * (hd // 2 + hd // 16) + (2 * p.ratio * hd * 4 if p.ratio > 1 else 0)
             if p.owns_index_k:
-                extra += rows * config.index_head_dim * 4
+                extra += rows * (ihd // 2 + ihd // 32)  # e2m1 + an e8m0 scale per 32
             assert sizes["at_max_seq_len"] == window + extra
             assert sizes["per_1024_tokens"] > 0
         else:
