@@ -203,6 +203,10 @@ int64_t heads_per_task(int64_t rows, int64_t h) {
   return group < h ? group : h;
 }
 
+// The most floats the once-per-call unpacking may hold (16 MiB: decode of 6 queries at
+// k = 640, d = 512); larger index lists unpack on each task's gather instead.
+constexpr int64_t kMaxUnpackedFloats = int64_t{1} << 22;
+
 Isa select_isa() {
   return csa::select_isa("CSA_SPARSE_ATTENTION_ISA", /*has_reference=*/true);
 }
@@ -349,9 +353,10 @@ struct SparseAttentionKernel {
     }
     // Heads split over tasks: each task would unpack the row's packed entries again, so they
     // are unpacked once here (in parallel over query rows and blocks) and read in place.
-    if (!reference && job.packed != nullptr && splits > 1 && k > 0) {
-      // Kept per calling thread (the buffer's pages stay mapped from call to call; fewer than
-      // kMinTasks query rows: at most 15 * k * d floats). Only the packed entries are written.
+    if (!reference && job.packed != nullptr && splits > 1 && k > 0 &&
+        rows * k * d <= kMaxUnpackedFloats) {
+      // Kept per calling thread (the buffer's pages stay mapped from call to call). Only the
+      // packed entries are written. Past kMaxUnpackedFloats each task unpacks on its gather.
       thread_local std::vector<float> unpacked;
       if (unpacked.size() < static_cast<size_t>(rows * k * d))
         unpacked.resize(static_cast<size_t>(rows * k * d));
