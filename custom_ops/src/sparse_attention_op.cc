@@ -3,8 +3,9 @@
 // sparse_attention_tiled.h: per query row and group of heads (all heads of a query share its
 // index list and its K=V rows), each block of 64 indices is gathered once (row pointers, or
 // padded copies) and the logits and P @ V of all the group's heads run as register tiles,
-// every output summed in the definition's order. In parallel over (query rows x head groups); O(64*d + h*d)
-// scratch per thread (the gathered rows [b, s, k, d] are never materialised).
+// every output summed in the definition's order. In parallel over (query rows x head
+// groups); O(64*d + h*d) scratch per thread (the gathered rows [b, s, k, d] are never
+// materialised).
 // Inputs Q (float [b, s, h, d]), KV (float [b, n, d], each row both key and value), Sink
 // (float [h]), Idx (int64 or int32 [b, s, k], -1 = nothing, else in [0, n)), and optionally
 // Compressed (uint8 [b, n_cache, row_bytes]: a packed cache, packed_quant.h, in the format
@@ -116,7 +117,8 @@ using UnpackFn = void (*)(const Job<I>&, size_t);
 template <typename Cfg, typename I>
 __attribute__((always_inline)) inline void unpack_part(const Job<I>& j, size_t t) {
   const int64_t blocks = (j.pr.k + sa::kBlock - 1) / sa::kBlock;
-  const int64_t row = static_cast<int64_t>(t) / blocks, j0 = static_cast<int64_t>(t) % blocks * sa::kBlock;
+  const int64_t row = static_cast<int64_t>(t) / blocks;
+  const int64_t j0 = static_cast<int64_t>(t) % blocks * sa::kBlock;
   const int64_t j1 = j0 + sa::kBlock < j.pr.k ? j0 + sa::kBlock : j.pr.k;
   sa::tiled::unpack_entries<Cfg>(source_of(j, row), j.pr.d, j.idx + row * j.pr.k, j0, j1,
                                  j.unpacked + row * j.pr.k * j.pr.d);
