@@ -113,6 +113,13 @@ def test_released_dims_decode_and_prefill(monkeypatch) -> None:
     compare(monkeypatch, q, kv, sink, idx, c, "fp4_e4m3_16", paths=PATHS[:1], threads=(2,))
 
 
+def test_long_decode_lists_unpack_on_the_gather(monkeypatch) -> None:
+    """A decode index list past the once-per-call buffer's limit (2^22 floats): the split
+    tasks unpack on their gathers instead, same bits."""
+    q, kv, sink, idx, c = inputs(14, 1, 1, 32, 512, 128, 9000, 8300, "fp4_e4m3_16", 0.01)
+    compare(monkeypatch, q, kv, sink, idx, c, "fp4_e4m3_16", paths=PATHS[:1], threads=(2,))
+
+
 def test_prefill_rows_unpack_on_the_gather(monkeypatch) -> None:
     """16 query rows or more: one task per row with all its heads, which unpacks its packed
     rows on the gather (fewer rows split the heads over tasks and unpack once per call)."""

@@ -210,8 +210,8 @@ struct UnpackQuantizedKernel {
 }  // namespace
 
 void AppendPackedOps(std::vector<std::unique_ptr<Ort::Custom::OrtLiteCustomOp>>& ops) {
-  ops.emplace_back(
-      Ort::Custom::CreateLiteCustomOp<PackQuantizedKernel>("PackQuantized", "CPUExecutionProvider"));
+  ops.emplace_back(Ort::Custom::CreateLiteCustomOp<PackQuantizedKernel>("PackQuantized",
+                                                                       "CPUExecutionProvider"));
   ops.emplace_back(Ort::Custom::CreateLiteCustomOp<UnpackQuantizedKernel>("UnpackQuantized",
                                                                          "CPUExecutionProvider"));
 }

@@ -298,7 +298,8 @@ struct PackAvx512 {
     const __m128i keep = _mm_set1_epi8(static_cast<char>(is_finite(s) ? 0xFF : 0x00));
     const __m512 sv = _mm512_set1_ps(s);
     for (int n = 0; n < N; ++n) {
-      const __m128i c = _mm512_maskz_cvtepi32_epi8(kAll16, fp4_codes(clamp(_mm512_div_ps(v[n], sv), 6.0f)));
+      const __m512 q = clamp(_mm512_div_ps(v[n], sv), 6.0f);
+      const __m128i c = _mm512_maskz_cvtepi32_epi8(kAll16, fp4_codes(q));
       // 16 codes as 8 u16 lanes (even code low): code_even | code_odd << 4, then 8 bytes
       const __m128i nib = _mm_or_si128(_mm_and_si128(c, _mm_set1_epi16(0x000F)),
                                        _mm_and_si128(_mm_srli_epi16(c, 4), _mm_set1_epi16(0x00F0)));
@@ -314,7 +315,8 @@ struct PackAvx512 {
     const __m128i keep = _mm_set1_epi8(static_cast<char>(is_finite(xs) ? 0xFF : 0x00));
     const __m512 sv = _mm512_set1_ps(xs);
     for (int n = 0; n < 2; ++n) {
-      const __m128i c = _mm512_maskz_cvtepi32_epi8(kAll16, e4m3_codes(clamp(_mm512_div_ps(v[n], sv), Fp8::kMax)));
+      const __m512 q = clamp(_mm512_div_ps(v[n], sv), Fp8::kMax);
+      const __m128i c = _mm512_maskz_cvtepi32_epi8(kAll16, e4m3_codes(q));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + 16 * n), _mm_and_si128(c, keep));
     }
   }
@@ -498,7 +500,8 @@ CSA_TARGET_AVX512 inline void unpack_row_avx512(Format f, const uint8_t* p, int6
       const __m512 s = _mm512_set1_ps(block_scale(f, scales[b]));
       for (int64_t i = 0; i < block; i += 16) {
         const __m512i idx = fp4_indices_avx512(p + (b * block + i) / 2);
-        _mm512_storeu_ps(y + b * block + i, _mm512_mul_ps(_mm512_maskz_permutexvar_ps(kAll16, idx, table), s));
+        const __m512 v = _mm512_maskz_permutexvar_ps(kAll16, idx, table);
+        _mm512_storeu_ps(y + b * block + i, _mm512_mul_ps(v, s));
       }
     }
   } else {

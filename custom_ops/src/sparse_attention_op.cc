@@ -3,8 +3,9 @@
 // sparse_attention_tiled.h: per query row and group of heads (all heads of a query share its
 // index list and its K=V rows), each block of 64 indices is gathered once (row pointers, or
 // padded copies) and the logits and P @ V of all the group's heads run as register tiles,
-// every output summed in the definition's order. In parallel over (query rows x head groups); O(64*d + h*d)
-// scratch per thread (the gathered rows [b, s, k, d] are never materialised).
+// every output summed in the definition's order. In parallel over (query rows x head
+// groups); O(64*d + h*d) scratch per thread (the gathered rows [b, s, k, d] are never
+// materialised).
 // Inputs Q (float [b, s, h, d]), KV (float [b, n, d], each row both key and value), Sink
 // (float [h]), Idx (int64 or int32 [b, s, k], -1 = nothing, else in [0, n)), and optionally
 // Compressed (uint8 [b, n_cache, row_bytes]: a packed cache, packed_quant.h, in the format
@@ -116,7 +117,8 @@ using UnpackFn = void (*)(const Job<I>&, size_t);
 template <typename Cfg, typename I>
 __attribute__((always_inline)) inline void unpack_part(const Job<I>& j, size_t t) {
   const int64_t blocks = (j.pr.k + sa::kBlock - 1) / sa::kBlock;
-  const int64_t row = static_cast<int64_t>(t) / blocks, j0 = static_cast<int64_t>(t) % blocks * sa::kBlock;
+  const int64_t row = static_cast<int64_t>(t) / blocks;
+  const int64_t j0 = static_cast<int64_t>(t) % blocks * sa::kBlock;
   const int64_t j1 = j0 + sa::kBlock < j.pr.k ? j0 + sa::kBlock : j.pr.k;
   sa::tiled::unpack_entries<Cfg>(source_of(j, row), j.pr.d, j.idx + row * j.pr.k, j0, j1,
                                  j.unpacked + row * j.pr.k * j.pr.d);
@@ -202,6 +204,10 @@ int64_t heads_per_task(int64_t rows, int64_t h) {
   const int64_t group = ((h + splits - 1) / splits + 15) / 16 * 16;
   return group < h ? group : h;
 }
+
+// The most floats the once-per-call unpacking may hold (16 MiB: decode of 6 queries at
+// k = 640, d = 512); larger index lists unpack on each task's gather instead.
+constexpr int64_t kMaxUnpackedFloats = int64_t{1} << 22;
 
 Isa select_isa() {
   return csa::select_isa("CSA_SPARSE_ATTENTION_ISA", /*has_reference=*/true);
@@ -349,9 +355,10 @@ struct SparseAttentionKernel {
     }
     // Heads split over tasks: each task would unpack the row's packed entries again, so they
     // are unpacked once here (in parallel over query rows and blocks) and read in place.
-    if (!reference && job.packed != nullptr && splits > 1 && k > 0) {
-      // Kept per calling thread (the buffer's pages stay mapped from call to call; fewer than
-      // kMinTasks query rows: at most 15 * k * d floats). Only the packed entries are written.
+    if (!reference && job.packed != nullptr && splits > 1 && k > 0 &&
+        rows * k * d <= kMaxUnpackedFloats) {
+      // Kept per calling thread (the buffer's pages stay mapped from call to call). Only the
+      // packed entries are written. Past kMaxUnpackedFloats each task unpacks on its gather.
       thread_local std::vector<float> unpacked;
       if (unpacked.size() < static_cast<size_t>(rows * k * d))
         unpacked.resize(static_cast<size_t>(rows * k * d));

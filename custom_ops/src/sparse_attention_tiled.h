@@ -5,12 +5,13 @@
 //     rows when d is a multiple of the vector width (the tiles read them in place; a row is
 //     contiguous and, after the logits pass, cache-resident for P @ V), else copies padded
 //     with zeros in a tile [64][ldt]. With a packed compressed cache (Source), an index at or
-//     past the window's rows names a packed row, unpacked into the tile on this gather
-//     (packed_quant.h: value(code) * scale, the exact floats the unpacked cache would hold),
-//     so the result is the one on the concatenated float rows, bit for bit, and no
-//     concatenated copy of the cache is ever made. Entries that are -1 are left out (the definition skips
-//     them in P @ V and masks their logits to -inf, so what they would compute never
-//     matters); the list is padded to a multiple of 16 with a zero row.
+//     past the window's rows names a packed row, unpacked into the tile on this gather, or
+//     read where the op unpacked it once for all of a query's tasks (packed_quant.h:
+//     value(code) * scale, the exact floats the unpacked cache would hold), so the result is
+//     the one on the concatenated float rows, bit for bit, and no concatenated copy of the
+//     cache is ever made. Entries that are -1 are left out (the definition skips them in
+//     P @ V and masks their logits to -inf, so what they would compute never matters); the
+//     list is padded to a multiple of 16 with a zero row.
 //   - Logits: one tile of GV heads x J entries keeps its accumulators in registers,
 //     vectorised across heads (Q is transposed once per task to [d][GP]); each logit is its
 //     own chain over d in the definition's order (h >= 4: mkl_chunk chunks, a fmaf chain
