@@ -35,7 +35,21 @@ from csa2onnx.graphs.rope import FreqsCis, layer_rope_params
 from csa2onnx.graphs.sparse_attn import sparse_attn
 from csa2onnx.graphs.window import window_chunk, window_decode
 
-Debug = Callable[[str, ir.Value], None]  # records a named intermediate (debug exports)
+
+class Debug:
+    """Records named intermediates when a debug export asks for them (`record`), else
+    nothing; `enabled` lets a layer skip building a value only debug outputs would use."""
+
+    def __init__(self, record: Callable[[str, ir.Value], None] | None = None) -> None:
+        self.record = record
+
+    @property
+    def enabled(self) -> bool:
+        return self.record is not None
+
+    def __call__(self, name: str, value: ir.Value) -> None:
+        if self.record is not None:
+            self.record(name, value)
 
 
 class LayerState(NamedTuple):
@@ -162,13 +176,13 @@ class AttentionLayer(nn.Module):
         passes the state it returns): window, indexer, sparse attention, output."""
         c, p = self.config, self.plan
         qr, q = self.attn_q(op, x, pos)
-        kv_prequant, kv = self.window_kv(op, x, pos)  # before and after act_quant (fp8)
+        # The ring holds the window packed (act_quant's fp8 codes and scales): the new rows
+        # are packed, and attention reads them unpacked (act_quant's values exactly).
+        packed = pack_quantized(op, self.window_kv(op, x, pos), WINDOW_FORMAT)
         debug("qr", qr)
         debug("q_rope", q)
-        debug("window_kv", kv)
-        # The ring holds the window packed: rows are packed, then unpacked for attention
-        # (the values of act_quant exactly).
-        packed = pack_quantized(op, kv_prequant, WINDOW_FORMAT)
+        if debug.enabled:
+            debug("window_kv", unpack_quantized(op, packed, WINDOW_FORMAT, c.head_dim))
         if mode == "prefill":  # at start_pos 0 (rows = kv) or continuing a sequence
             window_idx, rows, ring = window_chunk(op, packed, state.window_kv, pos,
                                                   c.window_size)

@@ -24,7 +24,7 @@ from csa2onnx.custom_ops.weight_layout import PANELS64, PackedWeight, packed_lat
 from csa2onnx.export.artifacts import manifest_for, write_manifest
 from csa2onnx.export.config import AttentionConfig
 from csa2onnx.export.in_place import check_in_place_order, in_place_writes
-from csa2onnx.export.layer import STATE_FIELDS, AttentionLayer, LayerState, Mode
+from csa2onnx.export.layer import STATE_FIELDS, AttentionLayer, Debug, LayerState, Mode
 from csa2onnx.export.plan import StackPlan, plan_layer
 from csa2onnx.export.shared_weights import WEIGHTS_FILE, SharedWeightsWriter
 from csa2onnx.export.slots import Slots
@@ -116,9 +116,10 @@ def build_stack_model(plan: StackPlan, weights: dict[int, LayerWeights] | StackW
             progress(f"[{i + 1}/{len(plan.layers)}] {mode} layer {p.layer} ({p.role})")
         layer = AttentionLayer(plan, p, weights.layers[p.layer])
 
-        def debug(name: str, value: ir.Value, layer_id: int = p.layer) -> None:
-            if debug_outputs:
-                outputs.append((f"L{layer_id}.{name}", value))
+        def record(name: str, value: ir.Value, layer_id: int = p.layer) -> None:
+            outputs.append((f"L{layer_id}.{name}", value))
+
+        debug = Debug(record if debug_outputs else None)
 
         x = xs[p.layer]
         if p.kv_source:

@@ -58,8 +58,9 @@ class QueryProjection(nn.Module):
 
 
 class WindowKVProjection(nn.Module):
-    """kv = kv_norm(wkv(x)) [b, s, head_dim], RoPE'd at the tokens' positions, then the fp8
-    round trip. Returns (before fp8, after fp8); the window attends to the latter."""
+    """kv = kv_norm(wkv(x)) [b, s, head_dim], RoPE'd at the tokens' positions: the window
+    KV before its fp8 round trip (act_quant), which the layer does as it packs the rows
+    for the ring (kv_cache.WINDOW_FORMAT; unpacked, they are act_quant's values)."""
 
     def __init__(self, wkv: Weight, kv_norm: np.ndarray, head_dim: int, rope_head_dim: int,
                  norm_eps: float, rope: RopeParams, name: str | None = None) -> None:
@@ -77,9 +78,7 @@ class WindowKVProjection(nn.Module):
         self.kv_norm = RMSNorm(kv_norm, norm_eps)
         self.freqs_cis = FreqsCis(rope)
 
-    def forward(self, op: OpBuilder, x: ir.Value,
-                start_pos: ir.Value) -> tuple[ir.Value, ir.Value]:
+    def forward(self, op: OpBuilder, x: ir.Value, start_pos: ir.Value) -> ir.Value:
         kv = self.kv_norm(op, self.wkv(op, x))
         cos, sin = self.freqs_cis(op, token_positions(op, x, start_pos))
-        kv = apply_rotary_emb(op, kv, cos, sin, self.rope_head_dim)
-        return kv, quant.act_quant(op, kv)
+        return apply_rotary_emb(op, kv, cos, sin, self.rope_head_dim)

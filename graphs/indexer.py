@@ -174,7 +174,7 @@ class Indexer(nn.Module):
         # Queries [b, s, H, D], RoPE at start_pos.., fp4 with e8m0 scales.
         q = op.Reshape(self.wq_b(op, qr), [0, 0, self.n_heads, self.head_dim])
         q_prequant = self._rope(op, q, positions)
-        q = fp4_e8m0(op, q_prequant)
+        q = fp4_e8m0(op, q_prequant, width=self.head_dim)
         w = round_bf16(op, op.Mul(self.weights_proj(op, x), self.weights_scale))  # [b, s, H]
 
         # score[b,t,p] = bf16(sum_h bf16(relu(bf16(q[b,t,h] . k[p])) * w[b,t,h])).

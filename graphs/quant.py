@@ -7,7 +7,8 @@ import onnx_ir as ir
 from onnxscript import OpBuilder
 
 from csa2onnx.custom_ops import constants
-from csa2onnx.custom_ops.ops import fp4_quant_dequant
+from csa2onnx.custom_ops.constants import PACKED_FORMATS
+from csa2onnx.custom_ops.ops import fp4_quant_dequant, pack_quantized, unpack_quantized
 from csa2onnx.graphs.numerics import FLOAT, round_bf16
 
 FP8_BLOCK = constants.FP8_BLOCK
@@ -45,11 +46,26 @@ def act_quant(op: OpBuilder, x: ir.Value, block: int = FP8_BLOCK) -> ir.Value:
     return op.Reshape(round_bf16(op, op.Mul(q, scale)), op.Shape(x))
 
 
-def fp4_e8m0(op: OpBuilder, x: ir.Value, block: int = FP4_INDEX_BLOCK) -> ir.Value:
+def fp4_e8m0(op: OpBuilder, x: ir.Value, block: int = FP4_INDEX_BLOCK,
+             width: int | None = None) -> ir.Value:
     """fp4_act_quant(x, 32, inplace=True): e8m0 block scales (indexer q and k)."""
-    return fp4_quant_dequant(op, x, block, "e8m0")
+    return _fp4(op, x, block, "e8m0", width)
 
 
-def fp4_e4m3(op: OpBuilder, x: ir.Value, block: int = FP4_LATENT_BLOCK) -> ir.Value:
+def fp4_e4m3(op: OpBuilder, x: ir.Value, block: int = FP4_LATENT_BLOCK,
+             width: int | None = None) -> ir.Value:
     """fp4_act_quant(x, 16, inplace=True, scale_dtype=e4m3): the compressed-KV latent."""
-    return fp4_quant_dequant(op, x, block, "e4m3")
+    return _fp4(op, x, block, "e4m3", width)
+
+
+def _fp4(op: OpBuilder, x: ir.Value, block: int, scale_format: str,
+         width: int | None) -> ir.Value:
+    """The round trip. Given x's last dimension (`width`, or a static shape) at a packed
+    format's block, as Unpack(Pack(x)): the same bits in ~20x less time than
+    Fp4QuantDequant (custom_ops/src/packed_quant.h)."""
+    fmt = f"fp4_{scale_format}_{block}"
+    if width is None and x.shape is not None and len(x.shape):
+        width = x.shape[-1] if isinstance(x.shape[-1], int) else None
+    if fmt not in PACKED_FORMATS or width is None:
+        return fp4_quant_dequant(op, x, block, scale_format)
+    return unpack_quantized(op, pack_quantized(op, x, fmt), fmt, width)
