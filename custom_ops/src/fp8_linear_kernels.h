@@ -89,12 +89,23 @@ struct FJob {               // one W block that is not int16, against every row
   float* f;                 // [rows16]: float(sum), exact
 };
 
-struct RowJob {             // one flagged row against one group of 16 columns
-  const int16_t* pw;        // the panel at (block, pair 0, the group's first column)
-  int32_t xh[kPairs], xl[kPairs];  // the row's block in two digits, as int16 pairs
-  uint16_t lanes;           // lanes to write (the int16 ones)
-  float* out;               // 16 floats
+struct RowJob {             // one flagged row of one K block against its flagged groups
+  const int16_t* x;         // the row's block: units >> t_x, or their high digit (not int16)
+  const uint8_t* xlo;       // the low digit (block not int16)
+  bool fits;                // the block is int16
+  const int16_t* pw;        // the panel at (block, pair 0, column 0)
+  uint32_t groups;          // bit c: patch group c
+  const uint16_t* bad;      // [kGroups]: lanes left alone (not int16: f_lanes' values)
+  float* out[kGroups];      // the groups' slot rows (16 floats)
 };
+
+// The row's block as two digits, h * 2^8 + l (|h| < 2^10, 0 <= l < 2^8).
+CSA_INLINE void row_digits(const RowJob& j, int32_t* h, int32_t* l) {
+  for (int64_t i = 0; i < kBlock; ++i) {
+    h[i] = j.fits ? j.x[i] >> fp8_int::kDigitBits : j.x[i];
+    l[i] = j.fits ? j.x[i] & ((1 << fp8_int::kDigitBits) - 1) : j.xlo[i];
+  }
+}
 
 struct FlagJob {
   const uint32_t* lim_l1;   // [KB][ld] at the task's first row
@@ -221,15 +232,21 @@ CSA_INLINE void f_lanes_generic(const FJob& j) {
 }
 
 CSA_INLINE void row_patch_generic(const RowJob& j) {
-  for (int64_t i = 0; i < kLanes; ++i) {
-    if (((j.lanes >> i) & 1u) == 0) continue;
-    int64_t h = 0, l = 0;
-    for (int64_t p = 0; p < kPairs; ++p) {
-      const int64_t w0 = j.pw[(p * kPanel + i) * 2], w1 = j.pw[(p * kPanel + i) * 2 + 1];
-      h += w0 * static_cast<int16_t>(j.xh[p] & 0xFFFF) + w1 * static_cast<int16_t>(j.xh[p] >> 16);
-      l += w0 * static_cast<int16_t>(j.xl[p] & 0xFFFF) + w1 * static_cast<int16_t>(j.xl[p] >> 16);
+  int32_t h[kBlock], l[kBlock];
+  row_digits(j, h, l);
+  for (int64_t c = 0; c < kGroups; ++c) {
+    if (((j.groups >> c) & 1u) == 0) continue;
+    const int16_t* pw = j.pw + c * kLanes * 2;
+    for (int64_t i = 0; i < kLanes; ++i) {
+      if ((j.bad[c] >> i) & 1u) continue;
+      int64_t hs = 0, ls = 0;
+      for (int64_t k = 0; k < kBlock; ++k) {
+        const int64_t w = pw[((k / 2) * kPanel + i) * 2 + k % 2];
+        hs += w * h[k];
+        ls += w * l[k];
+      }
+      j.out[c][i] = digits_to_float(hs, ls);
     }
-    j.out[i] = digits_to_float(h, l);
   }
 }
 
@@ -448,13 +465,26 @@ CSA_TARGET_AVX512 CSA_INLINE void f_lanes_avx512_body(const FJob& j) {
 
 template <bool kVnni>
 CSA_TARGET_AVX512 CSA_INLINE void row_patch_avx512_body(const RowJob& j) {
-  __m512i h = _mm512_setzero_si512(), l = _mm512_setzero_si512();
-  for (int64_t p = 0; p < kPairs; ++p) {
-    const __m512i w = _mm512_loadu_si512(j.pw + p * kPanel * 2);
-    CSA_DP16(kVnni, h, _mm512_set1_epi32(j.xh[p]), w);
-    CSA_DP16(kVnni, l, _mm512_set1_epi32(j.xl[p]), w);
+  alignas(64) int32_t hp[kPairs], lp[kPairs];  // the digits as int16 pairs
+  const __m512i x = _mm512_loadu_si512(j.x);
+  if (j.fits) {
+    _mm512_store_si512(hp, _mm512_srai_epi16(x, fp8_int::kDigitBits));
+    _mm512_store_si512(lp, _mm512_and_si512(x, _mm512_set1_epi16((1 << fp8_int::kDigitBits) - 1)));
+  } else {
+    _mm512_store_si512(hp, x);
+    _mm512_store_si512(lp, _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(j.xlo))));
   }
-  _mm512_mask_storeu_ps(j.out, j.lanes, digits_to_float16(h, l));
+  for (int64_t c = 0; c < kGroups; ++c) {
+    if (((j.groups >> c) & 1u) == 0) continue;
+    const int16_t* pw = j.pw + c * kLanes * 2;
+    __m512i h = _mm512_setzero_si512(), l = _mm512_setzero_si512();
+    for (int64_t p = 0; p < kPairs; ++p) {
+      const __m512i w = _mm512_loadu_si512(pw + p * kPanel * 2);
+      CSA_DP16(kVnni, h, _mm512_set1_epi32(hp[p]), w);
+      CSA_DP16(kVnni, l, _mm512_set1_epi32(lp[p]), w);
+    }
+    _mm512_mask_storeu_ps(j.out[c], static_cast<__mmask16>(~j.bad[c]), digits_to_float16(h, l));
+  }
 }
 
 // ---- W packing with AVX512-VBMI: 16 rows x 32 codes -> 16 pair vectors ----
@@ -526,9 +556,9 @@ struct GroupConverter {
         const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + (2 * i + 1) * w.K));
         a[i] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
       }
-      if ((kb & 1) == 0) {  // the rows' cache lines 8 blocks ahead (harmless past the end)
+      if ((kb & 1) == 0) {  // the rows' cache lines a chunk ahead (harmless past the end)
         for (int i = 0; i < kLanes; ++i)
-          _mm_prefetch(reinterpret_cast<const char*>(src + i * w.K + kChunkKb * kBlock), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(src + i * w.K + 4 * kChunkKb * kBlock), _MM_HINT_T1);
       }
     } else {  // the last group: rows past N are never read
       for (int i = 0; i < 8; ++i) {
@@ -590,10 +620,9 @@ struct DotPairs {
 
 CSA_TARGET_AVX512_VBMI CSA_INLINE void pack_vbmi_body(const PackJob& j) {
   const GroupConverter conv{kPackTables, j.w};
-  for (int64_t kbi = 0; kbi < j.kbs; ++kbi) {
-    int16_t* dst = j.pw + kbi * kPairs * kPanel * 2;
-    for (int64_t c = 0; c < kGroups; ++c) {
-      int16_t* out = dst + c * kLanes * 2;
+  for (int64_t c = 0; c < kGroups; ++c) {  // as dot_small: a group's rows, then the next
+    for (int64_t kbi = 0; kbi < j.kbs; ++kbi) {
+      int16_t* out = j.pw + kbi * kPairs * kPanel * 2 + c * kLanes * 2;
       const bool any = conv.run(j.panel * kPanel + c * kLanes, j.kb0 + kbi, j.g + kbi * kPanel + c * kLanes,
                                 StorePairs{out});
       if (!any)
@@ -620,9 +649,11 @@ constexpr int64_t kSmallRows = 4;
 template <int MR, bool kVnni>
 CSA_TARGET_AVX512_VBMI __attribute__((noinline)) void dot_small_vbmi(const SmallJob& j) {
   const GroupConverter conv{kPackTables, j.w};
-  for (int64_t kbi = 0; kbi < j.kbs; ++kbi) {
-    const int64_t kb = j.kb0 + kbi;
-    for (int64_t c = 0; c < kGroups; ++c) {
+  // one group's 16 rows through the chunk's blocks, then the next group: 16 sequential
+  // streams at a time for the prefetchers (not 64)
+  for (int64_t c = 0; c < kGroups; ++c) {
+    for (int64_t kbi = 0; kbi < j.kbs; ++kbi) {
+      const int64_t kb = j.kb0 + kbi;
       __m512i acc[MR];
       for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_si512();
       int32_t x[MR][kPairs];

@@ -63,6 +63,13 @@ using fp8_int::BlockInts;
   ORT_CXX_API_THROW("Fp8Linear: " + message, ORT_INVALID_ARGUMENT);
 }
 
+// How often each way of summing ran, for the tests (csa2onnx_fp8_linear_counts): that a case
+// built for a fallback did take it. Tasks add their counts once, at their end.
+struct Counts {
+  std::atomic<uint64_t> calls{0}, small_tasks{0}, lane_sums{0}, row_sums{0}, wide_sums{0};
+};
+Counts counts;
+
 constexpr int64_t kTaskRows = 256;    // rows per task (and per quantised chunk of X)
 constexpr int64_t kParallelWork = int64_t{1} << 17;  // M*N*K below which one thread runs it
 
@@ -478,49 +485,58 @@ struct Patch {
   const int16_t* pw;
   const uint8_t* flags;
   Overrides& ov;
+  uint64_t& row_sums;   // (row, block, group)s summed in two digits
+  uint64_t& wide_sums;  // (row, block, column)s summed in int64
 
   void rows_between(int64_t ra, int64_t rb) const {
-    int32_t ux[kBlock], uw[kBlock];
+    int32_t h[kBlock], l[kBlock], ux[kBlock], uw[kBlock];
     for (int64_t kbi = 0; kbi < kbs; ++kbi) {
       const int64_t kb = kb0 + kbi;
       bool any_bad = false;
       for (int64_t gi = 0; gi < kGroups; ++gi) any_bad |= ov.bad[kbi * kGroups + gi] != 0;
       const uint8_t* fits_row = xc.fits.data() + kb * xc.rows + r0;
+      const uint8_t* flag_row = flags + kbi * rows;
       for (int64_t r = ra; r < rb; ++r) {
-        const uint32_t fl = flags[kbi * rows + r];
+        // 8 rows at a time while none of them needs anything
+        if (r + 8 <= rb) {
+          uint64_t f8, fits8;
+          std::memcpy(&f8, flag_row + r, 8);
+          std::memcpy(&fits8, fits_row + r, 8);
+          if (f8 == 0 && (!any_bad || fits8 == 0x0101010101010101ull)) {
+            r += 7;
+            continue;
+          }
+        }
+        const uint32_t fl = flag_row[r];
         const bool fits = fits_row[r] != 0;
         if (fl == 0 && (fits || !any_bad)) continue;
-        // the row's block in two digits (units >> t_x = h * 2^8 + l)
-        const int16_t* xh = xc.xi.data() + (r0 + r) * c.K + kb * kBlock;
-        const uint8_t* xl = xc.xlo.data() + (r0 + r) * c.K + kb * kBlock;
-        int32_t h[kBlock], l[kBlock];
-        for (int64_t i = 0; i < kBlock; ++i) {
-          h[i] = fits ? xh[i] >> fp8_int::kDigitBits : xh[i];
-          l[i] = fits ? xh[i] & ((1 << fp8_int::kDigitBits) - 1) : xl[i];
-          ux[i] = h[i] * (1 << fp8_int::kDigitBits) + l[i];
-        }
         RowJob job;
-        for (int64_t p = 0; p < kPairs; ++p) {
-          job.xh[p] = pair_of(h[2 * p], h[2 * p + 1]);
-          job.xl[p] = pair_of(l[2 * p], l[2 * p + 1]);
+        job.x = xc.xi.data() + (r0 + r) * c.K + kb * kBlock;
+        job.xlo = xc.xlo.data() + (r0 + r) * c.K + kb * kBlock;
+        job.fits = fits;
+        job.pw = pw + kbi * kPairs * kPanel * 2;
+        job.groups = fl;
+        job.bad = ov.bad + kbi * kGroups;
+        for (int64_t gi = 0; gi < kGroups; ++gi)
+          job.out[gi] = const_cast<float*>(ov.slot[kbi * kGroups + gi]) + r * kLanes;
+        if (fl != 0) {
+          c.kern.row_patch(job);
+          row_sums += static_cast<uint64_t>(__builtin_popcount(fl));
         }
+        if (fits || !any_bad) continue;
+        // a block that is not int16 against lanes that are not int16: int64 per lane
+        row_digits(job, h, l);
+        for (int64_t i = 0; i < kBlock; ++i) ux[i] = h[i] * (1 << fp8_int::kDigitBits) + l[i];
         for (int64_t gi = 0; gi < kGroups; ++gi) {
           const uint16_t bad = ov.bad[kbi * kGroups + gi];
-          float* slot = const_cast<float*>(ov.slot[kbi * kGroups + gi]);
-          if ((fl >> gi) & 1u) {
-            job.pw = pw + (kbi * kPairs * kPanel + gi * kLanes) * 2;
-            job.lanes = static_cast<uint16_t>(~bad);
-            job.out = slot + r * kLanes;
-            c.kern.row_patch(job);
-          }
-          if (fits || bad == 0) continue;
           for (int64_t i = 0; i < kLanes; ++i) {
             if (((bad >> i) & 1u) == 0) continue;
             const int64_t col = panel * kPanel + gi * kLanes + i;
             const uint8_t* codes = c.w + col * c.K + kb * kBlock;
             for (int64_t e = 0; e < kBlock; ++e) uw[e] = fp8_int::kUnits.v[codes[e]];
             const uint32_t tw = meta.shift[kb * meta.groups * kLanes + col];
-            slot[r * kLanes + i] = fp8_int::exact_dot(ux, 0, uw, tw);
+            job.out[gi][i] = fp8_int::exact_dot(ux, 0, uw, tw);
+            ++wide_sums;
           }
         }
       }
@@ -563,6 +579,7 @@ void run_task(const Call& c, int64_t task) {
   int32_t* sums = small ? Scratch::at_least(scratch.sums, static_cast<size_t>(kChunkKb * kGroups * rows * kLanes))
                         : nullptr;
   Overrides& ov = scratch.ov;
+  uint64_t lane_sums = 0, row_sums = 0, wide_sums = 0;
   std::memset(out, 0, static_cast<size_t>(rows * kPanel) * sizeof(float));
   const WView wv = meta.view(c.w);
   const float* ws0 = c.ws + (2 * panel) * c.KB;
@@ -636,6 +653,7 @@ void run_task(const Call& c, int64_t task) {
           w_digits(c, col, kb, job);
           c.kern.f_lanes(job);
           for (int64_t r = 0; r < rows; ++r) slot[r * kLanes + i] = f[r];
+          ++lane_sums;
         }
       }
     }
@@ -643,7 +661,7 @@ void run_task(const Call& c, int64_t task) {
     const TaskView view{xc.xi.data() + r0 * c.K, c.K, c.KB, xc.cm.data() + r0,
                         xc.xs.data() + r0, xc.rows, rows, kb0, kbs, pw, g,
                         ws0, ws1, flags, masks, ov.slot, ov.bad, out};
-    const Patch patch{c, xc, meta, panel, r0, rows, kb0, kbs, pw, flags, ov};
+    const Patch patch{c, xc, meta, panel, r0, rows, kb0, kbs, pw, flags, ov, row_sums, wide_sums};
     if (small) {
       patch.rows_between(0, rows);
       c.kern.epilogue_small(view, sums);
@@ -663,6 +681,10 @@ void run_task(const Call& c, int64_t task) {
   for (int64_t r = 0; r < rows; ++r)
     std::memcpy(c.y + (r0 + r) * c.N + n0, out + r * kPanel,
                 static_cast<size_t>(cols) * sizeof(float));
+  counts.small_tasks.fetch_add(small ? 1 : 0, std::memory_order_relaxed);
+  counts.lane_sums.fetch_add(lane_sums, std::memory_order_relaxed);
+  counts.row_sums.fetch_add(row_sums, std::memory_order_relaxed);
+  counts.wide_sums.fetch_add(wide_sums, std::memory_order_relaxed);
 }
 
 // Attributes and node I/O, checked when the session creates the kernel.
@@ -727,6 +749,7 @@ struct Fp8LinearKernel {
       return;
     }
     const uint8_t* codes = reinterpret_cast<const uint8_t*>(w.Data());
+    counts.calls.fetch_add(1, std::memory_order_relaxed);
     Ort::KernelContext context(ctx);
     const bool parallel = d.M * d.N * d.K >= kParallelWork;
 
@@ -825,3 +848,16 @@ void AppendFp8LinearOps(std::vector<std::unique_ptr<Ort::Custom::OrtLiteCustomOp
 }
 
 }  // namespace csa
+
+// The counts (calls, tasks on the few-rows path, W blocks that are not int16 summed against
+// every row, (row, block, group)s summed in two digits, (row, block, column)s summed in
+// int64) into out[0..n); returns how many there are.
+extern "C" __attribute__((visibility("default"))) uint64_t csa2onnx_fp8_linear_counts(uint64_t* out,
+                                                                                     uint64_t n) {
+  const uint64_t values[] = {csa::counts.calls.load(), csa::counts.small_tasks.load(),
+                             csa::counts.lane_sums.load(), csa::counts.row_sums.load(),
+                             csa::counts.wide_sums.load()};
+  const uint64_t total = sizeof values / sizeof values[0];
+  for (uint64_t i = 0; i < n && i < total; ++i) out[i] = values[i];
+  return total;
+}
