@@ -79,15 +79,35 @@ struct TaskView {
   float* out;             // [rows][kPanel]
 };
 
+inline int32_t pair_of(int32_t lo, int32_t hi) {
+  return static_cast<int32_t>((static_cast<uint32_t>(lo) & 0xFFFFu) |
+                              (static_cast<uint32_t>(hi) << 16));
+}
+
 struct FJob {               // one W block that is not int16, against every row
   const int16_t* xi;        // generic: [rows][K] at the block's first column
   int64_t K;
   const int32_t* xt;        // AVX-512: [kPairs][ldt] pairs at the block and the first row
   int64_t ldt;
   int64_t rows;
-  int32_t wh[kPairs], wl[kPairs];  // the block's units >> t in two digits, as int16 pairs
+  const uint8_t* codes;     // the W block's 32 codes
+  uint32_t t;               // and its shift
   float* f;                 // [rows16]: float(sum), exact
 };
+
+// A W block's units >> t (up to 18 bits) as two digits in int16 pairs: v = h * 2^8 + l.
+CSA_INLINE void w_digits_generic(const uint8_t* codes, uint32_t t, int32_t* wh, int32_t* wl) {
+  int32_t h[kBlock], l[kBlock];
+  for (int64_t i = 0; i < kBlock; ++i) {
+    const int32_t v = kUnits.v[codes[i]] >> t;
+    h[i] = v >> fp8_int::kDigitBits;                      // [-2^10, 2^10)
+    l[i] = v & ((1 << fp8_int::kDigitBits) - 1);          // [0, 2^8)
+  }
+  for (int64_t p = 0; p < kPairs; ++p) {
+    wh[p] = pair_of(h[2 * p], h[2 * p + 1]);
+    wl[p] = pair_of(l[2 * p], l[2 * p + 1]);
+  }
+}
 
 struct RowJob {             // one flagged row of one K block against its flagged groups
   const int16_t* x;         // the row's block: units >> t_x, or their high digit (not int16)
@@ -117,11 +137,6 @@ struct FlagJob {
   uint8_t* flags;           // [kbs][rows]: bit c = group c's int32 sums may not be exact
   uint64_t* masks;          // [kbs][rows]: 16 bits per group, the lanes the tiles take from slots
 };
-
-inline int32_t pair_of(int32_t lo, int32_t hi) {
-  return static_cast<int32_t>((static_cast<uint32_t>(lo) & 0xFFFFu) |
-                              (static_cast<uint32_t>(hi) << 16));
-}
 
 // ------------------------------------------------------------------ generic kernels
 // Plain C++, compiled into each instruction-set wrapper (and the scalar path).
@@ -219,13 +234,15 @@ CSA_INLINE float digits_to_float(int64_t hi, int64_t lo) {
 }
 
 CSA_INLINE void f_lanes_generic(const FJob& j) {
+  int32_t wh[kPairs], wl[kPairs];
+  w_digits_generic(j.codes, j.t, wh, wl);
   for (int64_t r = 0; r < j.rows; ++r) {
     const int16_t* x = j.xi + r * j.K;
     int64_t h = 0, l = 0;
     for (int64_t p = 0; p < kPairs; ++p) {
       const int64_t x0 = x[2 * p], x1 = x[2 * p + 1];
-      h += x0 * static_cast<int16_t>(j.wh[p] & 0xFFFF) + x1 * static_cast<int16_t>(j.wh[p] >> 16);
-      l += x0 * static_cast<int16_t>(j.wl[p] & 0xFFFF) + x1 * static_cast<int16_t>(j.wl[p] >> 16);
+      h += x0 * static_cast<int16_t>(wh[p] & 0xFFFF) + x1 * static_cast<int16_t>(wh[p] >> 16);
+      l += x0 * static_cast<int16_t>(wl[p] & 0xFFFF) + x1 * static_cast<int16_t>(wl[p] >> 16);
     }
     j.f[r] = digits_to_float(h, l);
   }
@@ -449,15 +466,41 @@ CSA_TARGET_AVX512 CSA_INLINE __m512 digits_to_float16(__m512i hi, __m512i lo) {
   return _mm512_insertf32x8(_mm512_castps256_ps512(_mm512_cvtepi64_ps(s0)), _mm512_cvtepi64_ps(s1), 1);
 }
 
+// w_digits_generic with vector operations: units = mantissa << E from the code's fields
+// (e4m3fn: NaN codes 0), then >> t and the two digits.
+CSA_TARGET_AVX512 CSA_INLINE void w_digits_avx512(const uint8_t* codes, uint32_t t, int32_t* wh,
+                                                  int32_t* wl) {
+  const __m512i zero = _mm512_setzero_si512();
+  for (int half = 0; half < 2; ++half) {
+    const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * half)));
+    const __m512i e = _mm512_and_si512(_mm512_srli_epi32(c, 3), _mm512_set1_epi32(15));
+    __m512i mant = _mm512_and_si512(c, _mm512_set1_epi32(7));
+    mant = _mm512_mask_or_epi32(mant, _mm512_test_epi32_mask(e, e), mant, _mm512_set1_epi32(8));
+    const __m512i expo = _mm512_max_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), zero);
+    __m512i u = _mm512_sllv_epi32(mant, expo);
+    const __mmask16 nan = _mm512_cmpeq_epi32_mask(_mm512_and_si512(c, _mm512_set1_epi32(0x7F)),
+                                                  _mm512_set1_epi32(0x7F));
+    u = _mm512_maskz_mov_epi32(static_cast<__mmask16>(~nan), u);
+    u = _mm512_mask_sub_epi32(u, _mm512_test_epi32_mask(c, _mm512_set1_epi32(0x80)), zero, u);
+    const __m512i v = _mm512_sra_epi32(u, _mm_cvtsi32_si128(static_cast<int>(t)));  // exact
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(wh + 8 * half),
+                        _mm512_cvtepi32_epi16(_mm512_srai_epi32(v, fp8_int::kDigitBits)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(wl + 8 * half),
+                        _mm512_cvtepi32_epi16(_mm512_and_si512(v, _mm512_set1_epi32(255))));
+  }
+}
+
 // f_lanes with 16 rows per zmm: X^T pairs times the W block's digits broadcast.
 template <bool kVnni>
 CSA_TARGET_AVX512 CSA_INLINE void f_lanes_avx512_body(const FJob& j) {
+  alignas(64) int32_t wh[kPairs], wl[kPairs];
+  w_digits_avx512(j.codes, j.t, wh, wl);
   for (int64_t r = 0; r < j.rows; r += kLanes) {
     __m512i h = _mm512_setzero_si512(), l = _mm512_setzero_si512();
     for (int64_t p = 0; p < kPairs; ++p) {
       const __m512i xv = _mm512_loadu_si512(j.xt + p * j.ldt + r);
-      CSA_DP16(kVnni, h, xv, _mm512_set1_epi32(j.wh[p]));
-      CSA_DP16(kVnni, l, xv, _mm512_set1_epi32(j.wl[p]));
+      CSA_DP16(kVnni, h, xv, _mm512_set1_epi32(wh[p]));
+      CSA_DP16(kVnni, l, xv, _mm512_set1_epi32(wl[p]));
     }
     _mm512_storeu_ps(j.f + r, digits_to_float16(h, l));
   }

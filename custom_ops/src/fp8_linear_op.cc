@@ -458,22 +458,6 @@ struct Overrides {
   uint16_t bad[kChunkKb * kGroups] = {};
 };
 
-// Units of W's block (column, kb) >> t as two 9-bit digits, in int16 pairs.
-void w_digits(const Call& c, int64_t col, int64_t kb, FJob& f) {
-  const uint8_t* codes = c.w + col * c.K + kb * kBlock;
-  const uint32_t t = c.meta->shift[kb * c.meta->groups * kLanes + col];
-  int32_t h[kBlock], l[kBlock];
-  for (int64_t i = 0; i < kBlock; ++i) {
-    const int32_t v = fp8_int::kUnits.v[codes[i]] >> t;
-    h[i] = v >> fp8_int::kDigitBits;                              // [-2^9, 2^9)
-    l[i] = v & ((1 << fp8_int::kDigitBits) - 1);                  // [0, 2^9)
-  }
-  for (int64_t p = 0; p < kPairs; ++p) {
-    f.wh[p] = pair_of(h[2 * p], h[2 * p + 1]);
-    f.wl[p] = pair_of(l[2 * p], l[2 * p + 1]);
-  }
-}
-
 // The slot rows of flagged (row, block, group)s: the row's block in two digits against the
 // group's int16 lanes (row_patch); for a row whose block is not int16, its lanes that are not
 // int16 too (int64 per lane; f_lanes' values there assumed an int16 row).
@@ -528,9 +512,8 @@ struct Patch {
         row_digits(job, h, l);
         for (int64_t i = 0; i < kBlock; ++i) ux[i] = h[i] * (1 << fp8_int::kDigitBits) + l[i];
         for (int64_t gi = 0; gi < kGroups; ++gi) {
-          const uint16_t bad = ov.bad[kbi * kGroups + gi];
-          for (int64_t i = 0; i < kLanes; ++i) {
-            if (((bad >> i) & 1u) == 0) continue;
+          for (uint32_t bad = ov.bad[kbi * kGroups + gi]; bad != 0; bad &= bad - 1) {
+            const int64_t i = __builtin_ctz(bad);
             const int64_t col = panel * kPanel + gi * kLanes + i;
             const uint8_t* codes = c.w + col * c.K + kb * kBlock;
             for (int64_t e = 0; e < kBlock; ++e) uw[e] = fp8_int::kUnits.v[codes[e]];
@@ -638,19 +621,18 @@ void run_task(const Call& c, int64_t task) {
     for (int64_t kbi = 0; kbi < kbs; ++kbi) {
       const int64_t kb = kb0 + kbi;
       for (int64_t gi = 0; gi < kGroups; ++gi) {
-        const uint16_t bad = ov.bad[kbi * kGroups + gi];
         float* slot = const_cast<float*>(ov.slot[kbi * kGroups + gi]);
-        for (int64_t i = 0; i < kLanes; ++i) {
-          if (((bad >> i) & 1u) == 0) continue;
+        for (uint32_t bad = ov.bad[kbi * kGroups + gi]; bad != 0; bad &= bad - 1) {
+          const int64_t i = __builtin_ctz(bad);
           const int64_t col = panel * kPanel + gi * kLanes + i;
-          FJob job;  // wh, wl: written by w_digits
-          job.xi = xc.xi.data() + r0 * c.K + kb * kBlock;
-          job.K = c.K;
-          job.xt = !c.kern.uses_xt ? nullptr : xc.xt.data() + (kb * kPairs) * xc.rows16 + r0;
-          job.ldt = xc.rows16;
-          job.rows = rows;
-          job.f = f;
-          w_digits(c, col, kb, job);
+          const FJob job{xc.xi.data() + r0 * c.K + kb * kBlock,
+                         c.K,
+                         !c.kern.uses_xt ? nullptr : xc.xt.data() + (kb * kPairs) * xc.rows16 + r0,
+                         xc.rows16,
+                         rows,
+                         c.w + col * c.K + kb * kBlock,
+                         meta.shift[kb * meta.groups * kLanes + col],
+                         f};
           c.kern.f_lanes(job);
           for (int64_t r = 0; r < rows; ++r) slot[r * kLanes + i] = f[r];
           ++lane_sums;
