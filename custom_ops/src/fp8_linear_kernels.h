@@ -7,14 +7,15 @@
 // - a panel: 64 columns of W over a few K blocks as int16 k-pairs,
 //   pw[kb][pair 0..15][column 0..63][2] = (w[n, 32kb+2p] , w[n, 32kb+2p+1]) >> t[n, kb]
 //   (0 for columns past N and for blocks that are not int16), and g[kb][column] = 2^t;
-// - X rows as int16 (act_quant's e4m3 units >> t_x per block, 0 where not int16),
+// - X rows as int16 (act_quant's e4m3 units >> t_x per block; where a block is not int16,
+//   its high digit, the low digit kept apart),
 //   row-major [rows][K], and for the AVX-512 path the same pairs transposed, [K/2][rows16];
 // - per (row, K block): t_x as cm = 2^(t_x - 18), the scale xs, and the flags of the column
 //   groups (16 columns) whose int32 sums are not known to be exact;
 // - override slots: for a (K block, group) that has flagged rows or blocks that are not
 //   int16, slot[row][16] holds the exact float(sum) of those lanes, computed by wider kernels
 //   (f_lanes: one W block that is not int16 against every row, lanes over rows; row_patch:
-//   one flagged row against a group, X in two 9-bit digits).
+//   one flagged row against a group, X in two digits).
 // The tiles (rows x 64 columns per K block) sum in int32 lanes, then per lane
 //   P = float(S) (or the slot's value), d = (P * 2^t_w) * 2^(t_x - 18)  (exact: the block dot),
 //   out = out + d * (xs * ws)  (as the definition: one rounding for the product, one for +).
@@ -228,7 +229,7 @@ CSA_INLINE void tiles_generic(const TaskView& v, int64_t r0, int64_t r1) {
     for (int64_t kbi = 0; kbi < v.kbs; ++kbi) tile_row_generic(v, r, kbi);
 }
 
-// sum = hi * 2^9 + lo, rounded once to float.
+// sum = hi * 2^8 + lo, rounded once to float.
 CSA_INLINE float digits_to_float(int64_t hi, int64_t lo) {
   return static_cast<float>(hi * (int64_t{1} << fp8_int::kDigitBits) + lo);
 }
@@ -457,7 +458,7 @@ CSA_TARGET_AVX512 CSA_INLINE void flags_avx512_body(const FlagJob& j) {
   }
 }
 
-// hi * 2^9 + lo for 16 int32 lanes, in int64, each rounded once to float.
+// hi * 2^8 + lo for 16 int32 lanes, in int64, each rounded once to float.
 CSA_TARGET_AVX512 CSA_INLINE __m512 digits_to_float16(__m512i hi, __m512i lo) {
   const __m512i h0 = _mm512_slli_epi64(_mm512_cvtepi32_epi64(_mm512_castsi512_si256(hi)), fp8_int::kDigitBits);
   const __m512i h1 = _mm512_slli_epi64(_mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(hi, 1)), fp8_int::kDigitBits);

@@ -12,17 +12,24 @@
 // every call.
 //
 // The block dots are integer sums (fp8_int_blocks.h): act_quant(X) and W become int16
-// units >> t per block, a task (64 columns x up to 256 rows) converts its columns of W to
-// int16 k-pairs 8 K blocks at a time (a thread-local panel; AVX512-VBMI: byte permutes and
-// table lookups) and multiplies them with vpdpwssd (AVX512-VNNI; else vpmaddwd + vpaddd,
-// AVX2 likewise; scalar: int64) in tiles of 6 rows x 64 columns, one K block at a time:
-// every int32 lane is the exact block dot of one (row, column) when the precondition holds
-// (both blocks int16, bounded sums). The blocks where it does not are summed exactly in two
-// 9-bit digits (int16 lanes again, combined in int64) before the tiles run, and the tiles
-// take those values instead (override slots). Then per lane, in float, as the definition:
+// units >> t per block, and every int32 lane of a vpdpwssd accumulation (AVX512-VNNI; else
+// vpmaddwd + vpaddd, AVX2 likewise; scalar: int64) is the exact dot of one (row, column)
+// block when the precondition holds (both blocks int16, sums bounded below 2^31). A task
+// (64 columns x up to 256 rows) converts its columns of W to int16 k-pairs 8 K blocks at a
+// time (AVX512-VBMI: a 16x16 transpose by word permutes, table lookups, variable shifts)
+// into a thread-local panel and multiplies them in tiles of 6 rows x 64 columns, one K block
+// at a time; with at most 4 rows (decode) the pairs go straight from the conversion into
+// vpdpwssd. The blocks where the precondition fails are summed exactly first, into override
+// slots the tiles read by masked loads: a W block that is not int16 as two int16 digits
+// (v = h * 2^8 + l) against every row at once (16 rows a zmm, from X transposed), a flagged
+// row the same way with X's block in two digits, and the rare pair where both blocks are
+// not int16 in int64. Then per lane, in float, as the definition:
 // dot = (float(sum) * 2^t_w) * 2^(t_x - 18) (exact), out = out + dot * (xs * ws). Every
 // instruction-set path and thread count gives the same bits. This file is compiled with
 // -ffp-contract=off: the float scaling must stay multiply, multiply, multiply, add.
+// Per calling thread the kernel keeps the last chunk of quantised X (up to 256 rows x K x
+// 5 bytes) and per pool thread a task's buffers (a panel of 32 KiB and its slots), reused
+// from call to call.
 //
 // NaN codes in W are zero in the sums and their columns are set to NaN at the end (their
 // outputs are NaN whatever the rest is); NaN or inf in X makes xs NaN or inf, and the sums
