@@ -21,6 +21,7 @@ from onnx import TensorProto, helper
 
 from csa2onnx.custom_ops import make_session, session_options
 from csa2onnx.custom_ops import ops as csa_ops
+from csa2onnx.custom_ops.library import fp8_linear_counts
 from csa2onnx.custom_ops.portable import portable_functions
 from csa2onnx.custom_ops.reference import act_quant_e4m3, fp8_linear, round_bf16
 from csa2onnx.graphs.standalone import build_model
@@ -276,6 +277,198 @@ def test_ranks_and_empty_shapes(fed_sessions) -> None:
     y = run(session, np.ones((4, 0), np.float32), np.zeros((3, 0), np.uint8),
             np.zeros((1, 0), np.float32))
     assert y.shape == (4, 3) and not y.any()
+
+
+# ------------------------------------------------- the integer sums and their fallbacks
+# The kernel sums each block in int32 lanes where that is exact (fp8_int_blocks.h) and
+# elsewhere in two int16 digits or int64; these cases are built to take each way, and the
+# kernel's counts (fp8_linear_counts) check that they did.
+def checkpoint_like(rng: np.random.Generator, n: int, k: int, dof: float | None = None
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """W as a checkpoint holds it: normal (or Student-t) values, one ue8m0 scale per 32x32
+    block mapping the block's largest value into (224, 448], then e4m3 codes."""
+    nb, kb = -(-n // 32), k // 32
+    w = rng.standard_normal((nb * 32, k)) if dof is None else rng.standard_t(dof, (nb * 32, k))
+    blocks = w.reshape(nb, 32, kb, 32)
+    amax = np.abs(blocks).max(axis=(1, 3))
+    w_scale = np.exp2(np.ceil(np.log2(amax / 448.0))).astype(np.float32)
+    q = (blocks / w_scale[:, None, :, None]).reshape(nb * 32, k)[:n].astype(np.float32)
+    return codes_of(np.clip(q, -448, 448)), w_scale
+
+
+def activations(rng: np.random.Generator, m: int, k: int) -> np.ndarray:
+    """bf16 activations: normal values with a few outlier features (as LLM activations)."""
+    x = rng.standard_normal((m, k))
+    x[:, rng.choice(k, max(1, k // 64), replace=False)] *= 40.0
+    return round_bf16(x.astype(np.float32))
+
+
+HAS_VBMI = Path("/proc/cpuinfo").is_file() and " avx512vbmi " in Path("/proc/cpuinfo").read_text()
+
+
+def counts_after(fn) -> dict[str, int]:
+    """fn() run; the growth of each of Fp8Linear's counts."""
+    before = fp8_linear_counts()
+    fn()
+    after = fp8_linear_counts()
+    return {key: after[key] - before[key] for key in after}
+
+
+CHECKPOINT_SHAPES = [  # (M, N, K): the few-rows path (M <= 4), tile remainders, two chunks
+    (1, 300, 1280), (2, 40, 64), (4, 1000, 512), (5, 96, 256), (7, 130, 1024),
+    (13, 64, 96), (260, 72, 320),
+]
+
+
+@pytest.mark.parametrize(("m", "n", "k"), CHECKPOINT_SHAPES)
+def test_checkpoint_like_weights_on_every_path(fed_sessions, m: int, n: int, k: int) -> None:
+    rng = np.random.default_rng(m * 7919 + n * 31 + k)
+    codes, w_scale = checkpoint_like(rng, n, k, dof=4.0)
+    x = activations(rng, m, k)
+    want = fp8_linear(x, values(codes), w_scale)
+    for isa, session in fed_sessions.items():
+        assert_same(run(session, x, codes, w_scale), want, f"isa={isa}")
+    for threads in (1, 2):
+        session = session_for(fp8_model(codes, w_scale), threads=threads)
+        assert_same(run(session, x), want, f"constant W, threads={threads}")
+
+
+def block_of(values_: list[float], k: int = 32) -> np.ndarray:
+    """A row of k values: values_ then zeros... repeated over the K blocks."""
+    row = np.zeros(k, np.float32)
+    row[:len(values_)] = values_
+    return row
+
+
+def fallback_case(kind: str, m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x [m, 64], codes [40, 64], w_scale for one of the kernel's fallbacks:
+    "w_wide": a W block spanning 448 down to the smallest subnormal (not int16);
+    "x_wide": an x block likewise (act_quant keeps 448 and 2^-9 in one block);
+    "both": the two together (int64 sums);
+    "int32": int16 blocks whose products sum past 2^31 (two digits)."""
+    rng = np.random.default_rng(hash(kind) % 1000 + m)
+    x = activations(rng, m, 64)
+    codes, w_scale = checkpoint_like(rng, 40, 64)
+    w = values(codes)
+    wide = np.array([448.0] * 16 + [2.0**-9] + [-3.0] * 15, np.float32)  # units >> 0: 2^17.8
+    big = np.array([448.0] * 31 + [2.0**-6], np.float32)  # t = 3: 28672 each, sums ~2^34.6
+    if kind in ("w_wide", "both"):
+        w[3, :32] = wide
+        w[33, 32:] = -wide[::-1]
+    if kind in ("x_wide", "both"):
+        x[:, :32] = wide * (1 + np.arange(m)[:, None])  # act_quant scales by a power of two
+    if kind == "int32":
+        w[5, 32:] = big
+        w[6, 32:] = -big
+        x[:, 32:] = big
+    return x, codes_of(w), w_scale
+
+
+@pytest.mark.parametrize("m", [1, 7])  # the few-rows path and the tiles
+@pytest.mark.parametrize(("kind", "count"), [("w_wide", "lane_sums"), ("x_wide", "row_sums"),
+                                             ("both", "wide_sums"), ("int32", "row_sums")])
+def test_each_exact_fallback_is_taken(fed_sessions, kind: str, count: str, m: int) -> None:
+    x, codes, w_scale = fallback_case(kind, m)
+    want = fp8_linear(x, values(codes), w_scale)
+    assert np.isfinite(want).all()
+    for isa, session in fed_sessions.items():
+        grew = counts_after(lambda s=session, i=isa: assert_same(run(s, x, codes, w_scale), want,
+                                                                 f"isa={i} {kind}"))
+        assert grew["calls"] == 1 and grew[count] > 0, (isa, kind, grew)
+        # the few-rows path is AVX512-VBMI's
+        assert (grew["small_tasks"] > 0) == (m <= 4 and isa == "avx512" and HAS_VBMI), (isa, grew)
+
+
+def test_int32_case_really_overflows_int32() -> None:
+    """The "int32" case's block dot is past 2^31 in its units: a plain int32 sum would wrap."""
+    x, codes, _ = fallback_case("int32", 1)
+    xq, _ = act_quant_e4m3(x)
+    units_x = np.round(xq[0, 32:] * 512).astype(np.int64) >> 3
+    units_w = np.round(values(codes)[5, 32:] * 512).astype(np.int64) >> 3
+    assert np.abs(units_x).max() < 2**15 and np.abs(units_w).max() < 2**15  # both int16
+    assert abs(int(units_x @ units_w)) >= 2**31
+
+
+def test_calls_with_changing_shapes_keep_nothing_stale() -> None:
+    """One session called with shapes that grow and shrink (the kernel keeps per-thread
+    buffers between calls), on two threads, twice over: every call gives the definition's bits."""
+    session = session_for(fp8_model(), threads=2)
+    rng = np.random.default_rng(43)
+    shapes = [(1, 40, 64), (3, 1000, 256), (16, 96, 1280), (2, 64, 5120), (300, 70, 96),
+              (4, 64, 5120), (16, 96, 1280)]
+    cases = [random_case(rng, *shape) for shape in shapes]
+    for _ in range(2):
+        for (m, n, k), (x, codes, w_scale) in zip(shapes, cases, strict=True):
+            x = round_bf16(x)
+            assert_same(run(session, x, codes, w_scale), fp8_linear(x, values(codes), w_scale),
+                        f"M={m} N={n} K={k}")
+
+
+def test_extreme_scales_and_activations(fed_sessions) -> None:
+    """WScale of 0, inf, NaN, denormal and near the float range's ends; x rows of zeros, of
+    values below the amax floor and near the float32 maximum: IEEE float arithmetic, as the
+    definition (every product xs * ws and every term rounded once)."""
+    rng = np.random.default_rng(47)
+    codes, w_scale = checkpoint_like(rng, 100, 192)
+    w_scale[0, :] = [0.0, np.inf, np.nan, 2.0**-140, 2.0**-126, 2.0**120]  # NaN columns
+    w_scale[1, :] = [2.0**-140, 2.0**-142, 3.0 * 2.0**-142, 2.0**-145, 2.0**-149, 2.0**-141]
+    w_scale[2, :] = [2.0**100, 2.0**120, 2.0**127, 2.0**110, 1.5, -0.5]
+    w_scale[3, :] = [0.0, 0.5, -0.0, 2.0**-149, 1.0, 0.0]
+    x = activations(rng, 6, 192)
+    x[1] = 0.0
+    x[2] = 1e-38 * np.sin(np.arange(192))
+    x[3] = 3.0e38 * np.cos(np.arange(192))
+    x[4, ::7] = 1e-30
+    want = fp8_linear(x, values(codes), w_scale)
+    assert np.isnan(want).any() and np.isinf(want).any() and (want == 0).any()
+    assert ((want != 0) & (np.abs(want) < np.finfo(np.float32).tiny)).any()  # denormal outputs
+    for isa, session in fed_sessions.items():
+        for rows in (slice(0, 6), slice(2, 3)):  # the tiles and the few-rows path
+            assert_same(run(session, x[rows], codes, w_scale), want[rows], f"isa={isa}")
+
+
+def anon_rss_bytes() -> int:
+    """This process's resident anonymous memory (not file mappings)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no RssAnon in /proc/self/status")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="needs Linux's /proc")
+def test_constant_w_is_read_in_place(tmp_path: Path) -> None:
+    """A 64 MiB constant W handed to two sessions as one OrtValue (as the runtime shares its
+    mapped weights file, SessionOptions.add_initializer): creating and running them adds far
+    less memory than a copy of W (the kernel keeps ~0.05 bytes of figures per weight), and
+    both give the definition's bits."""
+    n, k = 8192, 8192
+    rng = np.random.default_rng(53)
+    codes = rng.integers(0, 0x7E, (n, k), dtype=np.uint8)  # no NaN codes
+    w_scale = np.exp2(rng.integers(-12, -4, (n // 32, k // 32))).astype(np.float32)
+    (tmp_path / "w.bin").write_bytes(codes.tobytes())
+    proto = onnx.load_from_string(fp8_model(None, w_scale))
+    w_init = TensorProto(name="W", data_type=TensorProto.FLOAT8E4M3FN, dims=[n, k],
+                         data_location=TensorProto.EXTERNAL)
+    for key, value in (("location", "w.bin"), ("offset", "0"), ("length", str(codes.nbytes))):
+        w_init.external_data.add(key=key, value=value)
+    proto.graph.initializer.append(w_init)
+    proto.graph.input.remove(next(i for i in proto.graph.input if i.name == "W"))
+    onnx.save(proto, str(tmp_path / "m.onnx"))
+    w_value = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(codes, TensorProto.FLOAT8E4M3FN)
+    x = activations(rng, 1, k)
+    sessions = []
+    before = anon_rss_bytes()
+    for _ in range(2):
+        options = session_options(2)
+        options.add_initializer("W", w_value)  # used as is: never loaded from w.bin
+        sessions.append(ort.InferenceSession(str(tmp_path / "m.onnx"), sess_options=options,
+                                             providers=["CPUExecutionProvider"]))
+        run(sessions[-1], x)
+    grown = anon_rss_bytes() - before
+    assert grown < codes.nbytes // 4, f"two sessions took {grown / 2**20:.1f} MiB"
+    want = fp8_linear(x, values(codes), w_scale)
+    for session in sessions:
+        assert_same(run(session, x), want)
 
 
 # ------------------------------------------------------------------- upstream oracle

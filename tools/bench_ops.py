@@ -13,7 +13,8 @@ torch's bf16 result against the kernel's rounded to bf16, where torch sums like 
 CPU). The implementations are timed in turns, round after round, in one process (a shared
 machine's load then hits them alike), and each time is the median over the rounds.
 
-    python tools/bench_ops.py --only fp8 [--fp8-rows 1,4,256,1024]   # Fp8Linear section only
+    python tools/bench_ops.py --only fp8 [--fp8-rows 1,4,256,1024] [--threads 2]
+        [--fp8-weights checkpoint|uniform] [--fp8-shapes 5120x1280,...]  # Fp8Linear only
 
     python tools/bench_ops.py --only sparse [--threads 2] [--sparse-decode]  # SparseAttention
     python tools/bench_ops.py --only packed                         # Pack/UnpackQuantized only
@@ -44,8 +45,11 @@ the graph's act_quant), which the packed pair replaces, and the NumPy definition
 
 Fp8Linear: milliseconds per call against the bf16 TorchLinear on the same [N, K] (the same
 values: e4m3 is exact in bf16), both with W a constant initializer, at the released
-model's fp8 linear shapes and M rows, intra_op_num_threads = 2; the ratio is Fp8Linear's
-time over TorchLinear's, and the W columns give the bytes of weights each call reads.
+model's fp8 linear shapes (or --fp8-shapes) and M rows, intra_op_num_threads = --threads
+(default 2), timed in turns; the weights are quantised as a checkpoint holds them (or, with
+--fp8-weights uniform, every code equally likely: Fp8Linear's worst case); the ratio is
+Fp8Linear's time over TorchLinear's, and the W columns give the bytes of weights each call
+reads.
 """
 
 from __future__ import annotations
@@ -160,19 +164,46 @@ def bf16_linear_model(w: np.ndarray) -> bytes:
     return helper.make_model(graph, opset_imports=OPSETS).SerializeToString()
 
 
-def bench_fp8_linear(rows: list[int], repeat: int, min_time: float, threads: int = 2) -> None:
-    """Fp8Linear vs the bf16 TorchLinear on the same [N, K], printed as a table."""
+def checkpoint_fp8_weights(rng: np.random.Generator, n: int, k: int
+                           ) -> tuple[np.ndarray, np.ndarray]:
+    """e4m3 codes [N, K] and ue8m0 scales as a checkpoint holds them: normal weights, one
+    power-of-two scale per 32x32 block mapping the block's largest value into (224, 448]."""
+    nb, kb = -(-n // 32), k // 32
+    w = rng.standard_normal((nb * 32, k), dtype=np.float32)
+    blocks = w.reshape(nb, 32, kb, 32)
+    amax = np.abs(blocks).max(axis=(1, 3))
+    w_scale = np.exp2(np.ceil(np.log2(amax / 448.0))).astype(np.float32)
+    q = (blocks / w_scale[:, None, :, None]).reshape(nb * 32, k)[:n]
+    codes = np.clip(q, -448, 448).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    return codes, w_scale
+
+
+def uniform_fp8_weights(rng: np.random.Generator, n: int, k: int
+                        ) -> tuple[np.ndarray, np.ndarray]:
+    """Every finite e4m3 code equally likely (a worst case: most blocks span more binades
+    than int16 holds, so Fp8Linear sums them in its wide fallback)."""
+    codes = rng.integers(0, 256, (n, k), dtype=np.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x7E  # no NaN weights
+    w_scale = np.exp2(rng.integers(-12, -4, (-(-n // 32), k // 32))).astype(np.float32)
+    return codes, w_scale
+
+
+def bench_fp8_linear(rows: list[int], rounds: int, min_time: float, threads: int = 2,
+                     weights: str = "checkpoint", shapes: list[tuple[int, int]] | None = None
+                     ) -> None:
+    """Fp8Linear vs the bf16 TorchLinear on the same [N, K] and values, timed in turns
+    (interleaved_times); printed as a table of medians and best rounds."""
     rng = np.random.default_rng(1)
     options = session_options(threads)
+    make_weights = checkpoint_fp8_weights if weights == "checkpoint" else uniform_fp8_weights
     print(f"Fp8Linear vs bf16 TorchLinear, intra_op_num_threads={threads}, {os.cpu_count()} "
-          "CPUs, W constant; ms per call (median)")
-    print(f"{'K':>5} {'N':>6} {'M':>5} {'Fp8Linear':>11} {'TorchLinear':>12} {'ratio':>6} "
+          f"CPUs, W constant ({weights} weights); ms per call, median (best) of {rounds} "
+          "interleaved rounds")
+    print(f"{'K':>5} {'N':>6} {'M':>5} {'Fp8Linear':>19} {'TorchLinear':>19} {'ratio':>12} "
           f"{'W fp8':>9} {'W bf16':>9}")
-    for k, n in FP8_SHAPES:
-        codes = rng.integers(0, 256, (n, k), dtype=np.uint8)
-        codes[(codes & 0x7F) == 0x7F] = 0x7E  # no NaN weights
+    for k, n in shapes or FP8_SHAPES:
+        codes, w_scale = make_weights(rng, n, k)
         w = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
-        w_scale = np.exp2(rng.integers(-12, -4, (-(-n // 32), k // 32))).astype(np.float32)
         fp8 = make_session(fp8_linear_model(codes, w_scale), options=options)
         bf16 = make_session(bf16_linear_model(w), options=options)
         for m in rows:
@@ -182,10 +213,13 @@ def bench_fp8_linear(rows: list[int], repeat: int, min_time: float, threads: int
                                                              fp8_linear(x, w, w_scale)):
                 print(f"warning: Fp8Linear differs from the definition at M={m} K={k} N={n}",
                       file=sys.stderr)
-            t_fp8 = median_time(lambda s=fp8, f={"X": x}: s.run(None, f), repeat, min_time)
-            t_bf16 = median_time(lambda s=bf16, f={"X": x}: s.run(None, f), repeat, min_time)
-            print(f"{k:>5} {n:>6} {m:>5} {t_fp8 * 1e3:9.3f}ms {t_bf16 * 1e3:10.3f}ms "
-                  f"{t_fp8 / t_bf16:6.2f} {n * k / 2**20:7.1f}MB {2 * n * k / 2**20:7.1f}MB",
+            times = interleaved_times({"fp8": lambda s=fp8, f={"X": x}: s.run(None, f),
+                                       "bf16": lambda s=bf16, f={"X": x}: s.run(None, f)},
+                                      rounds, min_time)
+            (med8, best8), (med16, best16) = times["fp8"], times["bf16"]
+            print(f"{k:>5} {n:>6} {m:>5} {med8 * 1e3:9.3f} ({best8 * 1e3:7.3f}) "
+                  f"{med16 * 1e3:9.3f} ({best16 * 1e3:7.3f}) {med8 / med16:5.2f} "
+                  f"({best8 / best16:4.2f}) {n * k / 2**20:7.1f}MB {2 * n * k / 2**20:7.1f}MB",
                   flush=True)
 
 
@@ -585,10 +619,21 @@ def main(argv: list[str] | None = None) -> int:
                         help="SparseAttention: the decode shapes only (b*s <= 4)")
     parser.add_argument("--fp8-rows", default="1,4,256,1024",
                         help="comma-separated M for the Fp8Linear section")
+    parser.add_argument("--fp8-weights", choices=["checkpoint", "uniform"], default="checkpoint",
+                        help="Fp8Linear's weights: quantised normal values as a checkpoint holds "
+                             "them, or every e4m3 code equally likely (a worst case)")
+    parser.add_argument("--fp8-shapes", default=None,
+                        help="comma-separated KxN shapes for the Fp8Linear section (default: "
+                             "the released model's fp8 linears)")
     args = parser.parse_args(argv)
     sections = set(args.only or ["linear", "fp8", "fp4", "topk", "sparse", "packed"])
     if "fp8" in sections:
-        bench_fp8_linear([int(r) for r in args.fp8_rows.split(",")], args.repeat, args.min_time)
+        shapes = None
+        if args.fp8_shapes:
+            shapes = [(int(k), int(n)) for k, n in
+                      (shape.split("x") for shape in args.fp8_shapes.split(","))]
+        bench_fp8_linear([int(r) for r in args.fp8_rows.split(",")], args.repeat, args.min_time,
+                         args.threads or 2, args.fp8_weights, shapes)
         print()
 
     if args.threads:

@@ -1,68 +1,90 @@
 // Fp8Linear (domain csa2onnx): Y = fp8_gemm(act_quant(X), W, WScale) with the block rule
-// of fp8_linear.h. Inputs X (float, [..., K], rank >= 1), W (float8e4m3fn, [N, K], kept at
-// one byte per weight), WScale (float, [ceil(N/32), K/32], the checkpoint's ue8m0 scales);
-// attribute block_size (default 32, the only size supported); output Y (float, [..., N]),
-// not rounded to bf16 (the graph rounds).
+// of fp8_linear.h. Inputs X (float, [..., K], rank >= 1), W (float8e4m3fn, [N, K], one byte
+// per weight), WScale (float, [ceil(N/32), K/32], the checkpoint's ue8m0 scales); attribute
+// block_size (default 32, the only size supported); output Y (float, [..., N]), not rounded
+// to bf16 (the graph rounds).
 //
-// W is repacked into panels of 32 columns ([K][32] bytes, zero-padded), once when it is a
-// constant initializer, else on every call; a panel's columns share one WScale row. X is
-// quantised a chunk of rows at a time (xq kept as double). Per panel and K block, rows x 32
-// columns accumulate the block's 32 products in double, exact in any order (e4m3 products
-// are multiples of 2^-18 below 2^18, 32 of them need < 45 bits), so fused multiply-adds
-// are exact too; the sum is rounded once to float, then scaled and added in float, blocks
-// in order. Weights become doubles exactly: for groups of 6 rows the 32x32 tile is
-// converted once (e4m3 -> f16 bits -> float -> double) and shared; fewer rows (decode)
-// convert in registers (AVX512-VBMI byte permutes, or integer shifts, building the double's
-// bits directly). Every instruction-set path and thread count gives the same bits. This
-// file is compiled with -ffp-contract=off: the float scaling must stay multiply, multiply,
-// add.
+// W is read in place: the kernel keeps no copy of it. For a constant W it keeps, computed
+// once when the session creates the kernel, per (column, K block) the power of two t that
+// every value of the block is a multiple of (1 byte), and per (16 columns, K block) the
+// lanes whose block does not fit int16 and the largest sum and max of |w >> t| (10 bytes):
+// 1/32 + 10/512 ~ 0.05 bytes a weight. A W fed as a graph input gets the same figures on
+// every call.
 //
-// CSA_FP8_LINEAR_ISA (read when a session creates the kernel) forces a path for tests:
-// "avx512", "avx2" or "scalar" ("avx512-novbmi": AVX-512 without the VBMI conversion).
+// The block dots are integer sums (fp8_int_blocks.h): act_quant(X) and W become int16
+// units >> t per block, and every int32 lane of a vpdpwssd accumulation (AVX512-VNNI; else
+// vpmaddwd + vpaddd, AVX2 likewise; scalar: int64) is the exact dot of one (row, column)
+// block when the precondition holds (both blocks int16, sums bounded below 2^31). A task
+// (64 columns x up to 256 rows) converts its columns of W to int16 k-pairs 8 K blocks at a
+// time (AVX512-VBMI: a 16x16 transpose by word permutes, table lookups, variable shifts)
+// into a thread-local panel and multiplies them in tiles of 6 rows x 64 columns, one K block
+// at a time; with at most 4 rows (decode) the pairs go straight from the conversion into
+// vpdpwssd. The blocks where the precondition fails are summed exactly first, into override
+// slots the tiles read by masked loads: a W block that is not int16 as two int16 digits
+// (v = h * 2^8 + l) against every row at once (16 rows a zmm, from X transposed), a flagged
+// row the same way with X's block in two digits, and the rare pair where both blocks are
+// not int16 in int64. Then per lane, in float, as the definition:
+// dot = (float(sum) * 2^t_w) * 2^(t_x - 18) (exact), out = out + dot * (xs * ws). Every
+// instruction-set path and thread count gives the same bits. This file is compiled with
+// -ffp-contract=off: the float scaling must stay multiply, multiply, multiply, add.
+// Per calling thread the kernel keeps the last chunk of quantised X (up to 256 rows x K x
+// 5 bytes) and per pool thread a task's buffers (a panel of 32 KiB and its slots), reused
+// from call to call.
+//
+// NaN codes in W are zero in the sums and their columns are set to NaN at the end (their
+// outputs are NaN whatever the rest is); NaN or inf in X makes xs NaN or inf, and the sums
+// of such a block are 0, so those rows come out NaN as in the definition. A thread whose
+// MXCSR flushes denormals to zero changes only outputs that are denormal (or products with a
+// denormal WScale); the sums do not depend on it.
+//
+// CSA_FP8_LINEAR_ISA (or CSA2ONNX_ISA; read when a session creates the kernel) forces a path
+// for tests: "avx512" (VBMI packing and VNNI where the CPU has them), "avx2", "scalar", and
+// "avx512-novbmi" (AVX-512 without VBMI or VNNI: the generic packing, vpmaddwd tiles).
 #include "ort_api.h"
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <new>
 #include <string>
 #include <vector>
 
+#include "fp8_int_blocks.h"
 #include "fp8_linear.h"
+#include "fp8_linear_kernels.h"
 #include "fp8_linear_op.h"
 #include "kernel_support.h"
 #include "simd.h"
-#ifdef CSA_X86
-#include <immintrin.h>
-#endif
 #ifdef CSA_WITH_CUDA
 #include "fp8_linear_cuda.h"
 #endif
 
-#define CSA_INLINE __attribute__((always_inline)) inline
-
 namespace csa {
 namespace {
+
+using namespace fp8_kernels;  // NOLINT: the kernels' constants and job types
+using fp8_int::BlockInts;
 
 [[noreturn]] void fail(const std::string& message) {
   ORT_CXX_API_THROW("Fp8Linear: " + message, ORT_INVALID_ARGUMENT);
 }
 
-constexpr int64_t kBlock = Fp8::kBlock;   // K block of the scales, and panel width
-constexpr int64_t kChunkRows = 128;       // rows quantised and multiplied per pass over W
-constexpr int64_t kParallelWork = int64_t{1} << 17;  // M*N*K below which one thread runs it
-// Exact power-of-two scalings: quantised rows are stored as xq * 2^1000 and tiles as
-// w * 2^-1000 (the f16 trick gives w / 256, times 2^-992), so a tile sum is the dot itself;
-// the AVX-512 code path builds doubles holding w * 2^-1016 straight from the codes, so its
-// sum is dot * 2^-16. Every weight, product and sum stays a normal double.
-constexpr double kXScale = 0x1p1000;
-constexpr double kTileFromF16 = 0x1p-992;
-constexpr double kCodeDot = 0x1p16;
+// How often each way of summing ran, for the tests (csa2onnx_fp8_linear_counts): that a case
+// built for a fallback did take it. Tasks add their counts once, at their end.
+struct Counts {
+  std::atomic<uint64_t> calls{0}, small_tasks{0}, lane_sums{0}, row_sums{0}, wide_sums{0};
+};
+Counts counts;
 
-// Checks shapes and returns (M, N, K); everything is checked before any memory is touched.
+constexpr int64_t kTaskRows = 256;    // rows per task (and per quantised chunk of X)
+constexpr int64_t kParallelWork = int64_t{1} << 17;  // M*N*K below which one thread runs it
+
 struct Dims {
   int64_t M = 0, N = 0, K = 0, KB = 0, NB = 0;
 };
 
+// Checks shapes and returns (M, N, K); everything is checked before any memory is touched.
 Dims check_shapes(const std::vector<int64_t>& x, const std::vector<int64_t>& w,
                   const std::vector<int64_t>& ws) {
   if (x.empty()) fail("X must have rank >= 1, got a scalar");
@@ -90,45 +112,139 @@ Dims check_shapes(const std::vector<int64_t>& x, const std::vector<int64_t>& w,
   return d;
 }
 
-// W as ceil(N/32) panels of [K][32] codes (code 0 is +0 in the padding), plus the columns
-// holding a NaN code (their outputs are NaN whatever the tiles compute).
-struct PackedW {
-  int64_t n = -1, k = -1;
-  std::vector<uint8_t> data;
+// ------------------------------------------------------------------------ W figures
+// What the kernel keeps of W (fp8_int_blocks.h): t per (column, block), and per (group of
+// 16 columns, block) the lanes that are not int16 and the int16 lanes' largest sum and max.
+struct WMeta {
+  int64_t n = -1, k = -1, kb = 0, groups = 0;
+  std::vector<uint8_t> shift;     // [KB][groups * 16]
+  std::vector<uint16_t> bad;      // [groups][KB]
+  std::vector<uint32_t> l1max;    // [groups][KB]
+  std::vector<uint32_t> absmax;   // [groups][KB]
+  std::vector<uint8_t> nan_column;  // [groups * 16]
   std::vector<int64_t> nan_columns;
+  bool any_bad = false;
 
-  void pack(const uint8_t* w, int64_t N, int64_t K) {
+  void reset(int64_t N, int64_t K) {
     n = N;
     k = K;
-    const int64_t panels = (N + kBlock - 1) / kBlock;
-    data.assign(static_cast<size_t>(panels * K * kBlock), uint8_t{0});
+    kb = K / kBlock;
+    groups = (N + kLanes - 1) / kLanes;
+    shift.assign(static_cast<size_t>(kb * groups * kLanes), 0);
+    bad.assign(static_cast<size_t>(groups * kb), 0);
+    l1max.assign(static_cast<size_t>(groups * kb), 0);
+    absmax.assign(static_cast<size_t>(groups * kb), 0);
+    nan_column.assign(static_cast<size_t>(groups * kLanes), 0);
     nan_columns.clear();
-    for (int64_t col = 0; col < N; ++col) {
-      uint8_t* dst = data.data() + (col / kBlock) * K * kBlock + col % kBlock;
-      const uint8_t* src = w + col * K;
-      bool nan = false;
-      for (int64_t kk = 0; kk < K; ++kk) {
-        dst[kk * kBlock] = src[kk];
-        nan |= Fp8::is_nan_code(src[kk]);
+    any_bad = false;
+  }
+
+  // Groups [g0, g1) (each group's figures are written by one caller only).
+  void build(const uint8_t* w, int64_t g0, int64_t g1) {
+    int32_t u[kBlock];
+    for (int64_t g = g0; g < g1; ++g) {
+      for (int64_t lane = 0; lane < kLanes; ++lane) {
+        const int64_t col = g * kLanes + lane;
+        if (col >= n) break;
+        const uint8_t* row = w + col * k;
+        bool nan = false;
+        for (int64_t b = 0; b < kb; ++b) {
+          for (int64_t i = 0; i < kBlock; ++i) {
+            u[i] = fp8_int::kUnits.v[row[b * kBlock + i]];
+            nan |= Fp8::is_nan_code(row[b * kBlock + i]);
+          }
+          const BlockInts bi = fp8_int::analyse_block(u);
+          shift[b * groups * kLanes + col] = static_cast<uint8_t>(bi.shift);
+          const size_t at = static_cast<size_t>(g * kb + b);
+          if (!bi.fits()) {
+            bad[at] = static_cast<uint16_t>(bad[at] | (1u << lane));
+          } else {
+            l1max[at] = bi.l1 > l1max[at] ? bi.l1 : l1max[at];
+            absmax[at] = bi.absmax > absmax[at] ? bi.absmax : absmax[at];
+          }
+        }
+        nan_column[col] = nan ? 1 : 0;
       }
-      if (nan) nan_columns.push_back(col);
     }
   }
-};
 
-// ---- weight tiles: 32 k x 32 columns of codes -> doubles (w / 256), exact on every path ----
+  void finish() {
+    for (int64_t col = 0; col < n; ++col)
+      if (nan_column[col]) nan_columns.push_back(col);
+    for (const uint16_t b : bad) any_bad |= b != 0;
+  }
 
-struct Lut {
-  double v[256];
-  Lut() {
-    for (int c = 0; c < 256; ++c)
-      v[c] = static_cast<double>(Fp8::e4m3_value(uint8_t(c))) * 0x1p-1000;
+  WView view(const uint8_t* w) const {
+    return {w, n, k, kb, groups, shift.data(), bad.data()};
   }
 };
-const Lut kLut;
 
-void convert_tile_scalar(const uint8_t* src, double* dst) {
-  for (int64_t i = 0; i < kBlock * kBlock; ++i) dst[i] = kLut.v[src[i]];
+// ------------------------------------------------------------------ X, quantised
+// A chunk of rows of act_quant(X) as int16 units >> t_x (0 where a block is not int16),
+// per (block, row) [KB][rows]: t_x, xs, 2^(t_x - 18), whether the block is int16, and the
+// limits the W groups' figures must stay under (fp8_int::sum_limit).
+struct XChunk {
+  int64_t rows = 0, rows16 = 0, K = 0, KB = 0;
+  std::vector<int16_t> xi;        // [rows][K]: units >> t_x, or its high digit (not int16)
+  std::vector<uint8_t> xlo;       // [rows][K]: the low digit where the block is not int16
+  std::vector<int32_t> xt;        // [K/2][rows16] (AVX-512 lanes-over-rows sums)
+  std::vector<uint8_t> shift, fits;
+  std::vector<uint32_t> lim_l1, lim_max;
+  std::vector<float> xs, cm;
+
+  // Room for max_rows rows of K (buffers only grow).
+  void reserve(int64_t max_rows, int64_t k) {
+    K = k;
+    KB = k / kBlock;
+    const size_t cells = static_cast<size_t>(max_rows * KB);
+    grow(xi, static_cast<size_t>(max_rows * K));
+    grow(xlo, static_cast<size_t>(max_rows * K));
+    grow(shift, cells);
+    grow(fits, cells);
+    grow(lim_l1, cells);
+    grow(lim_max, cells);
+    grow(xs, cells);
+    grow(cm, cells);
+  }
+  template <typename T>
+  static void grow(std::vector<T>& v, size_t n) {
+    if (v.size() < n) v.resize(n);
+  }
+};
+
+struct QuantJob {
+  const float* x;  // the chunk's first row
+  XChunk* xc;
+};
+
+CSA_INLINE void quantize_row_body(const QuantJob& q, int64_t r) {
+  XChunk& c = *q.xc;
+  const float* src = q.x + r * c.K;
+  int16_t* dst = c.xi.data() + r * c.K;
+  float v[kBlock];
+  int32_t u[kBlock];
+  for (int64_t kb = 0; kb < c.KB; ++kb) {
+    const float xs = Fp8::quantize_block(src + kb * kBlock, v);
+    for (int64_t i = 0; i < kBlock; ++i) u[i] = fp8_int::units_of_value(v[i]);
+    const BlockInts b = fp8_int::analyse_block(u);
+    const size_t at = static_cast<size_t>(kb * c.rows + r);
+    c.xs[at] = xs;
+    c.shift[at] = static_cast<uint8_t>(b.shift);
+    c.cm[at] = fp8_int::pow2f(static_cast<int>(b.shift) - 18);
+    c.fits[at] = b.fits() ? 1 : 0;
+    c.lim_l1[at] = b.fits() ? fp8_int::sum_limit(b.absmax) : 0u;
+    c.lim_max[at] = b.fits() ? fp8_int::sum_limit(b.l1) : 0u;
+    if (b.fits()) {
+      for (int64_t i = 0; i < kBlock; ++i) dst[kb * kBlock + i] = static_cast<int16_t>(u[i] >> b.shift);
+    } else {  // two digits (the tiles' sums of this row are replaced wherever they matter)
+      uint8_t* lo = c.xlo.data() + r * c.K + kb * kBlock;
+      for (int64_t i = 0; i < kBlock; ++i) {
+        const int32_t v = u[i] >> b.shift;
+        dst[kb * kBlock + i] = static_cast<int16_t>(v >> fp8_int::kDigitBits);
+        lo[i] = static_cast<uint8_t>(v & ((1 << fp8_int::kDigitBits) - 1));
+      }
+    }
+  }
 }
 
 #ifdef CSA_X86
@@ -136,400 +252,432 @@ void convert_tile_scalar(const uint8_t* src, double* dst) {
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
-// e4m3fn code c -> f16 bits (sext(c) << 7) & 0xBF80: sign to bit 15, exponent and mantissa
-// into the f16 fields (bias 15 instead of 7), so the f16 value is w / 256, subnormals
-// included; NaN codes give 1.875 and are overwritten at the end.
-CSA_TARGET_AVX512 void convert_tile_avx512(const uint8_t* src, double* dst) {
-  const __m512i mask = _mm512_set1_epi16(static_cast<short>(0xBF80));
-  for (int64_t k = 0; k < kBlock; ++k) {
-    const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k * kBlock));
-    const __m512i h = _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(codes), 7), mask);
-    const __m512 f0 = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
-    const __m512 f1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
-    double* out = dst + k * kBlock;
-    const __m512d fold = _mm512_set1_pd(kTileFromF16);
-    _mm512_storeu_pd(out, _mm512_mul_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(f0)), fold));
-    _mm512_storeu_pd(out + 8, _mm512_mul_pd(_mm512_cvtps_pd(_mm512_extractf32x8_ps(f0, 1)), fold));
-    _mm512_storeu_pd(out + 16, _mm512_mul_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(f1)), fold));
-    _mm512_storeu_pd(out + 24, _mm512_mul_pd(_mm512_cvtps_pd(_mm512_extractf32x8_ps(f1, 1)), fold));
-  }
+// quantize_row_body with two zmm per block: the same IEEE operations (the division by xs,
+// the clamp, the rounding to e4m3 of fp8_linear.h as bit operations), so the same values.
+CSA_TARGET_AVX512 CSA_INLINE __m512i units_avx512(__m512 v) {
+  // clamp to +-448 (NaN passes), then e4m3 round-to-nearest-even as Fp8::e4m3_rne
+  const __m512 lim = _mm512_set1_ps(Fp8::kMax);
+  v = _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(v, lim, _CMP_GT_OQ), lim);
+  v = _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(v, _mm512_sub_ps(_mm512_setzero_ps(), lim), _CMP_LT_OQ),
+                         _mm512_sub_ps(_mm512_setzero_ps(), lim));
+  const __m512 a = _mm512_abs_ps(v);
+  const __m512 two23 = _mm512_set1_ps(0x1p23f);
+  const __m512 small = _mm512_mul_ps(
+      _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(a, _mm512_set1_ps(512.0f)), two23), two23),
+      _mm512_set1_ps(0x1p-9f));
+  const __m512i b = _mm512_castps_si512(a);
+  const __m512i big = _mm512_and_si512(
+      _mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFFF)),
+                       _mm512_and_si512(_mm512_srli_epi32(b, 20), _mm512_set1_epi32(1))),
+      _mm512_set1_epi32(static_cast<int>(0xFFF00000u)));
+  const __m512 q = _mm512_mask_mov_ps(_mm512_castsi512_ps(big),
+                                      _mm512_cmp_ps_mask(a, _mm512_set1_ps(0x1p-6f), _CMP_LT_OQ), small);
+  // units = |q| * 512 with v's sign; NaN -> 0 (fp8_int::units_of_value)
+  const __m512i mag = _mm512_cvttps_epi32(_mm512_mul_ps(q, _mm512_set1_ps(512.0f)));
+  const __mmask16 neg = _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_LT_OQ);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_maskz_mov_epi32(static_cast<__mmask16>(~nan),
+                                _mm512_mask_sub_epi32(mag, neg, _mm512_setzero_si512(), mag));
 }
 
-CSA_TARGET_AVX2 void convert_tile_avx2(const uint8_t* src, double* dst) {
-  const __m256i mask = _mm256_set1_epi16(static_cast<short>(0xBF80));
-  for (int64_t k = 0; k < kBlock; ++k) {
-    for (int64_t half = 0; half < 2; ++half) {
-      const __m128i codes =
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k * kBlock + half * 16));
-      const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(codes), 7), mask);
-      const __m256 f0 = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
-      const __m256 f1 = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
-      double* out = dst + k * kBlock + half * 16;
-      const __m256d fold = _mm256_set1_pd(kTileFromF16);
-      _mm256_storeu_pd(out, _mm256_mul_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(f0)), fold));
-      _mm256_storeu_pd(out + 4, _mm256_mul_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(f0, 1)), fold));
-      _mm256_storeu_pd(out + 8, _mm256_mul_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(f1)), fold));
-      _mm256_storeu_pd(out + 12, _mm256_mul_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(f1, 1)), fold));
+CSA_TARGET_AVX512 void quantize_avx512(const QuantJob& q, int64_t r) {
+  XChunk& c = *q.xc;
+  const float* src = q.x + r * c.K;
+  int16_t* dst = c.xi.data() + r * c.K;
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  for (int64_t kb = 0; kb < c.KB; ++kb) {
+    const __m512 x0 = _mm512_loadu_ps(src + kb * kBlock), x1 = _mm512_loadu_ps(src + kb * kBlock + 16);
+    float amax;
+    if ((_mm512_cmp_ps_mask(x0, x0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(x1, x1, _CMP_UNORD_Q)) != 0) {
+      amax = Fp8::from_bits(0x7FC00000u);  // torch's amax propagates NaN
+    } else {
+      amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, x0), _mm512_andnot_ps(sign, x1)));
+      if (amax < Fp8::kAmaxFloor) amax = Fp8::kAmaxFloor;
+    }
+    const float xs = Fp8::pow2_ceil(amax * Fp8::kMaxInv);
+    const __m512 xsv = _mm512_set1_ps(xs);
+    const __m512i u0 = units_avx512(_mm512_div_ps(x0, xsv)), u1 = units_avx512(_mm512_div_ps(x1, xsv));
+    const __m512i a0 = _mm512_abs_epi32(u0), a1 = _mm512_abs_epi32(u1);
+    const uint32_t any = static_cast<uint32_t>(_mm512_reduce_or_epi32(_mm512_or_si512(a0, a1)));
+    const uint32_t shift = any != 0 ? static_cast<uint32_t>(__builtin_ctz(any)) : 0u;
+    const __m128i sh = _mm_cvtsi32_si128(static_cast<int>(shift));
+    const __m512i s0 = _mm512_sra_epi32(u0, sh), s1 = _mm512_sra_epi32(u1, sh);  // exact
+    const __m512i m0 = _mm512_srl_epi32(a0, sh), m1 = _mm512_srl_epi32(a1, sh);
+    const uint32_t absmax = static_cast<uint32_t>(_mm512_reduce_max_epu32(_mm512_max_epu32(m0, m1)));
+    const uint32_t l1 = static_cast<uint32_t>(_mm512_reduce_add_epi32(_mm512_add_epi32(m0, m1)));
+    const bool fits = absmax < fp8_int::kInt16Limit;
+    const size_t at = static_cast<size_t>(kb * c.rows + r);
+    c.xs[at] = xs;
+    c.shift[at] = static_cast<uint8_t>(shift);
+    c.cm[at] = fp8_int::pow2f(static_cast<int>(shift) - 18);
+    c.fits[at] = fits ? 1 : 0;
+    c.lim_l1[at] = fits ? fp8_int::sum_limit(absmax) : 0u;
+    c.lim_max[at] = fits ? fp8_int::sum_limit(l1) : 0u;
+    int16_t* d = dst + kb * kBlock;
+    if (fits) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(d), _mm512_cvtepi32_epi16(s0));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + 16), _mm512_cvtepi32_epi16(s1));
+    } else {  // two digits (as quantize_row_body)
+      const __m512i lowbits = _mm512_set1_epi32((1 << fp8_int::kDigitBits) - 1);
+      uint8_t* lo = c.xlo.data() + r * c.K + kb * kBlock;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(d), _mm512_cvtepi32_epi16(_mm512_srai_epi32(s0, fp8_int::kDigitBits)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + 16), _mm512_cvtepi32_epi16(_mm512_srai_epi32(s1, fp8_int::kDigitBits)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(lo), _mm512_cvtepi32_epi8(_mm512_and_si512(s0, lowbits)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + 16), _mm512_cvtepi32_epi8(_mm512_and_si512(s1, lowbits)));
     }
   }
-}
-#endif
-
-// ---- row tiles: plain loops, inlined into each instruction-set wrapper and vectorised ----
-
-struct Job {
-  const double* xq;      // [rows][K], this chunk's quantised rows
-  const float* xs;       // [rows][KB]
-  const uint8_t* panels; // PackedW data
-  const float* wscale;   // [NB][KB]
-  float* y;              // this chunk's first output row
-  int64_t rows, N, K, KB;
-};
-
-// MR rows x NT columns (from column c of the tile) for one K block: the exact double sum,
-// then out = out + float(sum) * (xs * ws). kFma: a fused multiply-add (exact here, like
-// the separate multiply and add, which the scalar path uses to avoid libm's fma).
-template <int MR, int NT, bool kFma>
-CSA_INLINE void rows_tile(const double* x, int64_t ldx, const double* tile, int64_t c,
-                          const float* xs, int64_t ldxs, float ws, float* out) {
-  double acc[MR][NT];
-  for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < NT; ++j) acc[m][j] = 0.0;
-  for (int64_t k = 0; k < kBlock; ++k) {
-    const double* wk = tile + k * kBlock + c;
-    for (int m = 0; m < MR; ++m) {
-      const double xv = x[m * ldx + k];
-#pragma GCC ivdep
-      for (int j = 0; j < NT; ++j) {
-        if (kFma) {
-          acc[m][j] = __builtin_fma(xv, wk[j], acc[m][j]);
-        } else {
-          const double p = xv * wk[j];
-          acc[m][j] = acc[m][j] + p;
-        }
-      }
-    }
-  }
-  for (int m = 0; m < MR; ++m) {
-    const float scale = xs[m * ldxs] * ws;
-    float* o = out + m * kBlock + c;
-#pragma GCC ivdep
-    for (int j = 0; j < NT; ++j) {
-      const float dot = static_cast<float>(acc[m][j]);  // the exact sum, rounded once
-      const float term = dot * scale;
-      o[j] = o[j] + term;
-    }
-  }
-}
-
-template <void (*Convert)(const uint8_t*, double*), int MR, int NT, bool kFma>
-CSA_INLINE void run_task(const Job& j, size_t task) {
-  const int64_t p = static_cast<int64_t>(task);
-  alignas(64) float buf[kChunkRows * kBlock];
-  alignas(64) double tile[kBlock * kBlock];
-  for (int64_t i = 0; i < j.rows * kBlock; ++i) buf[i] = 0.0f;
-  const uint8_t* panel = j.panels + p * j.K * kBlock;
-  for (int64_t kb = 0; kb < j.KB; ++kb) {
-    Convert(panel + kb * kBlock * kBlock, tile);
-    const float ws = j.wscale[p * j.KB + kb];
-    const double* x = j.xq + kb * kBlock;
-    const float* xs = j.xs + kb;
-    for (int64_t c = 0; c < kBlock; c += NT) {
-      int64_t r = 0;
-      for (; r + MR <= j.rows; r += MR)
-        rows_tile<MR, NT, kFma>(x + r * j.K, j.K, tile, c, xs + r * j.KB, j.KB, ws,
-                                buf + r * kBlock);
-      for (; r < j.rows; ++r)  // leftover rows, one at a time
-        rows_tile<1, NT, kFma>(x + r * j.K, j.K, tile, c, xs + r * j.KB, j.KB, ws,
-                               buf + r * kBlock);
-    }
-  }
-  const int64_t n0 = p * kBlock;
-  const int64_t cols = j.N - n0 < kBlock ? j.N - n0 : kBlock;
-  for (int64_t r = 0; r < j.rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) j.y[r * j.N + n0 + c] = buf[r * kBlock + c];
-}
-
-// Instruction-set wrappers (accumulators in registers: AVX-512 6 rows x 4 zmm, AVX2
-// 2 rows x 4 ymm per half tile).
-void task_scalar(const Job& j, size_t t) { run_task<convert_tile_scalar, 1, 32, false>(j, t); }
-#ifdef CSA_X86
-// AVX-512 with intrinsics: the accumulators must stay in registers (6 rows x 4 zmm of
-// doubles), which GCC's vectorised loops do not manage here.
-CSA_TARGET_AVX512 CSA_INLINE void codes_to_doubles_avx512(const uint8_t* src, __m512d (&w)[4]) {
-  const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
-  const __m512i h = _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(codes), 7),
-                                     _mm512_set1_epi16(static_cast<short>(0xBF80)));
-  const __m512 f0 = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
-  const __m512 f1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
-  const __m512d fold = _mm512_set1_pd(kTileFromF16);  // w * 2^-1000, as in the tiles
-  w[0] = _mm512_mul_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(f0)), fold);
-  w[1] = _mm512_mul_pd(_mm512_cvtps_pd(_mm512_extractf32x8_ps(f0, 1)), fold);
-  w[2] = _mm512_mul_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(f1)), fold);
-  w[3] = _mm512_mul_pd(_mm512_cvtps_pd(_mm512_extractf32x8_ps(f1, 1)), fold);
-}
-
-// e4m3fn codes -> doubles holding w * 2^-1016 with integer operations only: the code's
-// exponent and mantissa bits go to the bottom of the double's exponent field and the top
-// of its mantissa, the sign to bit 63 (subnormal codes become subnormal doubles, which
-// the caller avoids when denormals are treated as zero).
-CSA_TARGET_AVX512 CSA_INLINE void codes_to_scaled_doubles_avx512(const uint8_t* src,
-                                                                 __m512d (&w)[4]) {
-  const __m512i mask = _mm512_set1_epi64(static_cast<long long>(0x80FE000000000000ull));
-  for (int q = 0; q < 4; ++q) {
-    const __m512i v = _mm512_cvtepi8_epi64(_mm_loadl_epi64(
-        reinterpret_cast<const __m128i*>(src + 8 * q)));
-    w[q] = _mm512_castsi512_pd(_mm512_and_si512(_mm512_slli_epi64(v, 49), mask));
-  }
-}
-
-// out[m][0..32) = out + float(acc[m] (* kCodeDot)) * (xs[m] * ws), rows m < MR.
-template <int MR, bool kScaled>
-CSA_TARGET_AVX512 CSA_INLINE void finish_avx512(const __m512d (&acc)[MR][4], const float* xs,
-                                                int64_t ldxs, float ws, float* out) {
-  const __m512d code_dot = _mm512_set1_pd(kCodeDot);
-  for (int m = 0; m < MR; ++m) {
-    const float scale_f = xs[m * ldxs] * ws;
-    const __m512 scale = _mm512_set1_ps(scale_f);
-    for (int h = 0; h < 2; ++h) {
-      __m512d a_lo = acc[m][2 * h], a_hi = acc[m][2 * h + 1];
-      if (kScaled) {
-        a_lo = _mm512_mul_pd(a_lo, code_dot);
-        a_hi = _mm512_mul_pd(a_hi, code_dot);
-      }
-      const __m256 lo = _mm512_cvtpd_ps(a_lo);
-      const __m256 hi = _mm512_cvtpd_ps(a_hi);
-      const __m512 dot = _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
-      float* o = out + m * kBlock + 16 * h;
-      _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), _mm512_mul_ps(dot, scale)));
-    }
-  }
-}
-
-// MR rows from a converted tile (prefill: the conversion is shared by every row).
-template <int MR>
-CSA_TARGET_AVX512 CSA_INLINE void tile_rows_avx512(const double* x, int64_t ldx,
-                                                   const double* tile, const float* xs,
-                                                   int64_t ldxs, float ws, float* out) {
-  __m512d acc[MR][4];
-  for (int m = 0; m < MR; ++m)
-    for (int q = 0; q < 4; ++q) acc[m][q] = _mm512_setzero_pd();
-  for (int64_t k = 0; k < kBlock; ++k) {
-    __m512d w[4];
-    for (int q = 0; q < 4; ++q) w[q] = _mm512_load_pd(tile + k * kBlock + 8 * q);
-    for (int m = 0; m < MR; ++m) {
-      const __m512d xv = _mm512_set1_pd(x[m * ldx + k]);
-      for (int q = 0; q < 4; ++q) acc[m][q] = _mm512_fmadd_pd(xv, w[q], acc[m][q]);
-    }
-  }
-  finish_avx512<MR, false>(acc, xs, ldxs, ws, out);
-}
-
-// MR rows straight from the codes (decode, and rows left over from the tiles).
-template <int MR, bool kIntegerCodes>
-CSA_TARGET_AVX512 CSA_INLINE void code_rows_avx512(const double* x, int64_t ldx,
-                                                   const uint8_t* codes, const float* xs,
-                                                   int64_t ldxs, float ws, float* out) {
-  // Few rows: even and odd k in separate accumulators, so that more fused multiply-add
-  // chains run at once (the sums are exact, so splitting them changes nothing).
-  constexpr int kSplit = MR <= 2 ? 2 : 1;
-  __m512d part[kSplit][MR][4];
-  for (int h = 0; h < kSplit; ++h)
-    for (int m = 0; m < MR; ++m)
-      for (int q = 0; q < 4; ++q) part[h][m][q] = _mm512_setzero_pd();
-  for (int64_t k0 = 0; k0 < kBlock; k0 += kSplit) {
-    for (int h = 0; h < kSplit; ++h) {
-      const int64_t k = k0 + h;
-      __m512d w[4];
-      if (kIntegerCodes) {
-        codes_to_scaled_doubles_avx512(codes + k * kBlock, w);
-      } else {
-        codes_to_doubles_avx512(codes + k * kBlock, w);
-      }
-      for (int m = 0; m < MR; ++m) {
-        const __m512d xv = _mm512_set1_pd(x[m * ldx + k]);
-        for (int q = 0; q < 4; ++q) part[h][m][q] = _mm512_fmadd_pd(xv, w[q], part[h][m][q]);
-      }
-    }
-  }
-  __m512d acc[MR][4];
-  for (int m = 0; m < MR; ++m)
-    for (int q = 0; q < 4; ++q)
-      acc[m][q] = kSplit == 2 ? _mm512_add_pd(part[0][m][q], part[kSplit - 1][m][q])
-                              : part[0][m][q];
-  finish_avx512<MR, kIntegerCodes>(acc, xs, ldxs, ws, out);
-}
-
-// AVX512-VBMI (Zen 4, Ice Lake and later): the same doubles as the integer path, built
-// with byte permutes, 64 codes (two k) at a time: byte 7 of each double is the code's sign
-// (code & 0x80), byte 6 its exponent and mantissa shifted up one (code + code), the rest 0.
-#define CSA_TARGET_AVX512_VBMI \
-  __attribute__((target("arch=x86-64-v4,avx512vbmi,prefer-vector-width=512")))
-
-bool cpu_has_vbmi() {
-#ifdef CSA_X86
-  return cpu_has_x86_64_v4() && __builtin_cpu_supports("avx512vbmi");
-#else
-  return false;
-#endif
-}
-
-struct VbmiIndex {  // for group q of 8 codes: their bytes 6 (from code + code) and 7 (sign)
-  alignas(64) uint8_t idx[8][64];
-  VbmiIndex() {
-    for (int q = 0; q < 8; ++q)
-      for (int j = 0; j < 64; ++j)
-        idx[q][j] = j % 8 == 6 ? uint8_t(8 * q + j / 8) : j % 8 == 7 ? uint8_t(64 + 8 * q + j / 8) : 0;
-  }
-};
-const VbmiIndex kVbmiIndex;
-
-template <int MR>
-CSA_TARGET_AVX512_VBMI __attribute__((noinline)) void code_rows_vbmi(
-    const double* x, int64_t ldx, const uint8_t* codes, const float* xs, int64_t ldxs, float ws,
-    float* out) {
-  constexpr int kSplit = MR <= 2 ? 2 : 1;  // as in code_rows_avx512
-  constexpr __mmask64 kTopBytes = 0xC0C0C0C0C0C0C0C0ull;
-  __m512d part[kSplit][MR][4];
-  for (int h = 0; h < kSplit; ++h)
-    for (int m = 0; m < MR; ++m)
-      for (int q = 0; q < 4; ++q) part[h][m][q] = _mm512_setzero_pd();
-  for (int64_t k0 = 0; k0 < kBlock; k0 += 2) {
-    const __m512i c = _mm512_loadu_si512(codes + k0 * kBlock);
-    const __m512i body = _mm512_add_epi8(c, c);
-    const __m512i sign = _mm512_and_si512(c, _mm512_set1_epi8(static_cast<char>(0x80)));
-    for (int h = 0; h < 2; ++h) {
-      __m512d w[4];
-      for (int q = 0; q < 4; ++q) {
-        const __m512i idx = _mm512_load_si512(kVbmiIndex.idx[4 * h + q]);
-        w[q] = _mm512_castsi512_pd(_mm512_maskz_permutex2var_epi8(kTopBytes, body, idx, sign));
-      }
-      for (int m = 0; m < MR; ++m) {
-        const __m512d xv = _mm512_set1_pd(x[m * ldx + k0 + h]);
-        for (int q = 0; q < 4; ++q)
-          part[h % kSplit][m][q] = _mm512_fmadd_pd(xv, w[q], part[h % kSplit][m][q]);
-      }
-    }
-  }
-  __m512d acc[MR][4];
-  for (int m = 0; m < MR; ++m)
-    for (int q = 0; q < 4; ++q)
-      acc[m][q] = kSplit == 2 ? _mm512_add_pd(part[0][m][q], part[kSplit - 1][m][q])
-                              : part[0][m][q];
-  finish_avx512<MR, true>(acc, xs, ldxs, ws, out);
-}
-
-enum class Conv { kF16, kInt, kVbmi };  // how the code path turns e4m3 codes into doubles
-
-template <int MR, Conv kConv>
-CSA_TARGET_AVX512 CSA_INLINE void code_rows(const double* x, int64_t ldx, const uint8_t* codes,
-                                            const float* xs, int64_t ldxs, float ws,
-                                            float* out) {
-  if (kConv == Conv::kVbmi) {
-    code_rows_vbmi<MR>(x, ldx, codes, xs, ldxs, ws, out);
-  } else {
-    code_rows_avx512<MR, kConv == Conv::kInt>(x, ldx, codes, xs, ldxs, ws, out);
-  }
-}
-
-template <Conv kConv>
-CSA_TARGET_AVX512 CSA_INLINE void task_avx512(const Job& j, size_t task) {
-  constexpr int kTileRows = 6, kCodeRows = 4;
-  const int64_t p = static_cast<int64_t>(task);
-  alignas(64) float buf[kChunkRows * kBlock];
-  alignas(64) double tile[kBlock * kBlock];
-  for (int64_t i = 0; i < j.rows * kBlock; ++i) buf[i] = 0.0f;
-  const uint8_t* panel = j.panels + p * j.K * kBlock;
-  const int64_t tiled = j.rows >= kTileRows ? j.rows - j.rows % kTileRows : 0;
-  for (int64_t kb = 0; kb < j.KB; ++kb) {
-    const uint8_t* codes = panel + kb * kBlock * kBlock;
-    const float ws = j.wscale[p * j.KB + kb];
-    const double* x = j.xq + kb * kBlock;
-    const float* xs = j.xs + kb;
-    int64_t r = 0;
-    if (tiled > 0) {
-      convert_tile_avx512(codes, tile);
-      for (; r < tiled; r += kTileRows)
-        tile_rows_avx512<kTileRows>(x + r * j.K, j.K, tile, xs + r * j.KB, j.KB, ws,
-                                    buf + r * kBlock);
-    }
-    constexpr Conv C = kConv;
-    for (; r + kCodeRows <= j.rows; r += kCodeRows)
-      code_rows<kCodeRows, C>(x + r * j.K, j.K, codes, xs + r * j.KB, j.KB, ws, buf + r * kBlock);
-    float* o = buf + r * kBlock;
-    switch (j.rows - r) {
-      case 3: code_rows<3, C>(x + r * j.K, j.K, codes, xs + r * j.KB, j.KB, ws, o); break;
-      case 2: code_rows<2, C>(x + r * j.K, j.K, codes, xs + r * j.KB, j.KB, ws, o); break;
-      case 1: code_rows<1, C>(x + r * j.K, j.K, codes, xs + r * j.KB, j.KB, ws, o); break;
-      default: break;
-    }
-  }
-  const int64_t n0 = p * kBlock;
-  const int64_t cols = j.N - n0 < kBlock ? j.N - n0 : kBlock;
-  for (int64_t r = 0; r < j.rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) j.y[r * j.N + n0 + c] = buf[r * kBlock + c];
-}
-CSA_TARGET_AVX512 void task_avx512_vbmi(const Job& j, size_t t) { task_avx512<Conv::kVbmi>(j, t); }
-CSA_TARGET_AVX512 void task_avx512_int(const Job& j, size_t t) { task_avx512<Conv::kInt>(j, t); }
-CSA_TARGET_AVX512 void task_avx512_f16(const Job& j, size_t t) { task_avx512<Conv::kF16>(j, t); }
-CSA_TARGET_AVX2 void task_avx2(const Job& j, size_t t) {
-  run_task<convert_tile_avx2, 2, 16, true>(j, t);
 }
 #pragma GCC diagnostic pop
 #endif
 
-// act_quant of one row (xq stored as double times kXScale), compiled once per instruction
-// set: the same exact operations, the wider sets inline the rounding and vectorise.
-struct Quant {
-  const float* x;
-  double* xq;
-  float* xs;
-  int64_t K, KB;
+// X^T as int16 pairs, rows padded with zeros to a multiple of 16, pairs [p0, p1).
+void transpose_x(XChunk& c, int64_t p0, int64_t p1) {
+  for (int64_t p = p0; p < p1; ++p) {
+    int32_t* dst = c.xt.data() + p * c.rows16;
+    for (int64_t r = 0; r < c.rows; ++r)
+      std::memcpy(dst + r, c.xi.data() + r * c.K + 2 * p, sizeof(int32_t));
+    for (int64_t r = c.rows; r < c.rows16; ++r) dst[r] = 0;
+  }
+}
+
+// ------------------------------------------------------------- instruction-set paths
+struct Kernels {
+  void (*quantize)(const QuantJob&, int64_t row);
+  void (*pack)(const PackJob&);
+  void (*flags)(const FlagJob&);
+  void (*tiles)(const TaskView&, int64_t r0, int64_t r1);  // rows [r0, r1)
+  void (*f_lanes)(const FJob&);
+  void (*row_patch)(const RowJob&);
+  bool uses_xt;  // f_lanes reads X^T
+  // few rows (<= kSmallRows): conversion and sums in one pass, then the epilogue (or null)
+  void (*dot_small)(const SmallJob&) = nullptr;
+  void (*epilogue_small)(const TaskView&, const int32_t* sums) = nullptr;
 };
 
-CSA_INLINE void quantize_row_body(void* data, size_t row) {
-  const Quant& q = *static_cast<const Quant*>(data);
-  const int64_t r = static_cast<int64_t>(row);
-  for (int64_t kb = 0; kb < q.KB; ++kb) {
-    float v[kBlock];
-    q.xs[r * q.KB + kb] = Fp8::quantize_block(q.x + r * q.K + kb * kBlock, v);
-    for (int64_t i = 0; i < kBlock; ++i)
-      q.xq[r * q.K + kb * kBlock + i] = static_cast<double>(v[i]) * kXScale;
-  }
-}
+void quantize_scalar(const QuantJob& q, int64_t r) { quantize_row_body(q, r); }
+void pack_scalar(const PackJob& j) { pack_generic(j); }
+void flags_scalar(const FlagJob& j) { flags_generic(j); }
+void tiles_scalar(const TaskView& v, int64_t r0, int64_t r1) { tiles_generic(v, r0, r1); }
+void f_lanes_scalar(const FJob& j) { f_lanes_generic(j); }
+void row_patch_scalar(const RowJob& j) { row_patch_generic(j); }
+const Kernels kScalarKernels{quantize_scalar, pack_scalar, flags_scalar, tiles_scalar,
+                             f_lanes_scalar, row_patch_scalar, false};
 
-void quantize_row_scalar(void* data, size_t row) { quantize_row_body(data, row); }
 #ifdef CSA_X86
-CSA_TARGET_AVX512 void quantize_row_avx512(void* data, size_t row) {
-  quantize_row_body(data, row);
+CSA_TARGET_AVX2 void quantize_avx2(const QuantJob& q, int64_t r) { quantize_row_body(q, r); }
+CSA_TARGET_AVX2 void pack_avx2(const PackJob& j) { pack_generic(j); }
+CSA_TARGET_AVX2 void flags_avx2(const FlagJob& j) { flags_generic(j); }
+CSA_TARGET_AVX2 void tiles_avx2(const TaskView& v, int64_t r0, int64_t r1) { tiles_avx2_body(v, r0, r1); }
+CSA_TARGET_AVX2 void f_lanes_avx2(const FJob& j) { f_lanes_generic(j); }
+CSA_TARGET_AVX2 void row_patch_avx2(const RowJob& j) { row_patch_generic(j); }
+const Kernels kAvx2Kernels{quantize_avx2, pack_avx2, flags_avx2, tiles_avx2,
+                           f_lanes_avx2, row_patch_avx2, false};
+
+CSA_TARGET_AVX512 void pack_avx512(const PackJob& j) { pack_generic(j); }
+CSA_TARGET_AVX512_VBMI void pack_avx512_vbmi(const PackJob& j) { pack_vbmi_body(j); }
+CSA_TARGET_AVX512 void flags_avx512(const FlagJob& j) { flags_avx512_body(j); }
+CSA_TARGET_AVX512 void tiles_avx512_madd(const TaskView& v, int64_t r0, int64_t r1) {
+  tiles_avx512_body<false>(v, r0, r1);
 }
-CSA_TARGET_AVX2 void quantize_row_avx2(void* data, size_t row) { quantize_row_body(data, row); }
+CSA_TARGET_AVX512 void tiles_avx512_vnni(const TaskView& v, int64_t r0, int64_t r1) {
+  tiles_avx512_body<true>(v, r0, r1);
+}
+CSA_TARGET_AVX512 void f_lanes_avx512_madd(const FJob& j) { f_lanes_avx512_body<false>(j); }
+CSA_TARGET_AVX512 void f_lanes_avx512_vnni(const FJob& j) { f_lanes_avx512_body<true>(j); }
+CSA_TARGET_AVX512 void row_patch_avx512_madd(const RowJob& j) { row_patch_avx512_body<false>(j); }
+CSA_TARGET_AVX512 void row_patch_avx512_vnni(const RowJob& j) { row_patch_avx512_body<true>(j); }
+CSA_TARGET_AVX512_VBMI void dot_small_madd(const SmallJob& j) { dot_small_body<false>(j); }
+CSA_TARGET_AVX512_VBMI void dot_small_vnni(const SmallJob& j) { dot_small_body<true>(j); }
+CSA_TARGET_AVX512 void epilogue_small_avx512(const TaskView& v, const int32_t* sums) {
+  epilogue_small_body(v, sums);
+}
 #endif
 
-enum class Isa { kScalar, kAvx2, kAvx512, kAvx512NoVbmi };
+enum class Path { kScalar, kAvx2, kAvx512Plain, kAvx512 };
 
-bool cpu_has(Isa isa) {
-  if (isa == Isa::kAvx2) return cpu_has_x86_64_v3();
-  if (isa == Isa::kAvx512 || isa == Isa::kAvx512NoVbmi) return cpu_has_x86_64_v4();
-  return true;
+bool cpu_supports(const char* feature) {
+#ifdef CSA_X86
+  __builtin_cpu_init();
+  if (std::strcmp(feature, "avx512vbmi") == 0) return __builtin_cpu_supports("avx512vbmi");
+  if (std::strcmp(feature, "avx512vnni") == 0) return __builtin_cpu_supports("avx512vnni");
+#endif
+  (void)feature;
+  return false;
 }
 
-Isa select_isa() {
-  const char* forced = std::getenv("CSA_FP8_LINEAR_ISA");
-  if (forced != nullptr && *forced != '\0') {
-    const std::string name = forced;
-    Isa isa;
-    if (name == "scalar") isa = Isa::kScalar;
-    else if (name == "avx2") isa = Isa::kAvx2;
-    else if (name == "avx512") isa = Isa::kAvx512;
-    else if (name == "avx512-novbmi") isa = Isa::kAvx512NoVbmi;  // tests: the non-VBMI code
-    else fail("CSA_FP8_LINEAR_ISA=\"" + name + "\" (expected avx512, avx2 or scalar)");
-    if (!cpu_has(isa)) fail("CSA_FP8_LINEAR_ISA=" + name + " but this CPU does not support it");
-    return isa;
+Kernels kernels_for(Path path) {
+#ifdef CSA_X86
+  if (path == Path::kAvx2) return kAvx2Kernels;
+  if (path == Path::kAvx512Plain) {
+    return {quantize_avx512, pack_avx512, flags_avx512, tiles_avx512_madd, f_lanes_avx512_madd,
+            row_patch_avx512_madd, true};
   }
-  if (cpu_has(Isa::kAvx512)) return Isa::kAvx512;
-  if (cpu_has(Isa::kAvx2)) return Isa::kAvx2;
-  return Isa::kScalar;
+  if (path == Path::kAvx512) {
+    const bool vnni = cpu_supports("avx512vnni"), vbmi = cpu_supports("avx512vbmi");
+    Kernels k{quantize_avx512, vbmi ? pack_avx512_vbmi : pack_avx512,
+              flags_avx512, vnni ? tiles_avx512_vnni : tiles_avx512_madd,
+              vnni ? f_lanes_avx512_vnni : f_lanes_avx512_madd,
+              vnni ? row_patch_avx512_vnni : row_patch_avx512_madd, true};
+    if (vbmi) {
+      k.dot_small = vnni ? dot_small_vnni : dot_small_madd;
+      k.epilogue_small = epilogue_small_avx512;
+    }
+    return k;
+  }
+#endif
+  (void)path;
+  return kScalarKernels;
+}
+
+Path select_path() {
+  const char* forced = std::getenv("CSA_FP8_LINEAR_ISA");
+  if (forced != nullptr && std::strcmp(forced, "avx512-novbmi") == 0) {
+    if (!cpu_has(Isa::kAvx512))
+      fail("CSA_FP8_LINEAR_ISA=avx512-novbmi but this CPU does not support it");
+    return Path::kAvx512Plain;
+  }
+  switch (select_isa("CSA_FP8_LINEAR_ISA")) {
+    case Isa::kAvx512:
+    case Isa::kAvx512Bf16: return Path::kAvx512;
+    case Isa::kAvx2: return Path::kAvx2;
+    default: return Path::kScalar;
+  }
+}
+
+// ------------------------------------------------------------------ one task
+// Everything a task reads; the task writes its rows x columns of Y only.
+struct Call {
+  Kernels kern;
+  const WMeta* meta;
+  const uint8_t* w;
+  const float* ws;    // [NB][KB]
+  const float* x;     // the chunk's first row
+  const XChunk* xc;
+  float* y;           // the chunk's first output row
+  int64_t N, K, KB, NB, panels;
+};
+
+// The override slots of one task and block chunk: exact float sums of the lanes the tiles'
+// int32 sums do not cover.
+struct Overrides {
+  std::vector<float> pool;
+  const float* slot[kChunkKb * kGroups] = {};
+  uint16_t bad[kChunkKb * kGroups] = {};
+};
+
+// The slot rows of flagged (row, block, group)s: the row's block in two digits against the
+// group's int16 lanes (row_patch); for a row whose block is not int16, its lanes that are not
+// int16 too (int64 per lane; f_lanes' values there assumed an int16 row).
+struct Patch {
+  const Call& c;
+  const XChunk& xc;
+  const WMeta& meta;
+  int64_t panel, r0, rows, kb0, kbs;
+  const int16_t* pw;
+  const uint8_t* flags;
+  Overrides& ov;
+  uint64_t& row_sums;   // (row, block, group)s summed in two digits
+  uint64_t& wide_sums;  // (row, block, column)s summed in int64
+
+  void rows_between(int64_t ra, int64_t rb) const {
+    int32_t h[kBlock], l[kBlock], ux[kBlock], uw[kBlock];
+    for (int64_t kbi = 0; kbi < kbs; ++kbi) {
+      const int64_t kb = kb0 + kbi;
+      bool any_bad = false;
+      for (int64_t gi = 0; gi < kGroups; ++gi) any_bad |= ov.bad[kbi * kGroups + gi] != 0;
+      const uint8_t* fits_row = xc.fits.data() + kb * xc.rows + r0;
+      const uint8_t* flag_row = flags + kbi * rows;
+      // the flagged rows' blocks of X, fetched together rather than one miss at a time
+      for (int64_t r = ra; r < rb; ++r)
+        if (flag_row[r] != 0)
+          __builtin_prefetch(xc.xi.data() + (r0 + r) * c.K + kb * kBlock);
+      for (int64_t r = ra; r < rb; ++r) {
+        // 8 rows at a time while none of them needs anything
+        if (r + 8 <= rb) {
+          uint64_t f8, fits8;
+          std::memcpy(&f8, flag_row + r, 8);
+          std::memcpy(&fits8, fits_row + r, 8);
+          if (f8 == 0 && (!any_bad || fits8 == 0x0101010101010101ull)) {
+            r += 7;
+            continue;
+          }
+        }
+        const uint32_t fl = flag_row[r];
+        const bool fits = fits_row[r] != 0;
+        if (fl == 0 && (fits || !any_bad)) continue;
+        RowJob job;
+        job.x = xc.xi.data() + (r0 + r) * c.K + kb * kBlock;
+        job.xlo = xc.xlo.data() + (r0 + r) * c.K + kb * kBlock;
+        job.fits = fits;
+        job.pw = pw + kbi * kPairs * kPanel * 2;
+        job.groups = fl;
+        job.bad = ov.bad + kbi * kGroups;
+        for (int64_t gi = 0; gi < kGroups; ++gi)
+          job.out[gi] = const_cast<float*>(ov.slot[kbi * kGroups + gi]) + r * kLanes;
+        if (fl != 0) {
+          c.kern.row_patch(job);
+          row_sums += static_cast<uint64_t>(__builtin_popcount(fl));
+        }
+        if (fits || !any_bad) continue;
+        // a block that is not int16 against lanes that are not int16: int64 per lane
+        row_digits(job, h, l);
+        for (int64_t i = 0; i < kBlock; ++i) ux[i] = h[i] * (1 << fp8_int::kDigitBits) + l[i];
+        for (int64_t gi = 0; gi < kGroups; ++gi) {
+          for (uint32_t bad = ov.bad[kbi * kGroups + gi]; bad != 0; bad &= bad - 1) {
+            const int64_t i = __builtin_ctz(bad);
+            const int64_t col = panel * kPanel + gi * kLanes + i;
+            const uint8_t* codes = c.w + col * c.K + kb * kBlock;
+            for (int64_t e = 0; e < kBlock; ++e) uw[e] = fp8_int::kUnits.v[codes[e]];
+            const uint32_t tw = meta.shift[kb * meta.groups * kLanes + col];
+            job.out[gi][i] = fp8_int::exact_dot(ux, 0, uw, tw);
+            ++wide_sums;
+          }
+        }
+      }
+    }
+  }
+};
+
+// A thread's buffers, kept between tasks and calls (they only grow): a task writes every
+// element it reads.
+struct Scratch {
+  std::vector<int16_t> pw;
+  std::vector<float> g, out, f;
+  std::vector<uint8_t> flags;
+  std::vector<uint64_t> masks;
+  std::vector<int32_t> sums;
+  Overrides ov;
+
+  template <typename T>
+  static T* at_least(std::vector<T>& v, size_t n) {
+    if (v.size() < n) v.resize(n);
+    return v.data();
+  }
+};
+
+void run_task(const Call& c, int64_t task) {
+  const XChunk& xc = *c.xc;
+  const WMeta& meta = *c.meta;
+  const int64_t panel = task % c.panels;
+  const int64_t r0 = (task / c.panels) * kTaskRows;
+  const int64_t rows = xc.rows - r0 < kTaskRows ? xc.rows - r0 : kTaskRows;
+  const int64_t rows16 = (rows + kLanes - 1) / kLanes * kLanes;
+  thread_local Scratch scratch;
+  int16_t* pw = Scratch::at_least(scratch.pw, static_cast<size_t>(kPanelInts));
+  float* g = Scratch::at_least(scratch.g, static_cast<size_t>(kChunkKb * kPanel));
+  float* out = Scratch::at_least(scratch.out, static_cast<size_t>(rows * kPanel));
+  float* f = Scratch::at_least(scratch.f, static_cast<size_t>(rows16));
+  uint8_t* flags = Scratch::at_least(scratch.flags, static_cast<size_t>(kChunkKb * rows));
+  uint64_t* masks = Scratch::at_least(scratch.masks, static_cast<size_t>(kChunkKb * rows));
+  const bool small = rows <= kSmallRows && c.kern.dot_small != nullptr;
+  int32_t* sums = small ? Scratch::at_least(scratch.sums, static_cast<size_t>(kChunkKb * kGroups * rows * kLanes))
+                        : nullptr;
+  Overrides& ov = scratch.ov;
+  uint64_t lane_sums = 0, row_sums = 0, wide_sums = 0;
+  std::memset(out, 0, static_cast<size_t>(rows * kPanel) * sizeof(float));
+  const WView wv = meta.view(c.w);
+  const float* ws0 = c.ws + (2 * panel) * c.KB;
+  const float* ws1 = 2 * panel + 1 < c.NB ? ws0 + c.KB : ws0;  // no second half: unused
+  for (int64_t kb0 = 0; kb0 < c.KB; kb0 += kChunkKb) {
+    const int64_t kbs = c.KB - kb0 < kChunkKb ? c.KB - kb0 : kChunkKb;
+
+    // the groups' figures and the flags of (row, block, group) whose int32 sums may overflow
+    uint32_t l1m[kChunkKb * kGroups] = {}, amx[kChunkKb * kGroups] = {};
+    for (int64_t kbi = 0; kbi < kbs; ++kbi) {
+      for (int64_t gi = 0; gi < kGroups; ++gi) {
+        const int64_t grp = panel * kGroups + gi;
+        const size_t at = static_cast<size_t>(kbi * kGroups + gi);
+        ov.bad[at] = 0;
+        if (grp >= meta.groups) continue;
+        const size_t m = static_cast<size_t>(grp * c.KB + kb0 + kbi);
+        ov.bad[at] = meta.bad[m];
+        l1m[at] = meta.l1max[m];
+        amx[at] = meta.absmax[m];
+      }
+    }
+    c.kern.flags({xc.lim_l1.data() + r0, xc.lim_max.data() + r0, xc.rows, rows, kb0, kbs, l1m,
+                  amx, ov.bad, flags, masks});
+    uint8_t any[kChunkKb] = {};
+    for (int64_t kbi = 0; kbi < kbs; ++kbi)
+      for (int64_t r = 0; r < rows; ++r) any[kbi] = static_cast<uint8_t>(any[kbi] | flags[kbi * rows + r]);
+
+    // W's int16 pairs (few rows: straight into the sums, the pairs kept where flagged rows
+    // need them)
+    if (small) {
+      uint8_t keep_pw[kChunkKb * kGroups];
+      for (int64_t kbi = 0; kbi < kChunkKb; ++kbi)
+        for (int64_t gi = 0; gi < kGroups; ++gi) keep_pw[kbi * kGroups + gi] = (any[kbi] >> gi) & 1u;
+      c.kern.dot_small({wv, panel, kb0, kbs, xc.xi.data() + r0 * c.K, c.K, rows, keep_pw, pw, g, sums});
+    } else {
+      c.kern.pack({wv, panel, kb0, kbs, pw, g});
+    }
+
+    // slots where a group has flagged rows or lanes that are not int16
+    size_t slots = 0;
+    for (int64_t kbi = 0; kbi < kbs; ++kbi)
+      for (int64_t gi = 0; gi < kGroups; ++gi)
+        slots += (ov.bad[kbi * kGroups + gi] != 0 || ((any[kbi] >> gi) & 1u)) ? 1 : 0;
+    // slot 0 is the dummy the others share (the tiles read it under an all-zero mask)
+    Scratch::at_least(ov.pool, (slots + 1) * static_cast<size_t>(rows * kLanes));
+    slots = 0;
+    for (int64_t kbi = 0; kbi < kChunkKb; ++kbi) {
+      for (int64_t gi = 0; gi < kGroups; ++gi) {
+        const size_t at = static_cast<size_t>(kbi * kGroups + gi);
+        const bool need = kbi < kbs && (ov.bad[at] != 0 || ((any[kbi] >> gi) & 1u));
+        ov.slot[at] = ov.pool.data() + (need ? ++slots : 0) * static_cast<size_t>(rows * kLanes);
+      }
+    }
+
+    // lanes that are not int16, against every row (exact when the row's block is int16)
+    for (int64_t kbi = 0; kbi < kbs; ++kbi) {
+      const int64_t kb = kb0 + kbi;
+      for (int64_t gi = 0; gi < kGroups; ++gi) {
+        float* slot = const_cast<float*>(ov.slot[kbi * kGroups + gi]);
+        for (uint32_t bad = ov.bad[kbi * kGroups + gi]; bad != 0; bad &= bad - 1) {
+          const int64_t i = __builtin_ctz(bad);
+          const int64_t col = panel * kPanel + gi * kLanes + i;
+          const FJob job{xc.xi.data() + r0 * c.K + kb * kBlock,
+                         c.K,
+                         !c.kern.uses_xt ? nullptr : xc.xt.data() + (kb * kPairs) * xc.rows16 + r0,
+                         xc.rows16,
+                         rows,
+                         c.w + col * c.K + kb * kBlock,
+                         meta.shift[kb * meta.groups * kLanes + col],
+                         f};
+          c.kern.f_lanes(job);
+          for (int64_t r = 0; r < rows; ++r) slot[r * kLanes + i] = f[r];
+          ++lane_sums;
+        }
+      }
+    }
+
+    const TaskView view{xc.xi.data() + r0 * c.K, c.K, c.KB, xc.cm.data() + r0,
+                        xc.xs.data() + r0, xc.rows, rows, kb0, kbs, pw, g,
+                        ws0, ws1, flags, masks, ov.slot, ov.bad, out};
+    const Patch patch{c, xc, meta, panel, r0, rows, kb0, kbs, pw, flags, ov, row_sums, wide_sums};
+    if (small) {
+      patch.rows_between(0, rows);
+      c.kern.epilogue_small(view, sums);
+    } else {
+      // a few rows at a time: their flagged blocks, then their tiles (X's rows still cached)
+      constexpr int64_t kPatchRows = 48;
+      for (int64_t r = 0; r < rows; r += kPatchRows) {
+        const int64_t r1 = r + kPatchRows < rows ? r + kPatchRows : rows;
+        patch.rows_between(r, r1);
+        c.kern.tiles(view, r, r1);
+      }
+    }
+  }
+
+  const int64_t n0 = panel * kPanel;
+  const int64_t cols = c.N - n0 < kPanel ? c.N - n0 : kPanel;
+  for (int64_t r = 0; r < rows; ++r)
+    std::memcpy(c.y + (r0 + r) * c.N + n0, out + r * kPanel,
+                static_cast<size_t>(cols) * sizeof(float));
+  counts.small_tasks.fetch_add(small ? 1 : 0, std::memory_order_relaxed);
+  counts.lane_sums.fetch_add(lane_sums, std::memory_order_relaxed);
+  counts.row_sums.fetch_add(row_sums, std::memory_order_relaxed);
+  counts.wide_sums.fetch_add(wide_sums, std::memory_order_relaxed);
 }
 
 // Attributes and node I/O, checked when the session creates the kernel.
@@ -546,23 +694,38 @@ void check_node(const OrtKernelInfo* info) {
 }
 
 struct Fp8LinearKernel {
-  Isa isa;
-  PackedW constant_w;  // packed once when W is a constant initializer
+  Kernels kern;
+  WMeta constant_meta;  // W's figures when W is a constant initializer
 
-  Fp8LinearKernel(const OrtApi*, const OrtKernelInfo* info) : isa(select_isa()) {
+  Fp8LinearKernel(const OrtApi*, const OrtKernelInfo* info) : kern(kernels_for(select_path())) {
     check_node(info);
     const Ort::ConstValue w = constant_input(info, 1);
-    if (w == nullptr) return;  // not a constant: packed on every call
+    if (w == nullptr) return;  // not a constant: its figures are computed on every call
     const std::vector<int64_t> shape = w.GetTensorTypeAndShapeInfo().GetShape();
     if (shape.size() != 2 || shape[0] < 0 || shape[1] < 0 || shape[1] % kBlock != 0)
       return;  // Compute reports it
-    constant_w.pack(static_cast<const uint8_t*>(w.GetTensorRawData()), shape[0], shape[1]);
+    constant_meta.reset(shape[0], shape[1]);
+    constant_meta.build(static_cast<const uint8_t*>(w.GetTensorRawData()), 0,
+                        constant_meta.groups);
+    constant_meta.finish();
   }
 
   Ort::Status Compute(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& x,
                       const Ort::Custom::Tensor<Ort::Float8E4M3FN_t>& w,
                       const Ort::Custom::Tensor<float>& wscale, Ort::Custom::Tensor<float>& y) {
     return status_of([&] { Run(ctx, x, w, wscale, y); });
+  }
+
+  // ParallelFor over [0, count) when `parallel`, else in order on this thread.
+  template <typename Fn>
+  static void for_each(const Ort::KernelContext& context, bool parallel, int64_t count,
+                       Fn& fn) {
+    auto call = [](void* data, size_t i) { (*static_cast<Fn*>(data))(static_cast<int64_t>(i)); };
+    if (parallel && count > 1) {
+      context.ParallelFor(call, static_cast<size_t>(count), 0, &fn);
+    } else {
+      for (int64_t i = 0; i < count; ++i) fn(i);
+    }
   }
 
   void Run(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& x,
@@ -578,70 +741,66 @@ struct Fp8LinearKernel {
       for (int64_t i = 0; i < d.M * d.N; ++i) out[i] = 0.0f;
       return;
     }
-
-    PackedW per_call;
-    const PackedW* packed = &constant_w;
-    if (constant_w.n != d.N || constant_w.k != d.K) {
-      per_call.pack(reinterpret_cast<const uint8_t*>(w.Data()), d.N, d.K);
-      packed = &per_call;
-    }
-    // task_daz: the task for a thread whose MXCSR treats denormals as zero. Subnormal
-    // doubles as inputs need denormals honoured (DAZ clear, the default); under DAZ the
-    // weights go through the f16 conversion, whose results are all normal. Each thread
-    // checks its own MXCSR: onnxruntime's pool threads and the caller may differ.
-    struct Call {
-      Job job;
-      void (*task)(const Job&, size_t);
-      void (*task_daz)(const Job&, size_t);
-    } call{{nullptr, nullptr, packed->data.data(), wscale.Data(), out, 0, d.N, d.K, d.KB},
-           task_scalar, task_scalar};
-#ifdef CSA_X86
-    if (isa == Isa::kAvx512 || isa == Isa::kAvx512NoVbmi) {
-      call.task = isa == Isa::kAvx512 && cpu_has_vbmi() ? task_avx512_vbmi : task_avx512_int;
-      call.task_daz = task_avx512_f16;
-    }
-    if (isa == Isa::kAvx2) call.task = call.task_daz = task_avx2;
-#endif
-    const int64_t chunk = d.M < kChunkRows ? d.M : kChunkRows;
-    std::vector<double> xq(static_cast<size_t>(chunk * d.K));
-    std::vector<float> xs(static_cast<size_t>(chunk * d.KB));
-    const float* xd = x.Data();
+    const uint8_t* codes = reinterpret_cast<const uint8_t*>(w.Data());
+    counts.calls.fetch_add(1, std::memory_order_relaxed);
     Ort::KernelContext context(ctx);
     const bool parallel = d.M * d.N * d.K >= kParallelWork;
-    for (int64_t m0 = 0; m0 < d.M; m0 += chunk) {
-      const int64_t rows = d.M - m0 < chunk ? d.M - m0 : chunk;
-      Quant quant{xd + m0 * d.K, xq.data(), xs.data(), d.K, d.KB};
-      void (*quantize_row)(void*, size_t) = quantize_row_scalar;
-#ifdef CSA_X86
-      if (isa == Isa::kAvx512 || isa == Isa::kAvx512NoVbmi) quantize_row = quantize_row_avx512;
-      if (isa == Isa::kAvx2) quantize_row = quantize_row_avx2;
-#endif
-      if (rows * d.K >= (int64_t{1} << 16)) {
-        context.ParallelFor(quantize_row, static_cast<size_t>(rows), 0, &quant);
-      } else {
-        for (int64_t r = 0; r < rows; ++r) quantize_row(&quant, static_cast<size_t>(r));
-      }
-      call.job.xq = xq.data();
-      call.job.xs = xs.data();
-      call.job.y = out + m0 * d.N;
-      call.job.rows = rows;
-      // Tasks (one panel each) only compute into memory that exists; nothing throws.
-      auto run = [](void* data, size_t t) {
-        const Call& c = *static_cast<const Call*>(data);
-#ifdef CSA_X86
-        if (_mm_getcsr() & 0x40u) return c.task_daz(c.job, t);
-#endif
-        c.task(c.job, t);
+
+    WMeta per_call;
+    const WMeta* meta = &constant_meta;
+    if (constant_meta.n != d.N || constant_meta.k != d.K) {
+      per_call.reset(d.N, d.K);
+      constexpr int64_t kGroupsPerTask = 8;
+      const int64_t parts = (per_call.groups + kGroupsPerTask - 1) / kGroupsPerTask;
+      auto build = [&](int64_t i) {
+        const int64_t g1 = (i + 1) * kGroupsPerTask;
+        per_call.build(codes, i * kGroupsPerTask, g1 < per_call.groups ? g1 : per_call.groups);
       };
-      const int64_t tasks = d.NB;
-      if (tasks == 1 || !parallel) {
-        for (int64_t t = 0; t < tasks; ++t) run(&call, static_cast<size_t>(t));
-      } else {
-        context.ParallelFor(run, static_cast<size_t>(tasks), 0, &call);
+      for_each(context, parallel, parts, build);
+      per_call.finish();
+      meta = &per_call;
+    }
+
+    const int64_t chunk = d.M < kTaskRows ? d.M : kTaskRows;
+    // kept between calls (no fresh pages to fault in on every call); the lambdas below run on
+    // pool threads, so they must reach it through this reference, not the thread_local's name
+    thread_local XChunk chunk_buffers;
+    XChunk& xc = chunk_buffers;
+    xc.reserve(chunk, d.K);
+    const bool uses_xt = kern.uses_xt && meta->any_bad;
+    std::atomic<bool> failed{false};
+    Call call{kern, meta, codes, wscale.Data(), nullptr, &xc, nullptr,
+              d.N, d.K, d.KB, d.NB, (d.N + kPanel - 1) / kPanel};
+    for (int64_t m0 = 0; m0 < d.M; m0 += chunk) {
+      xc.rows = d.M - m0 < chunk ? d.M - m0 : chunk;
+      xc.rows16 = (xc.rows + kLanes - 1) / kLanes * kLanes;
+      const QuantJob quant{x.Data() + m0 * d.K, &xc};
+      auto quantize = [&](int64_t r) { kern.quantize(quant, r); };
+      for_each(context, parallel && xc.rows * d.K >= (int64_t{1} << 16), xc.rows, quantize);
+      if (uses_xt) {
+        XChunk::grow(xc.xt, static_cast<size_t>((d.K / 2) * xc.rows16));
+        constexpr int64_t kPairsPerTask = 256;
+        const int64_t parts = (d.K / 2 + kPairsPerTask - 1) / kPairsPerTask;
+        auto transpose = [&](int64_t i) {
+          const int64_t p1 = (i + 1) * kPairsPerTask;
+          transpose_x(xc, i * kPairsPerTask, p1 < d.K / 2 ? p1 : d.K / 2);
+        };
+        for_each(context, parallel, parts, transpose);
       }
+      call.x = x.Data() + m0 * d.K;
+      call.y = out + m0 * d.N;
+      auto task = [&](int64_t t) {
+        try {
+          run_task(call, t);
+        } catch (...) {  // allocation failure inside a pool thread: reported below
+          failed.store(true);
+        }
+      };
+      for_each(context, parallel, call.panels * ((xc.rows + kTaskRows - 1) / kTaskRows), task);
+      if (failed.load()) throw std::bad_alloc();
     }
     const float nan = Fp8::from_bits(0x7FC00000u);
-    for (const int64_t col : packed->nan_columns)
+    for (const int64_t col : meta->nan_columns)
       for (int64_t m = 0; m < d.M; ++m) out[m * d.N + col] = nan;
   }
 };
@@ -682,3 +841,16 @@ void AppendFp8LinearOps(std::vector<std::unique_ptr<Ort::Custom::OrtLiteCustomOp
 }
 
 }  // namespace csa
+
+// The counts (calls, tasks on the few-rows path, W blocks that are not int16 summed against
+// every row, (row, block, group)s summed in two digits, (row, block, column)s summed in
+// int64) into out[0..n); returns how many there are.
+extern "C" __attribute__((visibility("default"))) uint64_t csa2onnx_fp8_linear_counts(uint64_t* out,
+                                                                                     uint64_t n) {
+  const uint64_t values[] = {csa::counts.calls.load(), csa::counts.small_tasks.load(),
+                             csa::counts.lane_sums.load(), csa::counts.row_sums.load(),
+                             csa::counts.wide_sums.load()};
+  const uint64_t total = sizeof values / sizeof values[0];
+  for (uint64_t i = 0; i < n && i < total; ++i) out[i] = values[i];
+  return total;
+}

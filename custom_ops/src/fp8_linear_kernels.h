@@ -1,0 +1,752 @@
+// Fp8Linear's CPU kernels on packed int16 panels (fp8_linear_op.cc holds the op and the
+// orchestration; fp8_int_blocks.h the exactness rule). Included by fp8_linear_op.cc only,
+// which is compiled with -ffp-contract=off: the float epilogue must stay multiply,
+// multiply, multiply, add, each rounded on its own.
+//
+// Data the kernels share (all int16 values exact, so every path computes the same sums):
+// - a panel: 64 columns of W over a few K blocks as int16 k-pairs,
+//   pw[kb][pair 0..15][column 0..63][2] = (w[n, 32kb+2p] , w[n, 32kb+2p+1]) >> t[n, kb]
+//   (0 for columns past N and for blocks that are not int16), and g[kb][column] = 2^t;
+// - X rows as int16 (act_quant's e4m3 units >> t_x per block; where a block is not int16,
+//   its high digit, the low digit kept apart),
+//   row-major [rows][K], and for the AVX-512 path the same pairs transposed, [K/2][rows16];
+// - per (row, K block): t_x as cm = 2^(t_x - 18), the scale xs, and the flags of the column
+//   groups (16 columns) whose int32 sums are not known to be exact;
+// - override slots: for a (K block, group) that has flagged rows or blocks that are not
+//   int16, slot[row][16] holds the exact float(sum) of those lanes, computed by wider kernels
+//   (f_lanes: one W block that is not int16 against every row, lanes over rows; row_patch:
+//   one flagged row against a group, X in two digits).
+// The tiles (rows x 64 columns per K block) sum in int32 lanes, then per lane
+//   P = float(S) (or the slot's value), d = (P * 2^t_w) * 2^(t_x - 18)  (exact: the block dot),
+//   out = out + d * (xs * ws)  (as the definition: one rounding for the product, one for +).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "fp8_int_blocks.h"
+#include "fp8_linear.h"
+#include "simd.h"
+#ifdef CSA_X86
+#include <immintrin.h>
+#endif
+
+#define CSA_INLINE __attribute__((always_inline)) inline
+
+namespace csa::fp8_kernels {
+
+using fp8_int::kUnits;
+
+constexpr int64_t kBlock = Fp8::kBlock;     // K block (32)
+constexpr int64_t kPairs = kBlock / 2;      // k-pairs per block
+constexpr int64_t kLanes = 16;              // columns per group (one zmm of int32 lanes)
+constexpr int64_t kPanel = 64;              // columns per panel
+constexpr int64_t kGroups = kPanel / kLanes;
+constexpr int64_t kChunkKb = 8;             // K blocks packed at a time
+constexpr int64_t kPanelInts = kChunkKb * kPairs * kPanel * 2;  // int16 values per panel buffer
+
+// W's per-block figures, computed once for a constant W (else per call).
+struct WView {
+  const uint8_t* w;        // [N][K] e4m3fn codes, read in place
+  int64_t N, K, KB;
+  int64_t groups;          // ceil(N / 16)
+  const uint8_t* shift;    // [KB][groups * 16]: t of each (column, block)
+  const uint16_t* bad;     // [groups][KB]: lanes whose block is not int16
+};
+
+struct PackJob {
+  WView w;
+  int64_t panel, kb0, kbs;
+  int16_t* pw;   // [kbs][kPairs][kPanel][2]
+  float* g;      // [kbs][kPanel]
+};
+
+struct TaskView {
+  const int16_t* xi;      // [rows][K], the task's first row
+  int64_t K, KB;
+  const float* cm;        // [KB][ld] at the task's first row
+  const float* xs;        // [KB][ld]
+  int64_t ld;             // the chunk's rows (stride of cm / xs)
+  int64_t rows;
+  int64_t kb0, kbs;
+  const int16_t* pw;
+  const float* g;
+  const float* ws0;       // WScale rows of the panel's two 32-column halves, [KB] each
+  const float* ws1;
+  const uint8_t* flags;   // [kChunkKb][rows]: bit c = group c needs its slot's row
+  const uint64_t* masks;  // [kChunkKb][rows]: per group, the lanes taken from its slot
+  const float* const* slot;  // [kChunkKb][kGroups]: [rows][16] (a dummy where none is needed)
+  const uint16_t* bad;       // [kChunkKb][kGroups]
+  float* out;             // [rows][kPanel]
+};
+
+inline int32_t pair_of(int32_t lo, int32_t hi) {
+  return static_cast<int32_t>((static_cast<uint32_t>(lo) & 0xFFFFu) |
+                              (static_cast<uint32_t>(hi) << 16));
+}
+
+struct FJob {               // one W block that is not int16, against every row
+  const int16_t* xi;        // generic: [rows][K] at the block's first column
+  int64_t K;
+  const int32_t* xt;        // AVX-512: [kPairs][ldt] pairs at the block and the first row
+  int64_t ldt;
+  int64_t rows;
+  const uint8_t* codes;     // the W block's 32 codes
+  uint32_t t;               // and its shift
+  float* f;                 // [rows16]: float(sum), exact
+};
+
+// A W block's units >> t (up to 18 bits) as two digits in int16 pairs: v = h * 2^8 + l.
+CSA_INLINE void w_digits_generic(const uint8_t* codes, uint32_t t, int32_t* wh, int32_t* wl) {
+  int32_t h[kBlock], l[kBlock];
+  for (int64_t i = 0; i < kBlock; ++i) {
+    const int32_t v = kUnits.v[codes[i]] >> t;
+    h[i] = v >> fp8_int::kDigitBits;                      // [-2^10, 2^10)
+    l[i] = v & ((1 << fp8_int::kDigitBits) - 1);          // [0, 2^8)
+  }
+  for (int64_t p = 0; p < kPairs; ++p) {
+    wh[p] = pair_of(h[2 * p], h[2 * p + 1]);
+    wl[p] = pair_of(l[2 * p], l[2 * p + 1]);
+  }
+}
+
+struct RowJob {             // one flagged row of one K block against its flagged groups
+  const int16_t* x;         // the row's block: units >> t_x, or their high digit (not int16)
+  const uint8_t* xlo;       // the low digit (block not int16)
+  bool fits;                // the block is int16
+  const int16_t* pw;        // the panel at (block, pair 0, column 0)
+  uint32_t groups;          // bit c: patch group c
+  const uint16_t* bad;      // [kGroups]: lanes left alone (not int16: f_lanes' values)
+  float* out[kGroups];      // the groups' slot rows (16 floats)
+};
+
+// The row's block as two digits, h * 2^8 + l (|h| < 2^10, 0 <= l < 2^8).
+CSA_INLINE void row_digits(const RowJob& j, int32_t* h, int32_t* l) {
+  for (int64_t i = 0; i < kBlock; ++i) {
+    h[i] = j.fits ? j.x[i] >> fp8_int::kDigitBits : j.x[i];
+    l[i] = j.fits ? j.x[i] & ((1 << fp8_int::kDigitBits) - 1) : j.xlo[i];
+  }
+}
+
+struct FlagJob {
+  const uint32_t* lim_l1;   // [KB][ld] at the task's first row
+  const uint32_t* lim_max;
+  int64_t ld, rows, kb0, kbs;
+  const uint32_t* l1max;    // [kbs][kGroups] of this panel
+  const uint32_t* absmax;
+  const uint16_t* bad;      // [kbs][kGroups]
+  uint8_t* flags;           // [kbs][rows]: bit c = group c's int32 sums may not be exact
+  uint64_t* masks;          // [kbs][rows]: 16 bits per group, the lanes the tiles take from slots
+};
+
+// ------------------------------------------------------------------ generic kernels
+// Plain C++, compiled into each instruction-set wrapper (and the scalar path).
+
+CSA_INLINE void pack_generic(const PackJob& j) {
+  for (int64_t kbi = 0; kbi < j.kbs; ++kbi) {
+    const int64_t kb = j.kb0 + kbi;
+    for (int64_t lane = 0; lane < kPanel; ++lane) {
+      const int64_t n = j.panel * kPanel + lane;
+      const int64_t grp = n / kLanes;
+      uint32_t t = 0;
+      bool valid = n < j.w.N;
+      if (grp < j.w.groups) {
+        t = j.w.shift[kb * j.w.groups * kLanes + n];
+        valid = valid && ((j.w.bad[grp * j.w.KB + kb] >> (n % kLanes)) & 1u) == 0;
+      }
+      j.g[kbi * kPanel + lane] = fp8_int::pow2f(static_cast<int>(t));
+      int16_t* dst = j.pw + (kbi * kPairs * kPanel + lane) * 2;
+      for (int64_t i = 0; i < kBlock; ++i) {
+        const int16_t v =
+            valid ? static_cast<int16_t>(kUnits.v[j.w.w[n * j.w.K + kb * kBlock + i]] >> t)
+                  : int16_t{0};
+        dst[(i / 2) * kPanel * 2 + i % 2] = v;
+      }
+    }
+  }
+}
+
+CSA_INLINE void flags_generic(const FlagJob& j) {
+  static_assert(kGroups == 4, "one flag bit per group");
+  for (int64_t kbi = 0; kbi < j.kbs; ++kbi) {
+    const uint32_t* __restrict l1 = j.lim_l1 + (j.kb0 + kbi) * j.ld;
+    const uint32_t* __restrict mx = j.lim_max + (j.kb0 + kbi) * j.ld;
+    const uint32_t a0 = j.l1max[kbi * kGroups], a1 = j.l1max[kbi * kGroups + 1];
+    const uint32_t a2 = j.l1max[kbi * kGroups + 2], a3 = j.l1max[kbi * kGroups + 3];
+    const uint32_t b0 = j.absmax[kbi * kGroups], b1 = j.absmax[kbi * kGroups + 1];
+    const uint32_t b2 = j.absmax[kbi * kGroups + 2], b3 = j.absmax[kbi * kGroups + 3];
+    uint64_t base = 0;
+    for (int64_t c = 0; c < kGroups; ++c) base |= uint64_t{j.bad[kbi * kGroups + c]} << (16 * c);
+    uint8_t* __restrict f = j.flags + kbi * j.rows;
+    uint64_t* __restrict mk = j.masks + kbi * j.rows;
+    for (int64_t r = 0; r < j.rows; ++r) {
+      const uint32_t p = l1[r], q = mx[r];
+      const uint32_t f0 = (a0 > p) & (b0 > q), f1 = (a1 > p) & (b1 > q);
+      const uint32_t f2 = (a2 > p) & (b2 > q), f3 = (a3 > p) & (b3 > q);
+      f[r] = static_cast<uint8_t>(f0 | (f1 << 1) | (f2 << 2) | (f3 << 3));
+      mk[r] = base | (uint64_t{f0} * 0xFFFFu) | (uint64_t{f1} * 0xFFFF0000u) |
+              (uint64_t{f2} * 0xFFFF00000000u) | (uint64_t{f3} * 0xFFFF000000000000u);
+    }
+  }
+}
+
+// The epilogue of one (row, lane): the same float operations on every path.
+CSA_INLINE float block_term(float p, float g, float cm, float sc) {
+  const float dot = (p * g) * cm;  // exact: float(sum) * 2^(t_w + t_x - 18)
+  return dot * sc;
+}
+
+// One row x 64 columns for K block kbi, int64 sums (exact for every lane; lanes that the
+// int16 packing zeroed or that are flagged take the slot's value).
+CSA_INLINE void tile_row_generic(const TaskView& v, int64_t r, int64_t kbi) {
+  const int64_t kb = v.kb0 + kbi;
+  const int16_t* pw = v.pw + kbi * kPairs * kPanel * 2;
+  const int16_t* x = v.xi + r * v.K + kb * kBlock;
+  int64_t acc[kPanel] = {};
+  for (int64_t p = 0; p < kPairs; ++p) {
+    const int64_t x0 = x[2 * p], x1 = x[2 * p + 1];
+    const int16_t* w = pw + p * kPanel * 2;
+    for (int64_t lane = 0; lane < kPanel; ++lane)
+      acc[lane] += x0 * w[2 * lane] + x1 * w[2 * lane + 1];
+  }
+  const float cm = v.cm[kb * v.ld + r], xs = v.xs[kb * v.ld + r];
+  const float sc[2] = {xs * v.ws0[kb], xs * v.ws1[kb]};
+  for (int64_t c = 0; c < kGroups; ++c) {
+    const float* slot = v.slot[kbi * kGroups + c];
+    const uint32_t mask = static_cast<uint32_t>(v.masks[kbi * v.rows + r] >> (16 * c)) & 0xFFFFu;
+    for (int64_t i = 0; i < kLanes; ++i) {
+      const int64_t lane = c * kLanes + i;
+      float p = static_cast<float>(acc[lane]);
+      if ((mask >> i) & 1u) p = slot[r * kLanes + i];
+      float& o = v.out[r * kPanel + lane];
+      o = o + block_term(p, v.g[kbi * kPanel + lane], cm, sc[c / 2]);
+    }
+  }
+}
+
+CSA_INLINE void tiles_generic(const TaskView& v, int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t kbi = 0; kbi < v.kbs; ++kbi) tile_row_generic(v, r, kbi);
+}
+
+// sum = hi * 2^8 + lo, rounded once to float.
+CSA_INLINE float digits_to_float(int64_t hi, int64_t lo) {
+  return static_cast<float>(hi * (int64_t{1} << fp8_int::kDigitBits) + lo);
+}
+
+CSA_INLINE void f_lanes_generic(const FJob& j) {
+  int32_t wh[kPairs], wl[kPairs];
+  w_digits_generic(j.codes, j.t, wh, wl);
+  for (int64_t r = 0; r < j.rows; ++r) {
+    const int16_t* x = j.xi + r * j.K;
+    int64_t h = 0, l = 0;
+    for (int64_t p = 0; p < kPairs; ++p) {
+      const int64_t x0 = x[2 * p], x1 = x[2 * p + 1];
+      h += x0 * static_cast<int16_t>(wh[p] & 0xFFFF) + x1 * static_cast<int16_t>(wh[p] >> 16);
+      l += x0 * static_cast<int16_t>(wl[p] & 0xFFFF) + x1 * static_cast<int16_t>(wl[p] >> 16);
+    }
+    j.f[r] = digits_to_float(h, l);
+  }
+}
+
+CSA_INLINE void row_patch_generic(const RowJob& j) {
+  int32_t h[kBlock], l[kBlock];
+  row_digits(j, h, l);
+  for (int64_t c = 0; c < kGroups; ++c) {
+    if (((j.groups >> c) & 1u) == 0) continue;
+    const int16_t* pw = j.pw + c * kLanes * 2;
+    for (int64_t i = 0; i < kLanes; ++i) {
+      if ((j.bad[c] >> i) & 1u) continue;
+      int64_t hs = 0, ls = 0;
+      for (int64_t k = 0; k < kBlock; ++k) {
+        const int64_t w = pw[((k / 2) * kPanel + i) * 2 + k % 2];
+        hs += w * h[k];
+        ls += w * l[k];
+      }
+      j.out[c][i] = digits_to_float(hs, ls);
+    }
+  }
+}
+
+#ifdef CSA_X86
+// GCC 12 flags the intrinsics' own _mm*_undefined_* placeholders as (maybe-)uninitialized.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+
+// ---------------------------------------------------------------------- AVX2 tiles
+// 2 rows x 32 columns (4 ymm of 8 int32 lanes) per step, vpmaddwd + vpaddd (exact: the
+// flagged lanes may wrap, and take their slot's value).
+template <int MR>
+CSA_TARGET_AVX2 CSA_INLINE void tile_avx2(const TaskView& v, int64_t r0, int64_t kbi,
+                                          int64_t half) {
+  const int64_t kb = v.kb0 + kbi;
+  const int16_t* pw = v.pw + kbi * kPairs * kPanel * 2 + half * 32 * 2;
+  const int16_t* x = v.xi + r0 * v.K + kb * kBlock;
+  __m256i acc[MR][4];
+  for (int m = 0; m < MR; ++m)
+    for (int q = 0; q < 4; ++q) acc[m][q] = _mm256_setzero_si256();
+  for (int64_t p = 0; p < kPairs; ++p) {
+    __m256i w[4];
+    for (int q = 0; q < 4; ++q)
+      w[q] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pw + (p * kPanel + 8 * q) * 2));
+    for (int m = 0; m < MR; ++m) {
+      int32_t pair;
+      std::memcpy(&pair, x + m * v.K + 2 * p, sizeof pair);
+      const __m256i xv = _mm256_set1_epi32(pair);
+      for (int q = 0; q < 4; ++q) acc[m][q] = _mm256_add_epi32(acc[m][q], _mm256_madd_epi16(xv, w[q]));
+    }
+  }
+  const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  for (int q = 0; q < 4; ++q) {
+    const int64_t c = (half * 32 + 8 * q) / kLanes, i0 = (8 * q) % kLanes;
+    const float* slot = v.slot[kbi * kGroups + c];
+    const float* wsrow = half == 0 ? v.ws0 : v.ws1;
+    const __m256 g = _mm256_loadu_ps(v.g + kbi * kPanel + half * 32 + 8 * q);
+    for (int m = 0; m < MR; ++m) {
+      const int64_t r = r0 + m;
+      const uint32_t mask = static_cast<uint32_t>(v.masks[kbi * v.rows + r] >> (16 * c)) & 0xFFFFu;
+      const __m256i bits = _mm256_set1_epi32(static_cast<int>((mask >> i0) & 0xFFu));
+      const __m256 take = _mm256_castsi256_ps(
+          _mm256_cmpeq_epi32(_mm256_and_si256(bits, lane_bit), lane_bit));
+      const __m256 p = _mm256_blendv_ps(_mm256_cvtepi32_ps(acc[m][q]),
+                                        _mm256_loadu_ps(slot + r * kLanes + i0), take);
+      const __m256 cm = _mm256_set1_ps(v.cm[kb * v.ld + r]);
+      const __m256 sc = _mm256_set1_ps(v.xs[kb * v.ld + r] * wsrow[kb]);
+      const __m256 term = _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(p, g), cm), sc);
+      float* o = v.out + r * kPanel + half * 32 + 8 * q;
+      _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), term));
+    }
+  }
+}
+
+template <int MR>
+CSA_TARGET_AVX2 __attribute__((noinline)) void tile_rows_avx2(const TaskView& v, int64_t r0) {
+  for (int64_t kbi = 0; kbi < v.kbs; ++kbi)
+    for (int64_t half = 0; half < 2; ++half) tile_avx2<MR>(v, r0, kbi, half);
+}
+
+CSA_TARGET_AVX2 CSA_INLINE void tiles_avx2_body(const TaskView& v, int64_t r0, int64_t r1) {
+  int64_t r = r0;
+  for (; r + 2 <= r1; r += 2) tile_rows_avx2<2>(v, r);
+  if (r < r1) tile_rows_avx2<1>(v, r);
+}
+
+// -------------------------------------------------------------------- AVX-512 kernels
+// vpdpwssd through inline assembly: GCC 12 keeps the intrinsic's accumulators in memory
+// (a store and a load around every instruction), which halves the tile's speed.
+#define CSA_DP16(kVnni, acc, a, b)                                     \
+  do {                                                                  \
+    if (kVnni) {                                                        \
+      asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));         \
+    } else {                                                            \
+      (acc) = _mm512_add_epi32((acc), _mm512_madd_epi16((a), (b)));     \
+    }                                                                   \
+  } while (0)
+
+// MR rows (1..6) x 64 columns for K block kbi: 16 pairs of vpdpwssd into MR x 4 zmm, then
+// the epilogue (slots by masked loads).
+template <int MR, bool kVnni, bool kSlots>
+CSA_TARGET_AVX512 CSA_INLINE void tile_avx512(const TaskView& v, int64_t r0, int64_t kbi) {
+  const int64_t kb = v.kb0 + kbi;
+  const int16_t* pw = v.pw + kbi * kPairs * kPanel * 2;
+  const int16_t* x = v.xi + r0 * v.K + kb * kBlock;
+  __m512i acc[MR][kGroups];
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+    for (int c = 0; c < kGroups; ++c) acc[m][c] = _mm512_setzero_si512();
+  for (int64_t p = 0; p < kPairs; ++p) {
+    __m512i w[kGroups];
+#pragma GCC unroll 4
+    for (int c = 0; c < kGroups; ++c) w[c] = _mm512_loadu_si512(pw + (p * kPanel + kLanes * c) * 2);
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+      int32_t pair;
+      std::memcpy(&pair, x + m * v.K + 2 * p, sizeof pair);
+      const __m512i xv = _mm512_set1_epi32(pair);
+#pragma GCC unroll 4
+      for (int c = 0; c < kGroups; ++c) CSA_DP16(kVnni, acc[m][c], xv, w[c]);
+    }
+  }
+  // kSlots: some lanes take their slot's value. Every slot pointer is valid (groups without
+  // overrides share a dummy one, whose mask is always 0): a masked load in every lane group
+  // keeps the epilogue free of branches, which would make GCC spill the accumulators.
+  const uint64_t* masks = v.masks + kbi * v.rows + r0;
+  const float ws[2] = {v.ws0[kb], v.ws1[kb]};
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m) {
+    const int64_t r = r0 + m;
+    const float xs = v.xs[kb * v.ld + r];
+    const __m512 cm = _mm512_set1_ps(v.cm[kb * v.ld + r]);
+    const __m512 sc[2] = {_mm512_set1_ps(xs * ws[0]), _mm512_set1_ps(xs * ws[1])};
+    const uint64_t take = masks[m];
+#pragma GCC unroll 4
+    for (int c = 0; c < kGroups; ++c) {
+      __m512 p = _mm512_cvtepi32_ps(acc[m][c]);
+      if (kSlots)
+        p = _mm512_mask_loadu_ps(p, static_cast<__mmask16>(take >> (16 * c)),
+                                 v.slot[kbi * kGroups + c] + r * kLanes);
+      const __m512 g = _mm512_loadu_ps(v.g + kbi * kPanel + kLanes * c);
+      const __m512 term = _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(p, g), cm), sc[c / 2]);
+      float* o = v.out + r * kPanel + kLanes * c;
+      _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), term));
+    }
+  }
+}
+
+// One function per row count: inlined into one body, GCC spills the accumulators.
+template <int MR, bool kVnni>
+CSA_TARGET_AVX512 __attribute__((noinline)) void tile_rows_avx512(const TaskView& v, int64_t r0) {
+  for (int64_t kbi = 0; kbi < v.kbs; ++kbi) {
+    uint64_t any = 0;
+    for (int m = 0; m < MR; ++m) any |= v.masks[kbi * v.rows + r0 + m];
+    if (any != 0) {
+      tile_avx512<MR, kVnni, true>(v, r0, kbi);
+    } else {
+      tile_avx512<MR, kVnni, false>(v, r0, kbi);
+    }
+  }
+}
+
+template <bool kVnni>
+CSA_TARGET_AVX512 CSA_INLINE void tiles_avx512_body(const TaskView& v, int64_t r0, int64_t r1) {
+  int64_t r = r0;
+  for (; r + 6 <= r1; r += 6) tile_rows_avx512<6, kVnni>(v, r);
+  switch (r1 - r) {
+    case 5: tile_rows_avx512<5, kVnni>(v, r); break;
+    case 4: tile_rows_avx512<4, kVnni>(v, r); break;
+    case 3: tile_rows_avx512<3, kVnni>(v, r); break;
+    case 2: tile_rows_avx512<2, kVnni>(v, r); break;
+    case 1: tile_rows_avx512<1, kVnni>(v, r); break;
+    default: break;
+  }
+}
+
+// flags_generic with 16 rows a step.
+CSA_TARGET_AVX512 CSA_INLINE void flags_avx512_body(const FlagJob& j) {
+  for (int64_t kbi = 0; kbi < j.kbs; ++kbi) {
+    const uint32_t* l1 = j.lim_l1 + (j.kb0 + kbi) * j.ld;
+    const uint32_t* mx = j.lim_max + (j.kb0 + kbi) * j.ld;
+    __m512i a[kGroups], b[kGroups], lanes[kGroups];
+    uint64_t base = 0;
+    for (int64_t c = 0; c < kGroups; ++c) {
+      a[c] = _mm512_set1_epi32(static_cast<int>(j.l1max[kbi * kGroups + c]));
+      b[c] = _mm512_set1_epi32(static_cast<int>(j.absmax[kbi * kGroups + c]));
+      lanes[c] = _mm512_set1_epi64(static_cast<long long>(uint64_t{0xFFFF} << (16 * c)));
+      base |= uint64_t{j.bad[kbi * kGroups + c]} << (16 * c);
+    }
+    const __m512i base_v = _mm512_set1_epi64(static_cast<long long>(base));
+    uint8_t* f = j.flags + kbi * j.rows;
+    uint64_t* mk = j.masks + kbi * j.rows;
+    for (int64_t r = 0; r < j.rows; r += kLanes) {
+      const __mmask16 in = j.rows - r >= kLanes ? __mmask16{0xFFFF}
+                                                 : static_cast<__mmask16>((1u << (j.rows - r)) - 1u);
+      const __m512i p = _mm512_maskz_loadu_epi32(in, l1 + r), q = _mm512_maskz_loadu_epi32(in, mx + r);
+      __m512i bits = _mm512_setzero_si512();
+      __m512i m_lo = base_v, m_hi = base_v;
+      for (int64_t c = 0; c < kGroups; ++c) {
+        const __mmask16 k = _mm512_cmpgt_epu32_mask(a[c], p) & _mm512_cmpgt_epu32_mask(b[c], q);
+        bits = _mm512_mask_or_epi32(bits, k, bits, _mm512_set1_epi32(1 << c));
+        m_lo = _mm512_mask_or_epi64(m_lo, static_cast<__mmask8>(k), m_lo, lanes[c]);
+        m_hi = _mm512_mask_or_epi64(m_hi, static_cast<__mmask8>(k >> 8), m_hi, lanes[c]);
+      }
+      _mm_mask_storeu_epi8(f + r, in, _mm512_cvtepi32_epi8(bits));
+      _mm512_mask_storeu_epi64(mk + r, static_cast<__mmask8>(in), m_lo);
+      _mm512_mask_storeu_epi64(mk + r + 8, static_cast<__mmask8>(in >> 8), m_hi);
+    }
+  }
+}
+
+// hi * 2^8 + lo for 16 int32 lanes, in int64, each rounded once to float.
+CSA_TARGET_AVX512 CSA_INLINE __m512 digits_to_float16(__m512i hi, __m512i lo) {
+  const __m512i h0 = _mm512_slli_epi64(_mm512_cvtepi32_epi64(_mm512_castsi512_si256(hi)), fp8_int::kDigitBits);
+  const __m512i h1 = _mm512_slli_epi64(_mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(hi, 1)), fp8_int::kDigitBits);
+  const __m512i s0 = _mm512_add_epi64(h0, _mm512_cvtepi32_epi64(_mm512_castsi512_si256(lo)));
+  const __m512i s1 = _mm512_add_epi64(h1, _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(lo, 1)));
+  return _mm512_insertf32x8(_mm512_castps256_ps512(_mm512_cvtepi64_ps(s0)), _mm512_cvtepi64_ps(s1), 1);
+}
+
+// w_digits_generic with vector operations: units = mantissa << E from the code's fields
+// (e4m3fn: NaN codes 0), then >> t and the two digits.
+CSA_TARGET_AVX512 CSA_INLINE void w_digits_avx512(const uint8_t* codes, uint32_t t, int32_t* wh,
+                                                  int32_t* wl) {
+  const __m512i zero = _mm512_setzero_si512();
+  for (int half = 0; half < 2; ++half) {
+    const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * half)));
+    const __m512i e = _mm512_and_si512(_mm512_srli_epi32(c, 3), _mm512_set1_epi32(15));
+    __m512i mant = _mm512_and_si512(c, _mm512_set1_epi32(7));
+    mant = _mm512_mask_or_epi32(mant, _mm512_test_epi32_mask(e, e), mant, _mm512_set1_epi32(8));
+    const __m512i expo = _mm512_max_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), zero);
+    __m512i u = _mm512_sllv_epi32(mant, expo);
+    const __mmask16 nan = _mm512_cmpeq_epi32_mask(_mm512_and_si512(c, _mm512_set1_epi32(0x7F)),
+                                                  _mm512_set1_epi32(0x7F));
+    u = _mm512_maskz_mov_epi32(static_cast<__mmask16>(~nan), u);
+    u = _mm512_mask_sub_epi32(u, _mm512_test_epi32_mask(c, _mm512_set1_epi32(0x80)), zero, u);
+    const __m512i v = _mm512_sra_epi32(u, _mm_cvtsi32_si128(static_cast<int>(t)));  // exact
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(wh + 8 * half),
+                        _mm512_cvtepi32_epi16(_mm512_srai_epi32(v, fp8_int::kDigitBits)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(wl + 8 * half),
+                        _mm512_cvtepi32_epi16(_mm512_and_si512(v, _mm512_set1_epi32(255))));
+  }
+}
+
+// f_lanes with 16 rows per zmm: X^T pairs times the W block's digits broadcast.
+template <bool kVnni>
+CSA_TARGET_AVX512 CSA_INLINE void f_lanes_avx512_body(const FJob& j) {
+  alignas(64) int32_t wh[kPairs], wl[kPairs];
+  w_digits_avx512(j.codes, j.t, wh, wl);
+  for (int64_t r = 0; r < j.rows; r += kLanes) {
+    __m512i h = _mm512_setzero_si512(), l = _mm512_setzero_si512();
+    for (int64_t p = 0; p < kPairs; ++p) {
+      const __m512i xv = _mm512_loadu_si512(j.xt + p * j.ldt + r);
+      CSA_DP16(kVnni, h, xv, _mm512_set1_epi32(wh[p]));
+      CSA_DP16(kVnni, l, xv, _mm512_set1_epi32(wl[p]));
+    }
+    _mm512_storeu_ps(j.f + r, digits_to_float16(h, l));
+  }
+}
+
+template <bool kVnni>
+CSA_TARGET_AVX512 CSA_INLINE void row_patch_avx512_body(const RowJob& j) {
+  alignas(64) int32_t hp[kPairs], lp[kPairs];  // the digits as int16 pairs
+  const __m512i x = _mm512_loadu_si512(j.x);
+  if (j.fits) {
+    _mm512_store_si512(hp, _mm512_srai_epi16(x, fp8_int::kDigitBits));
+    _mm512_store_si512(lp, _mm512_and_si512(x, _mm512_set1_epi16((1 << fp8_int::kDigitBits) - 1)));
+  } else {
+    _mm512_store_si512(hp, x);
+    _mm512_store_si512(lp, _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(j.xlo))));
+  }
+  for (int64_t c = 0; c < kGroups; ++c) {
+    if (((j.groups >> c) & 1u) == 0) continue;
+    const int16_t* pw = j.pw + c * kLanes * 2;
+    __m512i h = _mm512_setzero_si512(), l = _mm512_setzero_si512();
+    for (int64_t p = 0; p < kPairs; ++p) {
+      const __m512i w = _mm512_loadu_si512(pw + p * kPanel * 2);
+      CSA_DP16(kVnni, h, _mm512_set1_epi32(hp[p]), w);
+      CSA_DP16(kVnni, l, _mm512_set1_epi32(lp[p]), w);
+    }
+    _mm512_mask_storeu_ps(j.out[c], static_cast<__mmask16>(~j.bad[c]), digits_to_float16(h, l));
+  }
+}
+
+// ---- W packing with AVX512-VBMI: 16 rows x 32 codes -> 16 pair vectors ----
+// The 16 rows' 16-bit units (two codes each) are transposed in three rounds of vpermt2w
+// (each swaps one register-index bit with one word-index bit), the last one placing the
+// words so that vpunpck{l,h}bw yields pairs in column order; then per byte: a 128-entry
+// table gives (|mantissa| << 3) (sign applied by a masked subtract) and another the
+// exponent E, and vpsravw computes (mantissa << 11) >> (11 + t - E) = units >> t exactly
+// (for an int16 block every code has E - t <= 11; zero codes give 0 at any count).
+#define CSA_TARGET_AVX512_VBMI \
+  __attribute__((target("arch=x86-64-v4,avx512vbmi,prefer-vector-width=512")))
+
+struct PackTables {
+  alignas(64) uint16_t round1[2][32], round2[2][32], round3[2][32];
+  alignas(64) uint8_t mant[128], expo[128], lane_of_byte[64];
+  PackTables() {
+    for (int w = 0; w < 32; ++w) {
+      const int b0 = w & 1, b1 = (w >> 1) & 1, b2 = (w >> 2) & 1, b3 = (w >> 3) & 1, b4 = w >> 4;
+      for (int P = 0; P < 2; ++P) {
+        round1[P][w] = static_cast<uint16_t>(b1 * 32 + ((w & ~2) | (P << 1)));
+        round2[P][w] = static_cast<uint16_t>(b2 * 32 + ((w & ~4) | (P << 2)));
+        // final word (r3 r2 p0 r1 r0) from the word (r0 p3 r2 r1 p0) of register r3
+        round3[P][w] = static_cast<uint16_t>(b4 * 32 + (b0 << 4 | P << 3 | b3 << 2 | b1 << 1 | b2));
+      }
+    }
+    for (int c = 0; c < 128; ++c) {
+      const int e = c >> 3, m = c & 7;
+      const bool nan = c == 0x7F;
+      mant[c] = nan ? 0 : static_cast<uint8_t>((e == 0 ? m : 8 + m) << 3);
+      expo[c] = nan ? 0 : static_cast<uint8_t>(e == 0 ? 0 : e - 1);
+    }
+    for (int b = 0; b < 64; ++b) {
+      const int w = b >> 1;
+      lane_of_byte[b] = static_cast<uint8_t>((((w >> 3) & 3) << 2) | (w & 3));
+    }
+  }
+};
+inline const PackTables kPackTables;
+
+// Converts 16 columns of W over one K block (group n0 / 16, block kb) to int16 pairs: calls
+// sink(p, v) for the 16 pairs p (v: 16 lanes of (w[2p], w[2p+1]) >> t; 0 in lanes past N or
+// not int16), stores 2^t of the lanes at g, and returns false (no sink calls) when no lane
+// is live.
+struct GroupConverter {
+  const PackTables& t = kPackTables;
+  const WView& w;
+
+  template <typename Sink>
+  CSA_TARGET_AVX512_VBMI CSA_INLINE bool run(int64_t n0, int64_t kb, float* g, Sink&& sink) const {
+    const __m512i zero = _mm512_setzero_si512();
+    const int64_t grp = n0 / kLanes;
+    __m128i t16 = _mm_setzero_si128();
+    uint32_t live = 0, bad = 0;  // lanes that exist; lanes whose block is not int16
+    if (grp < w.groups) {
+      t16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.shift + kb * w.groups * kLanes + n0));
+      const int64_t count = w.N - n0 < kLanes ? w.N - n0 : kLanes;
+      live = count == kLanes ? 0xFFFFu : (1u << count) - 1u;
+      bad = w.bad[grp * w.KB + kb];
+    }
+    _mm512_storeu_ps(g, _mm512_castsi512_ps(_mm512_add_epi32(
+                            _mm512_slli_epi32(_mm512_cvtepu8_epi32(t16), 23), _mm512_set1_epi32(127 << 23))));
+    const __mmask16 keep = static_cast<__mmask16>(live & ~bad);  // the others become 0
+    if (keep == 0) return false;
+    __m512i a[8], b[8];
+    const uint8_t* src = w.w + n0 * w.K + kb * kBlock;
+    if (live == 0xFFFFu) {
+      for (int i = 0; i < 8; ++i) {
+        const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + (2 * i) * w.K));
+        const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + (2 * i + 1) * w.K));
+        a[i] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+      }
+      if ((kb & 1) == 0) {  // the rows' cache lines a chunk ahead (harmless past the end)
+        for (int i = 0; i < kLanes; ++i)
+          _mm_prefetch(reinterpret_cast<const char*>(src + i * w.K + 4 * kChunkKb * kBlock), _MM_HINT_T1);
+      }
+    } else {  // the last group: rows past N are never read
+      for (int i = 0; i < 8; ++i) {
+        __m256i row[2];
+        for (int h = 0; h < 2; ++h) {
+          const int64_t lane = 2 * i + h;
+          const bool on = (live >> lane) & 1u;
+          row[h] = _mm256_maskz_loadu_epi8(on ? ~__mmask32{0} : __mmask32{0}, on ? src + lane * w.K : w.w);
+        }
+        a[i] = _mm512_inserti64x4(_mm512_castsi256_si512(row[0]), row[1], 1);
+      }
+    }
+    for (int i = 0; i < 8; ++i)
+      b[i] = _mm512_permutex2var_epi16(a[i & ~1], _mm512_load_si512(t.round1[i & 1]), a[i | 1]);
+    for (int i = 0; i < 8; ++i)
+      a[i] = _mm512_permutex2var_epi16(b[i & ~2], _mm512_load_si512(t.round2[(i >> 1) & 1]), b[i | 2]);
+    for (int i = 0; i < 8; ++i)
+      b[i] = _mm512_permutex2var_epi16(a[i & 3], _mm512_load_si512(t.round3[i >> 2]), a[(i & 3) | 4]);
+    const __m512i base = _mm512_add_epi8(
+        _mm512_permutexvar_epi8(_mm512_load_si512(t.lane_of_byte), _mm512_castsi128_si512(t16)),
+        _mm512_set1_epi8(11));
+    for (int i = 0; i < 8; ++i) {
+      const __m512i codes = b[i];
+      __m512i m = _mm512_permutex2var_epi8(_mm512_load_si512(t.mant), codes, _mm512_load_si512(t.mant + 64));
+      m = _mm512_mask_sub_epi8(m, _mm512_movepi8_mask(codes), zero, m);
+      const __m512i count = _mm512_sub_epi8(
+          base, _mm512_permutex2var_epi8(_mm512_load_si512(t.expo), codes, _mm512_load_si512(t.expo + 64)));
+      __m512i v0 = _mm512_srav_epi16(_mm512_unpacklo_epi8(zero, m), _mm512_unpacklo_epi8(count, zero));
+      __m512i v1 = _mm512_srav_epi16(_mm512_unpackhi_epi8(zero, m), _mm512_unpackhi_epi8(count, zero));
+      if (keep != 0xFFFF) {
+        v0 = _mm512_maskz_mov_epi32(keep, v0);
+        v1 = _mm512_maskz_mov_epi32(keep, v1);
+      }
+      sink(2 * i, v0);
+      sink(2 * i + 1, v1);
+    }
+    return true;
+  }
+};
+
+// Sinks of GroupConverter (structs: lambdas would not carry the target attribute).
+struct StorePairs {
+  int16_t* out;  // pair p at out + p * kPanel * 2
+  CSA_TARGET_AVX512 CSA_INLINE void operator()(int p, __m512i v) const {
+    _mm512_storeu_si512(out + p * kPanel * 2, v);
+  }
+};
+
+template <int MR, bool kVnni>
+struct DotPairs {
+  __m512i (&acc)[MR];
+  const int32_t (&x)[MR][kPairs];
+  int16_t* out;  // null: the pairs are not stored
+  CSA_TARGET_AVX512 CSA_INLINE void operator()(int p, __m512i v) const {
+    for (int m = 0; m < MR; ++m) CSA_DP16(kVnni, acc[m], _mm512_set1_epi32(x[m][p]), v);
+    if (out != nullptr) _mm512_storeu_si512(out + p * kPanel * 2, v);
+  }
+};
+
+CSA_TARGET_AVX512_VBMI CSA_INLINE void pack_vbmi_body(const PackJob& j) {
+  const GroupConverter conv{kPackTables, j.w};
+  for (int64_t c = 0; c < kGroups; ++c) {  // as dot_small: a group's rows, then the next
+    for (int64_t kbi = 0; kbi < j.kbs; ++kbi) {
+      int16_t* out = j.pw + kbi * kPairs * kPanel * 2 + c * kLanes * 2;
+      const bool any = conv.run(j.panel * kPanel + c * kLanes, j.kb0 + kbi, j.g + kbi * kPanel + c * kLanes,
+                                StorePairs{out});
+      if (!any)
+        for (int64_t p = 0; p < kPairs; ++p) _mm512_storeu_si512(out + p * kPanel * 2, _mm512_setzero_si512());
+    }
+  }
+}
+
+// Few rows (decode): the pairs go straight from the conversion into vpdpwssd, and the int32
+// sums are stored for the epilogue (after the slots are filled); a group's pairs are stored
+// too where a flagged row needs them (row_patch).
+struct SmallJob {
+  WView w;
+  int64_t panel, kb0, kbs;
+  const int16_t* xi;          // [rows][K], the task's first row
+  int64_t K, rows;            // rows <= kSmallRows
+  const uint8_t* keep_pw;     // [kbs][kGroups]
+  int16_t* pw;
+  float* g;
+  int32_t* sums;              // [kbs][kGroups][rows][16]
+};
+constexpr int64_t kSmallRows = 4;
+
+template <int MR, bool kVnni>
+CSA_TARGET_AVX512_VBMI __attribute__((noinline)) void dot_small_vbmi(const SmallJob& j) {
+  const GroupConverter conv{kPackTables, j.w};
+  // one group's 16 rows through the chunk's blocks, then the next group: 16 sequential
+  // streams at a time for the prefetchers (not 64)
+  for (int64_t c = 0; c < kGroups; ++c) {
+    for (int64_t kbi = 0; kbi < j.kbs; ++kbi) {
+      const int64_t kb = j.kb0 + kbi;
+      __m512i acc[MR];
+      for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_si512();
+      int32_t x[MR][kPairs];
+      for (int m = 0; m < MR; ++m) std::memcpy(x[m], j.xi + m * j.K + kb * kBlock, sizeof x[m]);
+      int16_t* out = j.pw + (kbi * kPairs * kPanel + c * kLanes) * 2;
+      const bool store = j.keep_pw[kbi * kGroups + c] != 0;
+      const bool any = conv.run(j.panel * kPanel + c * kLanes, kb, j.g + kbi * kPanel + c * kLanes,
+                                DotPairs<MR, kVnni>{acc, x, store ? out : nullptr});
+      if (!any && store)
+        for (int64_t p = 0; p < kPairs; ++p) _mm512_storeu_si512(out + p * kPanel * 2, _mm512_setzero_si512());
+      for (int m = 0; m < MR; ++m)
+        _mm512_storeu_si512(j.sums + ((kbi * kGroups + c) * j.rows + m) * kLanes, acc[m]);
+    }
+  }
+}
+
+template <bool kVnni>
+CSA_TARGET_AVX512_VBMI CSA_INLINE void dot_small_body(const SmallJob& j) {
+  switch (j.rows) {
+    case 1: dot_small_vbmi<1, kVnni>(j); break;
+    case 2: dot_small_vbmi<2, kVnni>(j); break;
+    case 3: dot_small_vbmi<3, kVnni>(j); break;
+    default: dot_small_vbmi<4, kVnni>(j); break;
+  }
+}
+
+// The epilogue of dot_small: per row and group, the blocks in order.
+CSA_TARGET_AVX512 CSA_INLINE void epilogue_small_body(const TaskView& v, const int32_t* sums) {
+  for (int64_t r = 0; r < v.rows; ++r) {
+    for (int64_t c = 0; c < kGroups; ++c) {
+      float* o = v.out + r * kPanel + kLanes * c;
+      __m512 f = _mm512_loadu_ps(o);
+      for (int64_t kbi = 0; kbi < v.kbs; ++kbi) {
+        const int64_t kb = v.kb0 + kbi;
+        const __m512 s = _mm512_cvtepi32_ps(_mm512_loadu_si512(sums + ((kbi * kGroups + c) * v.rows + r) * kLanes));
+        const __m512 p = _mm512_mask_loadu_ps(s, static_cast<__mmask16>(v.masks[kbi * v.rows + r] >> (16 * c)),
+                                              v.slot[kbi * kGroups + c] + r * kLanes);
+        const float xs = v.xs[kb * v.ld + r];
+        const __m512 g = _mm512_loadu_ps(v.g + kbi * kPanel + kLanes * c);
+        const __m512 cm = _mm512_set1_ps(v.cm[kb * v.ld + r]);
+        const __m512 sc = _mm512_set1_ps(xs * (c < 2 ? v.ws0 : v.ws1)[kb]);
+        f = _mm512_add_ps(f, _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(p, g), cm), sc));
+      }
+      _mm512_storeu_ps(o, f);
+    }
+  }
+}
+
+#pragma GCC diagnostic pop
+#endif  // CSA_X86
+
+}  // namespace csa::fp8_kernels
