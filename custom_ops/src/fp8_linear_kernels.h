@@ -10,8 +10,8 @@
 // - X rows as int16 (act_quant's e4m3 units >> t_x per block; where a block is not int16,
 //   its high digit, the low digit kept apart),
 //   row-major [rows][K], and for the AVX-512 path the same pairs transposed, [K/2][rows16];
-// - per (row, K block): t_x as cm = 2^(t_x - 18), the scale xs, and the flags of the column
-//   groups (16 columns) whose int32 sums are not known to be exact;
+// - per (row, K block): t_x as cm = 2^(t_x - 18), the scale xs, and the column groups (16
+//   columns) whose int32 sums are not known to be exact (flags; per lane: masks);
 // - override slots: for a (K block, group) that has flagged rows or blocks that are not
 //   int16, slot[row][16] holds the exact float(sum) of those lanes, computed by wider kernels
 //   (f_lanes: one W block that is not int16 against every row, lanes over rows; row_patch:
@@ -61,6 +61,21 @@ struct PackJob {
   float* g;      // [kbs][kPanel]
 };
 
+// Few rows (decode): the pairs go straight from the conversion into vpdpwssd, and the int32
+// sums are stored for the epilogue (after the slots are filled); a group's pairs are stored
+// too where a flagged row needs them (row_patch).
+struct SmallJob {
+  WView w;
+  int64_t panel, kb0, kbs;
+  const int16_t* xi;          // [rows][K], the task's first row
+  int64_t K, rows;            // rows <= kSmallRows
+  const uint8_t* keep_pw;     // [kbs][kGroups]
+  int16_t* pw;
+  float* g;
+  int32_t* sums;              // [kbs][kGroups][rows][16]
+};
+constexpr int64_t kSmallRows = 4;
+
 struct TaskView {
   const int16_t* xi;      // [rows][K], the task's first row
   int64_t K, KB;
@@ -73,7 +88,6 @@ struct TaskView {
   const float* g;
   const float* ws0;       // WScale rows of the panel's two 32-column halves, [KB] each
   const float* ws1;
-  const uint8_t* flags;   // [kChunkKb][rows]: bit c = group c needs its slot's row
   const uint64_t* masks;  // [kChunkKb][rows]: per group, the lanes taken from its slot
   const float* const* slot;  // [kChunkKb][kGroups]: [rows][16] (a dummy where none is needed)
   const uint16_t* bad;       // [kChunkKb][kGroups]
@@ -674,21 +688,6 @@ CSA_TARGET_AVX512_VBMI CSA_INLINE void pack_vbmi_body(const PackJob& j) {
     }
   }
 }
-
-// Few rows (decode): the pairs go straight from the conversion into vpdpwssd, and the int32
-// sums are stored for the epilogue (after the slots are filled); a group's pairs are stored
-// too where a flagged row needs them (row_patch).
-struct SmallJob {
-  WView w;
-  int64_t panel, kb0, kbs;
-  const int16_t* xi;          // [rows][K], the task's first row
-  int64_t K, rows;            // rows <= kSmallRows
-  const uint8_t* keep_pw;     // [kbs][kGroups]
-  int16_t* pw;
-  float* g;
-  int32_t* sums;              // [kbs][kGroups][rows][16]
-};
-constexpr int64_t kSmallRows = 4;
 
 template <int MR, bool kVnni>
 CSA_TARGET_AVX512_VBMI __attribute__((noinline)) void dot_small_vbmi(const SmallJob& j) {
