@@ -1,18 +1,22 @@
 """Graph-side calls of the custom ops, for onnxscript's GraphBuilder (`op` is an OpBuilder).
 
 onnxruntime cannot infer the output types of custom-domain nodes, so these wrappers set
-them. A portable graph (PORTABLE_KEY in its metadata) uses only standard ONNX: the custom
-nodes keep their names and get standard-op function bodies (`portable.py`) attached to
-the model, RMSNorm is spelled out in torch's summation order, and top-k becomes ONNX
-`TopK`, which breaks ties lowest-index-first instead of torch's way. `TorchLinear`
-also has a standard-op body there (`MatMul`, exact up to the summation order), and so has
-`Fp8Linear` (bit-exact: per-block double `MatMul`s added in block order by a `Loop`),
-`WriteRows` (Slices and Concats: a copy, never in place), and `PackQuantized` /
-`UnpackQuantized` (bit-exact, NaN payloads aside). `SparseAttention` with a packed cache
-becomes Concat(kv, UnpackQuantized(cache)) and the 4-input node there: a function body
-cannot leave out an optional input it uses (onnxruntime rejects the inlined node).
-`RopeCosSin` has no body: a portable graph keeps the RoPE tables as initializers instead
-(graphs/rope.py).
+them.
+
+One mechanism makes a graph portable (PORTABLE_KEY in its metadata: standard ONNX only): the
+custom nodes stay as they are, and a `--portable` artifact carries a standard-op ONNX
+function body for each (custom_ops/portable.py), which onnxruntime inlines when the library is
+not registered (where it is, the kernels run). The wrappers below build the same nodes either
+way, with two exceptions that a function body cannot express:
+
+- `RopeCosSin` has no body (ONNX Cos/Sin are not the C library's cosf/sinf): a portable graph
+  keeps the RoPE tables as initializers and gathers from them (graphs/rope.py `FreqsCis`).
+- `SparseAttention` over a packed cache becomes Concat(kv, UnpackQuantized(cache)) and the
+  4-input node: a function body cannot leave out an optional input it uses (onnxruntime
+  rejects the inlined node), so the body takes float rows only.
+
+TorchLinear's panels64 weights are not for portable graphs either (its body is a MatMul of a
+plain [N, K] W); that is an error here, not a different node.
 """
 
 from __future__ import annotations
@@ -58,15 +62,11 @@ def torch_topk(op: OpBuilder, x: ir.Value, k: ir.Value, *, largest: bool = True,
                sorted: bool = True) -> tuple[ir.Value, ir.Value]:
     """Top-k along the last axis with torch CPU's tie order: (values, int64 indices).
 
-    `k` is an int64 tensor of shape [1]. In a portable graph ONNX TopK (ties to the lowest
-    index) stands in: exact wherever no tie decides.
-    """
-    if is_portable(op):
-        values, indices = op.TopK(x, k, axis=-1, largest=int(largest), sorted=1, _outputs=2)
-    else:
-        csa = op.builder.opset(DOMAIN, DOMAIN_VERSION)
-        values, indices = csa.TorchTopK(x, k, largest=int(largest), sorted=int(sorted),
-                                        _outputs=2)
+    `k` is an int64 tensor of shape [1]. A portable artifact runs ONNX TopK instead (the
+    op's function body: ties to the lowest index, always sorted), exact wherever no tie
+    decides."""
+    csa = op.builder.opset(DOMAIN, DOMAIN_VERSION)
+    values, indices = csa.TorchTopK(x, k, largest=int(largest), sorted=int(sorted), _outputs=2)
     return _typed(values, ir.DataType.FLOAT), _typed(indices, ir.DataType.INT64)
 
 
@@ -137,77 +137,12 @@ def is_portable(op: OpBuilder) -> bool:
 
 def torch_rms_norm(op: OpBuilder, x: ir.Value, w: ir.Value, eps: float) -> ir.Value:
     """w * (x * rsqrt(mean(x^2) + eps)) over the last axis in float32, the mean summed in
-    torch CPU's order. No rounding inside: round to bf16 where the reference does.
-
-    In a portable graph the same order is spelled out in standard ops (the width is known
-    from w): a last-bit change in the variance flips bf16 roundings further on."""
+    torch CPU's order (custom_ops/src/torch_rms_norm.h; the portable body spells out the
+    same order, bit for bit). No rounding inside: round to bf16 where the reference does."""
     if not eps > 0:
         raise ValueError(f"RMSNorm eps must be > 0, got {eps}")
-    if is_portable(op) and w.shape is not None and isinstance(w.shape[0], int):
-        n = w.shape[0]
-        mean = op.Div(torch_sum_last_axis(op, op.Mul(x, x), n), float(n))
-        rsqrt = op.Reciprocal(op.Sqrt(op.Add(mean, float(eps))))
-        weight = w if w.dtype == ir.DataType.FLOAT else op.Cast(w, to=ir.DataType.FLOAT)
-        return op.Mul(weight, op.Mul(x, rsqrt))
     csa = op.builder.opset(DOMAIN, DOMAIN_VERSION)
     return _typed(csa.TorchRMSNorm(x, w, epsilon=float(eps)), ir.DataType.FLOAT, x.shape)
-
-
-def torch_sum_last_axis(op: OpBuilder, x: ir.Value, n: int) -> ir.Value:
-    """Sum over the last axis (width n, static) as torch CPU adds float32 up, [..., 1]: the
-    order of custom_ops/src/torch_rms_norm.h, one elementwise Add per step."""
-    lanes, ilp, levels = 8, 4, 4
-    vectors = n // lanes
-    groups = vectors // ilp
-
-    def vec(i: int) -> ir.Value:
-        return op.Slice(x, [i * lanes], [(i + 1) * lanes], [-1])
-
-    def add(a: ir.Value | None, b: ir.Value) -> ir.Value:
-        return b if a is None else op.Add(a, b)  # 0 + b is b exactly
-
-    # multi_row_sum over `groups` rows of ilp vectors, a 4-level cascade.
-    level_power = max(4, (groups - 1).bit_length() // levels) if groups > 0 else 4
-    step, mask = 1 << level_power, (1 << level_power) - 1
-    acc: list[list[ir.Value | None]] = [[None] * ilp for _ in range(levels)]
-    i = 0
-    while i + step <= groups:
-        for _ in range(step):
-            for k in range(ilp):
-                acc[0][k] = add(acc[0][k], vec(i * ilp + k))
-            i += 1
-        for j in range(1, levels):
-            for k in range(ilp):
-                acc[j][k] = add(acc[j][k], acc[j - 1][k]) if acc[j - 1][k] is not None \
-                    else acc[j][k]
-                acc[j - 1][k] = None
-            if i & (mask << (j * level_power)):
-                break
-    for _ in range(i, groups):
-        for k in range(ilp):
-            acc[0][k] = add(acc[0][k], vec(i * ilp + k))
-        i += 1
-    part = acc[0]
-    for j in range(1, levels):
-        for k in range(ilp):
-            if acc[j][k] is not None:
-                part[k] = add(part[k], acc[j][k])
-    total: ir.Value | None = part[0]
-    for v in range(groups * ilp, vectors):
-        total = add(total, vec(v))
-    for k in range(1, ilp):
-        if part[k] is not None:
-            total = add(total, part[k])
-    # The scalar tail first, then the 8 lanes, one after another, from 0.
-    result: ir.Value | None = None
-    for t in range(vectors * lanes, n):
-        result = add(result, op.Slice(x, [t], [t + 1], [-1]))
-    if total is not None:
-        for lane in range(lanes):
-            result = add(result, op.Slice(total, [lane], [lane + 1], [-1]))
-    if result is None:  # n == 0
-        return op.ReduceSum(x, [-1], keepdims=1)
-    return result
 
 
 def sparse_attention(op: OpBuilder, q: ir.Value, kv: ir.Value, sink: ir.Value, idx: ir.Value,
