@@ -13,6 +13,8 @@ C++ kernels in `libcsa2onnx_ops.so` (README "The custom ops"):
 - `PackQuantized` / `UnpackQuantized`: state rows quantised and packed, and back.
 
 `library_path()` finds the build and `make_session()` creates sessions with it registered.
+Importing this package registers the ops' ONNX schemas (`schemas.py`: types, attributes,
+output shape inference) for onnx's shape inference and checker.
 """
 
 from csa2onnx.custom_ops.library import (
@@ -23,12 +25,17 @@ from csa2onnx.custom_ops.library import (
     make_session,
     session_options,
 )
+from csa2onnx.custom_ops.schemas import OP_NAMES, register_schemas
+
+register_schemas()
 
 __all__ = [
     "DOMAIN",
     "DOMAIN_VERSION",
+    "OP_NAMES",
     "CustomOpLibraryError",
     "library_path",
     "make_session",
+    "register_schemas",
     "session_options",
 ]
