@@ -1,24 +1,28 @@
 """Graph-side calls of the custom ops, for onnxscript's GraphBuilder (`op` is an OpBuilder).
 
-onnxruntime cannot infer the output types of custom-domain nodes, so these wrappers set
-them. A portable graph (PORTABLE_KEY in its metadata) uses only standard ONNX: the custom
-nodes keep their names and get standard-op function bodies (`portable.py`) attached to
-the model, RMSNorm is spelled out in torch's summation order, and top-k becomes ONNX
-`TopK`, which breaks ties lowest-index-first instead of torch's way. `TorchLinear`
-also has a standard-op body there (`MatMul`, exact up to the summation order), and so has
-`Fp8Linear` (bit-exact: per-block double `MatMul`s added in block order by a `Loop`),
-`WriteRows` (Slices and Concats: a copy, never in place), and `PackQuantized` /
-`UnpackQuantized` (bit-exact, NaN payloads aside). `SparseAttention` with a packed cache
-becomes Concat(kv, UnpackQuantized(cache)) and the 4-input node there: a function body
-cannot leave out an optional input it uses (onnxruntime rejects the inlined node).
-`RopeCosSin` has no body: a portable graph keeps the RoPE tables as initializers instead
-(graphs/rope.py).
+The outputs' types and shapes come from the ops' registered schemas (custom_ops/schemas.py),
+which the builder applies to every node it adds: nothing here sets them by hand.
+
+One mechanism makes a graph portable (PORTABLE_KEY in its metadata: standard ONNX only): the
+custom nodes stay as they are, and a `--portable` artifact carries a standard-op ONNX
+function body for each (custom_ops/portable.py), which onnxruntime inlines when the library is
+not registered (where it is, the kernels run). The wrappers below build the same nodes either
+way, with two exceptions that a function body cannot express:
+
+- `RopeCosSin` has no body (ONNX Cos/Sin are not the C library's cosf/sinf): a portable graph
+  keeps the RoPE tables as initializers and gathers from them (graphs/rope.py `FreqsCis`).
+- `SparseAttention` over a packed cache becomes Concat(kv, UnpackQuantized(cache)) and the
+  4-input node: a function body cannot leave out an optional input it uses (onnxruntime
+  rejects the inlined node), so the body takes float rows only.
+
+TorchLinear's panels64 weights are not for portable graphs either (its body is a MatMul of a
+plain [N, K] W); that is an error here, not a different node.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import onnx_ir as ir
 from onnxscript import OpBuilder
@@ -30,12 +34,17 @@ ScaleFormat = Literal["e8m0", "e4m3"]
 # custom_ops/src/packed_quant.h: compressed KV, index keys, window KV
 PackedFormat = Literal["fp4_e4m3_16", "fp4_e8m0_32", "fp8_e8m0_32"]
 
+PORTABLE_KEY = "csa2onnx.portable"  # graph metadata: emit standard ONNX only
 
-def _typed(value: ir.Value, dtype: ir.DataType, shape: ir.Shape | None = None) -> ir.Value:
-    value.type = ir.TensorType(dtype)
-    if shape is not None:
-        value.shape = shape
-    return value
+
+def is_portable(op: OpBuilder) -> bool:
+    """Whether the graph being built is a portable (library-free) artifact."""
+    return op.builder.root.graph.metadata_props.get(PORTABLE_KEY) == "true"
+
+
+def _csa(op: OpBuilder) -> Any:
+    """The custom-op domain's opset on the graph `op` builds."""
+    return op.builder.opset(DOMAIN, DOMAIN_VERSION)
 
 
 def fp4_quant_dequant(op: OpBuilder, x: ir.Value, block_size: int,
@@ -45,29 +54,23 @@ def fp4_quant_dequant(op: OpBuilder, x: ir.Value, block_size: int,
         raise ValueError(f"fp4 block_size must be > 0, got {block_size}")
     if scale_format not in ("e8m0", "e4m3"):
         raise ValueError(f"unknown fp4 scale_format {scale_format!r}")
-    csa = op.builder.opset(DOMAIN, DOMAIN_VERSION)
     # Both outputs, though only Y is used: the standard-op function body of a portable
     # artifact declares two, and ONNX shape inference rejects a call naming fewer.
-    y, scale = csa.Fp4QuantDequant(x, block_size=block_size, scale_format=scale_format,
-                                   _outputs=2)
-    _typed(scale, ir.DataType.FLOAT)
-    return _typed(y, ir.DataType.FLOAT, x.shape)
+    y, _scale = _csa(op).Fp4QuantDequant(x, block_size=block_size, scale_format=scale_format,
+                                         _outputs=2)
+    return y
 
 
 def torch_topk(op: OpBuilder, x: ir.Value, k: ir.Value, *, largest: bool = True,
                sorted: bool = True) -> tuple[ir.Value, ir.Value]:
     """Top-k along the last axis with torch CPU's tie order: (values, int64 indices).
 
-    `k` is an int64 tensor of shape [1]. In a portable graph ONNX TopK (ties to the lowest
-    index) stands in: exact wherever no tie decides.
-    """
-    if is_portable(op):
-        values, indices = op.TopK(x, k, axis=-1, largest=int(largest), sorted=1, _outputs=2)
-    else:
-        csa = op.builder.opset(DOMAIN, DOMAIN_VERSION)
-        values, indices = csa.TorchTopK(x, k, largest=int(largest), sorted=int(sorted),
-                                        _outputs=2)
-    return _typed(values, ir.DataType.FLOAT), _typed(indices, ir.DataType.INT64)
+    `k` is an int64 tensor of shape [1]. A portable artifact runs ONNX TopK instead (the
+    op's function body: ties to the lowest index, always sorted), exact wherever no tie
+    decides."""
+    values, indices = _csa(op).TorchTopK(x, k, largest=int(largest), sorted=int(sorted),
+                                         _outputs=2)
+    return values, indices
 
 
 def torch_linear(op: OpBuilder, x: ir.Value, w: ir.Value, *,
@@ -78,20 +81,13 @@ def torch_linear(op: OpBuilder, x: ir.Value, w: ir.Value, *,
     which the kernel reads in place; not in a portable graph, whose MatMul body reads a plain
     W. No rounding inside: round the result to bf16 where the reference does.
     """
-    csa = op.builder.opset(DOMAIN, DOMAIN_VERSION)
     if panels is None:
-        y = csa.TorchLinear(x, w)
-        n = w.shape[0] if w.shape is not None and len(w.shape) == 2 else None
-    else:
-        if is_portable(op):
-            raise ValueError("a portable graph takes plain [N, K] TorchLinear weights (its "
-                             "standard-op body is a MatMul), not panels64 ones")
-        n, k = panels
-        y = csa.TorchLinear(x, w, weight_layout="panels64", out_features=n, in_features=k)
-    shape = None
-    if x.shape is not None:  # x.shape[:-1] + [N]
-        shape = ir.Shape([*list(x.shape)[:-1], n])
-    return _typed(y, ir.DataType.FLOAT, shape)
+        return _csa(op).TorchLinear(x, w)
+    if is_portable(op):
+        raise ValueError("a portable graph takes plain [N, K] TorchLinear weights (its "
+                         "standard-op body is a MatMul), not panels64 ones")
+    n, k = panels
+    return _csa(op).TorchLinear(x, w, weight_layout="panels64", out_features=n, in_features=k)
 
 
 def fp8_linear(op: OpBuilder, x: ir.Value, w: ir.Value, w_scale: ir.Value) -> ir.Value:
@@ -99,13 +95,7 @@ def fp8_linear(op: OpBuilder, x: ir.Value, w: ir.Value, w_scale: ir.Value) -> ir
     inputs) fused with the block-scaled GEMM against W [N, K] float8e4m3fn and WScale
     [ceil(N/32), K/32] float32 (custom_ops/reference.py `fp8_linear`). float32 result
     [..., N], not rounded: round to bf16 where the reference does."""
-    csa = op.builder.opset(DOMAIN, DOMAIN_VERSION)
-    y = csa.Fp8Linear(x, w, w_scale)
-    shape = None
-    if x.shape is not None:  # x.shape[:-1] + [N]
-        n = w.shape[0] if w.shape is not None and len(w.shape) == 2 else None
-        shape = ir.Shape([*list(x.shape)[:-1], n])
-    return _typed(y, ir.DataType.FLOAT, shape)
+    return _csa(op).Fp8Linear(x, w, w_scale)
 
 
 def rope_cos_sin(op: OpBuilder, positions: ir.Value, inverse_frequencies: Sequence[float],
@@ -118,96 +108,18 @@ def rope_cos_sin(op: OpBuilder, positions: ir.Value, inverse_frequencies: Sequen
         raise ValueError("RopeCosSin needs at least one inverse frequency")
     if max_positions <= 0:
         raise ValueError(f"RopeCosSin max_positions must be > 0, got {max_positions}")
-    csa = op.builder.opset(DOMAIN, DOMAIN_VERSION)
-    cos, sin = csa.RopeCosSin(positions, inverse_frequencies=freqs,
-                              max_positions=int(max_positions), _outputs=2)
-    shape = None
-    if positions.shape is not None:
-        shape = ir.Shape([*list(positions.shape), len(freqs)])
-    return _typed(cos, ir.DataType.FLOAT, shape), _typed(sin, ir.DataType.FLOAT, shape)
-
-
-PORTABLE_KEY = "csa2onnx.portable"  # graph metadata: emit standard ONNX only
-
-
-def is_portable(op: OpBuilder) -> bool:
-    """Whether the graph being built is a portable (library-free) artifact."""
-    return op.builder.root.graph.metadata_props.get(PORTABLE_KEY) == "true"
+    cos, sin = _csa(op).RopeCosSin(positions, inverse_frequencies=freqs,
+                                   max_positions=int(max_positions), _outputs=2)
+    return cos, sin
 
 
 def torch_rms_norm(op: OpBuilder, x: ir.Value, w: ir.Value, eps: float) -> ir.Value:
     """w * (x * rsqrt(mean(x^2) + eps)) over the last axis in float32, the mean summed in
-    torch CPU's order. No rounding inside: round to bf16 where the reference does.
-
-    In a portable graph the same order is spelled out in standard ops (the width is known
-    from w): a last-bit change in the variance flips bf16 roundings further on."""
+    torch CPU's order (custom_ops/src/torch_rms_norm.h; the portable body spells out the
+    same order, bit for bit). No rounding inside: round to bf16 where the reference does."""
     if not eps > 0:
         raise ValueError(f"RMSNorm eps must be > 0, got {eps}")
-    if is_portable(op) and w.shape is not None and isinstance(w.shape[0], int):
-        n = w.shape[0]
-        mean = op.Div(torch_sum_last_axis(op, op.Mul(x, x), n), float(n))
-        rsqrt = op.Reciprocal(op.Sqrt(op.Add(mean, float(eps))))
-        weight = w if w.dtype == ir.DataType.FLOAT else op.Cast(w, to=ir.DataType.FLOAT)
-        return op.Mul(weight, op.Mul(x, rsqrt))
-    csa = op.builder.opset(DOMAIN, DOMAIN_VERSION)
-    return _typed(csa.TorchRMSNorm(x, w, epsilon=float(eps)), ir.DataType.FLOAT, x.shape)
-
-
-def torch_sum_last_axis(op: OpBuilder, x: ir.Value, n: int) -> ir.Value:
-    """Sum over the last axis (width n, static) as torch CPU adds float32 up, [..., 1]: the
-    order of custom_ops/src/torch_rms_norm.h, one elementwise Add per step."""
-    lanes, ilp, levels = 8, 4, 4
-    vectors = n // lanes
-    groups = vectors // ilp
-
-    def vec(i: int) -> ir.Value:
-        return op.Slice(x, [i * lanes], [(i + 1) * lanes], [-1])
-
-    def add(a: ir.Value | None, b: ir.Value) -> ir.Value:
-        return b if a is None else op.Add(a, b)  # 0 + b is b exactly
-
-    # multi_row_sum over `groups` rows of ilp vectors, a 4-level cascade.
-    level_power = max(4, (groups - 1).bit_length() // levels) if groups > 0 else 4
-    step, mask = 1 << level_power, (1 << level_power) - 1
-    acc: list[list[ir.Value | None]] = [[None] * ilp for _ in range(levels)]
-    i = 0
-    while i + step <= groups:
-        for _ in range(step):
-            for k in range(ilp):
-                acc[0][k] = add(acc[0][k], vec(i * ilp + k))
-            i += 1
-        for j in range(1, levels):
-            for k in range(ilp):
-                acc[j][k] = add(acc[j][k], acc[j - 1][k]) if acc[j - 1][k] is not None \
-                    else acc[j][k]
-                acc[j - 1][k] = None
-            if i & (mask << (j * level_power)):
-                break
-    for _ in range(i, groups):
-        for k in range(ilp):
-            acc[0][k] = add(acc[0][k], vec(i * ilp + k))
-        i += 1
-    part = acc[0]
-    for j in range(1, levels):
-        for k in range(ilp):
-            if acc[j][k] is not None:
-                part[k] = add(part[k], acc[j][k])
-    total: ir.Value | None = part[0]
-    for v in range(groups * ilp, vectors):
-        total = add(total, vec(v))
-    for k in range(1, ilp):
-        if part[k] is not None:
-            total = add(total, part[k])
-    # The scalar tail first, then the 8 lanes, one after another, from 0.
-    result: ir.Value | None = None
-    for t in range(vectors * lanes, n):
-        result = add(result, op.Slice(x, [t], [t + 1], [-1]))
-    if total is not None:
-        for lane in range(lanes):
-            result = add(result, op.Slice(total, [lane], [lane + 1], [-1]))
-    if result is None:  # n == 0
-        return op.ReduceSum(x, [-1], keepdims=1)
-    return result
+    return _csa(op).TorchRMSNorm(x, w, epsilon=float(eps))
 
 
 def sparse_attention(op: OpBuilder, q: ir.Value, kv: ir.Value, sink: ir.Value, idx: ir.Value,
@@ -221,13 +133,12 @@ def sparse_attention(op: OpBuilder, q: ir.Value, kv: ir.Value, sink: ir.Value, i
     `compressed`: a packed cache [b, n_cache, row_bytes] (uint8, `compressed_format`):
     index i >= n reads its row i - n, unpacked on the kernel's gather; the result is the
     call on Concat(kv, unpack(compressed)) bit for bit, without that copy. In a portable
-    graph it is that Concat (the head dim must then be static)."""
+    graph it is that Concat (the head dim must then be static): the op's function body
+    cannot take the optional packed input (see the module docstring)."""
     if not scale > 0:
         raise ValueError(f"softmax_scale must be > 0, got {scale}")
-    csa = op.builder.opset(DOMAIN, DOMAIN_VERSION)
     if compressed is None:
-        return _typed(csa.SparseAttention(q, kv, sink, idx, softmax_scale=float(scale)),
-                      ir.DataType.FLOAT, q.shape)
+        return _csa(op).SparseAttention(q, kv, sink, idx, softmax_scale=float(scale))
     _check_packed_format(compressed_format)
     if is_portable(op):
         d = head_dim or _static_last_dim(kv) or _static_last_dim(q)
@@ -235,11 +146,9 @@ def sparse_attention(op: OpBuilder, q: ir.Value, kv: ir.Value, sink: ir.Value, i
             raise ValueError("a portable SparseAttention over a packed cache needs the head "
                              "dim: pass head_dim, or give kv or q a static last dimension")
         rows = op.Concat(kv, unpack_quantized(op, compressed, compressed_format, d), axis=1)
-        return _typed(csa.SparseAttention(q, rows, sink, idx, softmax_scale=float(scale)),
-                      ir.DataType.FLOAT, q.shape)
-    return _typed(csa.SparseAttention(q, kv, sink, idx, compressed, softmax_scale=float(scale),
-                                      compressed_format=compressed_format),
-                  ir.DataType.FLOAT, q.shape)
+        return _csa(op).SparseAttention(q, rows, sink, idx, softmax_scale=float(scale))
+    return _csa(op).SparseAttention(q, kv, sink, idx, compressed, softmax_scale=float(scale),
+                                    compressed_format=compressed_format)
 
 
 def _check_packed_format(fmt: str | None) -> None:
@@ -260,12 +169,7 @@ def pack_quantized(op: OpBuilder, x: ir.Value, fmt: PackedFormat) -> ir.Value:
     the graph's round trips do (Fp4QuantDequant for the fp4 formats, act_quant for fp8),
     codes then block scales (custom_ops/src/packed_quant.h)."""
     _check_packed_format(fmt)
-    csa = op.builder.opset(DOMAIN, DOMAIN_VERSION)
-    shape = None
-    d = _static_last_dim(x)
-    if d is not None:  # x.shape[:-1] + [row_bytes]
-        shape = ir.Shape([*list(x.shape)[:-1], packed_row_bytes(fmt, d)])
-    return _typed(csa.PackQuantized(x, format=fmt), ir.DataType.UINT8, shape)
+    return _csa(op).PackQuantized(x, format=fmt)
 
 
 def unpack_quantized(op: OpBuilder, p: ir.Value, fmt: PackedFormat, dim: int) -> ir.Value:
@@ -273,11 +177,7 @@ def unpack_quantized(op: OpBuilder, p: ir.Value, fmt: PackedFormat, dim: int) ->
     scale, bit for bit the round trip's values."""
     _check_packed_format(fmt)
     packed_row_bytes(fmt, dim)  # dim must be a multiple of the block
-    csa = op.builder.opset(DOMAIN, DOMAIN_VERSION)
-    shape = None
-    if p.shape is not None and len(p.shape) > 0:
-        shape = ir.Shape([*list(p.shape)[:-1], dim])
-    return _typed(csa.UnpackQuantized(p, format=fmt, dim=int(dim)), ir.DataType.FLOAT, shape)
+    return _csa(op).UnpackQuantized(p, format=fmt, dim=int(dim))
 
 
 def write_rows(op: OpBuilder, cache: ir.Value, rows: ir.Value, row_start: ir.Value,
@@ -290,12 +190,11 @@ def write_rows(op: OpBuilder, cache: ir.Value, rows: ir.Value, row_start: ir.Val
     ordering edge through the op's ignored `After` input): onnxruntime runs nodes that do
     not depend on each other in any order, and an in-place write would change what an
     unordered reader sees."""
-    csa = op.builder.opset(DOMAIN, DOMAIN_VERSION)
+    if cache.dtype not in (None, ir.DataType.FLOAT, ir.DataType.UINT8):
+        raise ValueError(f"WriteRows caches are float32 or uint8 (packed rows), got "
+                         f"{cache.dtype}")
     inputs = [cache, rows, op.Reshape(row_start, [1])]
     if after:  # Shape is O(1) and still needs its input computed: a cheap dependency
         shapes = [op.Shape(v) for v in after]
         inputs.append(shapes[0] if len(shapes) == 1 else op.Concat(*shapes, axis=0))
-    dtype = cache.dtype if cache.dtype is not None else ir.DataType.FLOAT
-    if dtype not in (ir.DataType.FLOAT, ir.DataType.UINT8):
-        raise ValueError(f"WriteRows caches are float32 or uint8 (packed rows), got {dtype}")
-    return _typed(csa.WriteRows(*inputs), dtype, cache.shape)
+    return _csa(op).WriteRows(*inputs)

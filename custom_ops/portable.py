@@ -1,27 +1,38 @@
-"""Fp4QuantDequant, TorchLinear, TorchRMSNorm, SparseAttention, Fp8Linear, WriteRows,
-PackQuantized and UnpackQuantized as ONNX functions of standard ops (domain csa2onnx,
-version 1).
+"""Every custom op but RopeCosSin as an ONNX function of standard ops (domain csa2onnx,
+version 1): the one way a graph goes portable (custom_ops/ops.py).
 
 Attached to a model as local functions, they let the model run on any onnxruntime without
-the custom-op library; where the library is registered its kernels are used instead.
-Fp4QuantDequant is bit-exact with the C++ kernel for float32 input. TorchLinear is a
-MatMul: the same sum, in the runtime's summation order instead of torch's (last-bit
-differences); so is TorchRMSNorm's mean (ReduceMean). SparseAttention gathers the rows
-[b, s, k, d] and unrolls the blockwise online softmax (graphs/sparse_attn.py): exact up to
-float32 reassociation (~99.8% of bf16 outputs identical to the reference), and far more
-memory than the kernel's row-by-row walk. Fp8Linear is bit-exact with the kernel and the
-NumPy definition (NaN payloads aside): act_quant in float ops (the power of two corrected
-to exactness, the e4m3 rounding a saturating Cast), each K block's dot a DOUBLE MatMul
-(exact whatever the runtime's order, then one Cast to float), and the blocks added in
-order by a Loop, so the accumulation order is exactly the definition's, not only up to
-reassociation. It widens W to float32 (onnxruntime may constant-fold that Cast, keeping
-4 bytes per weight for the session) and each block's [32, N] slice to double. WriteRows
-is Slices and Concats (any element type): exact, but it copies the whole cache on every call
-(the kernel writes only the new rows when the runtime binds the cache in place).
-PackQuantized and UnpackQuantized are bit-exact with the kernels (NaN payloads aside): the
-quantisers' own steps, then the codes by exact arithmetic and the values from tables.
-SparseAttention's body takes the 4 float inputs only: a portable graph feeds it
-Concat(KV, UnpackQuantized(Compressed)) instead of a packed cache (custom_ops/ops.py).
+the custom-op library; where the library is registered its kernels are used instead. What
+each body computes against its kernel (tests/test_*: each "portable" test):
+
+- Fp4QuantDequant: bit-exact for float32 input.
+- TorchTopK: ONNX TopK, exact except where a tie decides (ONNX keeps the lowest index, the
+  kernel torch CPU's order); always sorted.
+- TorchLinear: a MatMul, the same sum in the runtime's summation order instead of torch's
+  (last-bit differences).
+- TorchRMSNorm: bit-exact. The mean is summed in torch CPU's order, the kernel's
+  (custom_ops/src/torch_rms_norm.h): the cascade is spelled out with Loops of Adds, for any
+  width; tests/test_torch_rms_norm.py checks the two against each other on order-sensitive
+  rows.
+- SparseAttention: the rows gathered [b, s, k, d] and the blockwise online softmax unrolled
+  (graphs/sparse_attn.py): exact up to float32 reassociation (~99.8% of bf16 outputs
+  identical to the reference), and far more memory than the kernel's row-by-row walk. Float
+  rows only: a portable graph feeds it Concat(KV, UnpackQuantized(Compressed)) instead of a
+  packed cache (custom_ops/ops.py).
+- Fp8Linear: bit-exact with the kernel and the NumPy definition (NaN payloads aside):
+  act_quant in float ops (the power of two corrected to exactness, the e4m3 rounding a
+  saturating Cast), each K block's dot a DOUBLE MatMul (exact whatever the runtime's order,
+  then one Cast to float), and the blocks added in order by a Loop, so the accumulation order
+  is exactly the definition's, not only up to reassociation. It widens W to float32
+  (onnxruntime may constant-fold that Cast, keeping 4 bytes per weight for the session) and
+  each block's [32, N] slice to double.
+- WriteRows: Slices and Concats (any element type): exact, but it copies the whole cache on
+  every call (the kernel writes only the new rows when the runtime binds the cache in place).
+- PackQuantized, UnpackQuantized: bit-exact (NaN payloads aside): the quantisers' own steps,
+  then the codes by exact arithmetic and the values from tables.
+
+RopeCosSin has none: ONNX Cos and Sin are not the C library's cosf and sinf, so a portable
+graph keeps the RoPE tables instead (graphs/rope.py).
 """
 
 from __future__ import annotations
@@ -92,15 +103,118 @@ def Fp4QuantDequant(X: FLOAT, block_size: int, scale_format: str) -> tuple[FLOAT
 
 
 @script(csa2onnx)
+def TorchTopK(X, K, largest: int = 1, sorted: int = 1):
+    # ONNX TopK breaks ties by the lowest index, torch's CPU kernel its own way; always sorted
+    # (the kernel too whenever K*64 <= n).
+    values, indices = op.TopK(X, op.Reshape(K, [1]), axis=-1, largest=largest, sorted=1)
+    return values, indices
+
+
+@script(csa2onnx)
 def TorchLinear(X: FLOAT, W) -> FLOAT:
     return op.MatMul(X, op.Transpose(op.Cast(W, to=onnx.TensorProto.FLOAT), perm=[1, 0]))
 
 
+# torch CPU's float32 sum over the last axis (custom_ops/src/torch_rms_norm.h, aten's
+# SumKernel): 8-lane vectors, 4 interleaved accumulators over groups of 4 vectors, a cascade
+# of 4 levels of `step` = 2^max(4, ceil(log2(groups)) // 4) entries each, then the left-over
+# vectors, the accumulators, the scalar tail and the 8 lanes, in that order. Each level below
+# sums chunks of `step` entries one Add at a time from zero; a short last chunk is padded
+# with zeros, which adds nothing (the summands are squares, never -0), and a partial sum
+# joins the next level as one more entry, where the kernel adds it in at the end: one Add of
+# the same two values either way (float addition commutes). tests/test_torch_rms_norm.py
+# checks this body against the kernel bit for bit.
+_POWERS_OF_TWO = [1 << b for b in range(63)]
+
+
 @script(csa2onnx)
 def TorchRMSNorm(X: FLOAT, W, epsilon: float) -> FLOAT:
-    var = op.ReduceMean(X * X, [-1], keepdims=1)
-    rsqrt = op.Reciprocal(op.Sqrt(var + op.Constant(value_float=epsilon)))
-    return op.Cast(W, to=onnx.TensorProto.FLOAT) * (X * rsqrt)
+    shape = op.Shape(X)
+    n = op.Slice(shape, [-1], [9223372036854775807])
+    rows = op.ReduceProd(op.Slice(shape, [0], [-1]), keepdims=1)  # not -1: n may be 0
+    # allowzero: a computed 0 (no rows, no groups, no chunks) is a size, not "copy the input's"
+    sq = op.Reshape(X * X, op.Concat(rows, n, axis=0), allowzero=1)  # [rows, n]
+    vectors = op.Div(n, op.Constant(value_ints=[8]))
+    groups = op.Div(vectors, op.Constant(value_ints=[4]))
+    powers = op.Constant(value_ints=_POWERS_OF_TWO)
+    ceil_log2 = op.ReduceSum(op.Cast(op.Less(powers, groups), to=onnx.TensorProto.INT64),
+                             keepdims=1)
+    level_power = op.Max(op.Div(ceil_log2, op.Constant(value_ints=[4])),
+                         op.Constant(value_ints=[4]))
+    step = op.Gather(powers, level_power)  # [1]
+    lanes32 = op.Constant(value_ints=[32])
+    # [groups, rows, 32]: group g's 4 vectors (accumulator k is columns 8k .. 8k+7)
+    entries = op.Transpose(op.Reshape(op.Slice(sq, [0], op.Mul(groups, lanes32), [1]),
+                                      op.Concat(rows, groups, lanes32, axis=0), allowzero=1),
+                           perm=[1, 0, 2])
+
+    # level 1: the sums of `step` groups (acc[0]'s flushes into acc[1])
+    m = op.Slice(op.Shape(entries), [0], [1])
+    chunks = op.Div(op.Sub(op.Add(m, step), op.Constant(value_ints=[1])), step)
+    padded = op.Pad(entries, op.Concat(op.Constant(value_ints=[0, 0, 0]),
+                                       op.Sub(op.Mul(chunks, step), m),
+                                       op.Constant(value_ints=[0, 0]), axis=0))
+    blocks = op.Reshape(padded, op.Concat(chunks, step, rows, lanes32, axis=0), allowzero=1)
+    acc = op.ConstantOfShape(op.Concat(chunks, rows, lanes32, axis=0))
+    for j in range(op.Squeeze(step, [0])):
+        acc = op.Add(acc, op.Gather(blocks, j, axis=1))
+    entries = acc
+    # level 2: sums of `step` level-1 sums (acc[1]'s flushes into acc[2])
+    m = op.Slice(op.Shape(entries), [0], [1])
+    chunks = op.Div(op.Sub(op.Add(m, step), op.Constant(value_ints=[1])), step)
+    padded = op.Pad(entries, op.Concat(op.Constant(value_ints=[0, 0, 0]),
+                                       op.Sub(op.Mul(chunks, step), m),
+                                       op.Constant(value_ints=[0, 0]), axis=0))
+    blocks = op.Reshape(padded, op.Concat(chunks, step, rows, lanes32, axis=0), allowzero=1)
+    acc = op.ConstantOfShape(op.Concat(chunks, rows, lanes32, axis=0))
+    for j in range(op.Squeeze(step, [0])):
+        acc = op.Add(acc, op.Gather(blocks, j, axis=1))
+    entries = acc
+    # level 3: sums of `step` level-2 sums (acc[2]'s flushes into acc[3])
+    m = op.Slice(op.Shape(entries), [0], [1])
+    chunks = op.Div(op.Sub(op.Add(m, step), op.Constant(value_ints=[1])), step)
+    padded = op.Pad(entries, op.Concat(op.Constant(value_ints=[0, 0, 0]),
+                                       op.Sub(op.Mul(chunks, step), m),
+                                       op.Constant(value_ints=[0, 0]), axis=0))
+    blocks = op.Reshape(padded, op.Concat(chunks, step, rows, lanes32, axis=0), allowzero=1)
+    acc = op.ConstantOfShape(op.Concat(chunks, rows, lanes32, axis=0))
+    for j in range(op.Squeeze(step, [0])):
+        acc = op.Add(acc, op.Gather(blocks, j, axis=1))
+    # level 4: acc[3] takes every level-3 sum
+    total = op.ConstantOfShape(op.Concat(rows, lanes32, axis=0))
+    for j in range(op.Squeeze(op.Slice(op.Shape(acc), [0], [1]), [0])):
+        total = op.Add(total, op.Gather(acc, j, axis=0))
+
+    # The vectors past the last group (up to 3) into accumulator 0, then accumulators 1..3.
+    lanes = op.Constant(value_ints=[8])
+    left = op.Slice(sq, op.Mul(groups, lanes32), op.Mul(vectors, lanes), [1])
+    left = op.Pad(left, op.Concat(op.Constant(value_ints=[0, 0, 0]),
+                                  op.Sub(op.Constant(value_ints=[24]),
+                                         op.Slice(op.Shape(left), [1], [2])), axis=0))
+    part = op.Slice(total, [0], [8], [1])
+    part = op.Add(part, op.Slice(left, [0], [8], [1]))
+    part = op.Add(part, op.Slice(left, [8], [16], [1]))
+    part = op.Add(part, op.Slice(left, [16], [24], [1]))
+    part = op.Add(part, op.Slice(total, [8], [16], [1]))
+    part = op.Add(part, op.Slice(total, [16], [24], [1]))
+    part = op.Add(part, op.Slice(total, [24], [32], [1]))
+    # The scalar tail (up to 7, from zero), then the 8 lanes one after another.
+    tail = op.Slice(sq, op.Mul(vectors, lanes), n, [1])
+    tail = op.Pad(tail, op.Concat(op.Constant(value_ints=[0, 0, 0]),
+                                  op.Sub(op.Constant(value_ints=[7]),
+                                         op.Slice(op.Shape(tail), [1], [2])), axis=0))
+    tail = op.Transpose(tail, perm=[1, 0])  # [7, rows]
+    part = op.Transpose(part, perm=[1, 0])  # [8, rows]
+    s = op.ConstantOfShape(rows)
+    for t in range(7):
+        s = op.Add(s, op.Gather(tail, t, axis=0))
+    for lane in range(8):
+        s = op.Add(s, op.Gather(part, lane, axis=0))
+    mean = op.Unsqueeze(s, [1])  # [rows, 1]
+    mean = op.Div(mean, op.Cast(n, to=onnx.TensorProto.FLOAT))
+    rsqrt = op.Reciprocal(op.Sqrt(mean + op.Constant(value_float=epsilon)))
+    y = op.Cast(W, to=onnx.TensorProto.FLOAT) * (op.Reshape(X, op.Shape(sq), allowzero=1) * rsqrt)
+    return op.Reshape(y, shape, allowzero=1)
 
 
 @script(csa2onnx)
@@ -351,6 +465,6 @@ def fp4_function_proto() -> onnx.FunctionProto:
 
 def portable_functions() -> list[onnx.FunctionProto]:
     """The functions to add to a model's `functions` for a library-free artifact."""
-    return [f.to_function_proto() for f in (Fp4QuantDequant, TorchLinear, TorchRMSNorm,
-                                             SparseAttention, Fp8Linear, WriteRows,
-                                             PackQuantized, UnpackQuantized)]
+    return [f.to_function_proto() for f in (Fp4QuantDequant, TorchTopK, TorchLinear,
+                                             TorchRMSNorm, SparseAttention, Fp8Linear,
+                                             WriteRows, PackQuantized, UnpackQuantized)]

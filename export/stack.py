@@ -42,7 +42,6 @@ from csa2onnx.graphs.standalone import IR_VERSION, OPSET, check_parameter_names
 # Per-layer intermediates a debug export also returns (as L{l}.{name}), named as the goldens.
 DEBUG_OUTPUTS = ("qr", "q_rope", "window_kv", "latent", "index_score", "index_topk_idxs",
                  "candidates", "attn_topk_idxs", "attn_o")
-_RANK_4 = ("q_rope", "attn_o")  # [b, s, heads, d]; every other output is rank 3 (or state)
 EXTERNAL_DATA_BYTES = 256 << 20  # larger models keep their weights beside them
 
 _DTYPES = {"float32": ir.DataType.FLOAT, "int64": ir.DataType.INT64, "uint8": ir.DataType.UINT8}
@@ -142,17 +141,14 @@ def build_stack_model(plan: StackPlan, weights: dict[int, LayerWeights] | StackW
     if slots.candidates is not None:
         outputs.append(("slot_out.candidates", slots.candidates))
 
-    state_shapes = {t.output_name: t.graph_shape() for t in layout}
     seen: set[int] = set()
     for name, value in outputs:
         # A value can leave the graph once; a second name (or an input) needs its own node.
         if id(value) in seen or value in graph.inputs or value.is_graph_output():
             value = op.Identity(value)
         seen.add(id(value))
-        if value.shape is None:  # a graph output needs at least its rank
-            rank = len(state_shapes[name]) if name in state_shapes else (
-                4 if name.endswith(_RANK_4) else 3)
-            value.shape = ir.Shape([None] * rank)
+        if value.type is None or value.shape is None:  # the ops' schemas type every value
+            raise RuntimeError(f"graph output {name}: no type or rank was inferred")
         builder.add_output(value, name)
     check_parameter_names(graph)
     written = set(in_place_writes(graph))

@@ -10,6 +10,7 @@ from onnxscript import GraphBuilder, OpBuilder
 
 from csa2onnx.custom_ops.library import DOMAIN, DOMAIN_VERSION
 from csa2onnx.custom_ops.ops import PORTABLE_KEY
+from csa2onnx.custom_ops.portable import portable_functions
 
 OPSET = 21
 IR_VERSION = 10
@@ -22,7 +23,8 @@ def build_model(name: str, inputs: Sequence[InputSpec], outputs: Sequence[str],
                 body: Callable[..., ir.Value | Sequence[ir.Value]], *,
                 portable: bool = False) -> onnx.ModelProto:
     """Trace `body(op, *inputs)` into a model whose outputs get the names `outputs`
-    (`portable`: the op wrappers that can spell a custom op out in standard ONNX do)."""
+    (`portable`: a library-free model, as a `--portable` artifact: the custom ops' function
+    bodies attached, RoPE from tables; see custom_ops/ops.py)."""
     graph = ir.Graph([], [], nodes=[], name=name,
                      opset_imports={"": OPSET, DOMAIN: DOMAIN_VERSION})
     if portable:
@@ -36,7 +38,10 @@ def build_model(name: str, inputs: Sequence[InputSpec], outputs: Sequence[str],
     for value, out_name in zip(results, outputs, strict=True):
         builder.add_output(_as_output(builder.op, value, graph), out_name)
     check_parameter_names(graph)
-    return ir.serde.serialize_model(ir.Model(graph, ir_version=IR_VERSION))
+    model = ir.serde.serialize_model(ir.Model(graph, ir_version=IR_VERSION))
+    if portable:
+        model.functions.extend(portable_functions())
+    return model
 
 
 def check_parameter_names(graph: ir.Graph) -> None:

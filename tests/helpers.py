@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 from onnx import helper
 
@@ -39,9 +40,13 @@ def every_step_and_layer(cases: tuple[str, ...] = CASES) -> list[tuple[str, str,
     return params
 
 
-def run_model(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Run a model on the CPU with the custom ops registered; outputs by name."""
-    session = make_session(model.SerializeToString())
+def run_model(model: onnx.ModelProto, feeds: dict[str, np.ndarray], *,
+              library: bool = True) -> dict[str, np.ndarray]:
+    """Run a model on the CPU with the custom ops registered (`library=False`: without, as a
+    portable artifact runs: its custom nodes as their function bodies); outputs by name."""
+    data = model.SerializeToString()
+    session = (make_session(data) if library
+               else ort.InferenceSession(data, providers=["CPUExecutionProvider"]))
     names = [o.name for o in session.get_outputs()]
     return dict(zip(names, session.run(names, feeds), strict=True))
 

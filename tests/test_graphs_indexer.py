@@ -198,8 +198,9 @@ def test_indexer_keys(case: str, layer: int, golden_report) -> None:
 
 
 def test_portable_topk_tie_rule_differs() -> None:
-    """Negative control: ONNX TopK's lowest-index ties (portable=True) must change the
-    candidate user's selection somewhere in case2, and match the lowest_index overlay."""
+    """Negative control: ONNX TopK's lowest-index ties (a portable model run without the
+    library: TorchTopK's function body) must change the candidate user's selection somewhere
+    in case2, and match the lowest_index overlay."""
     case, layer = "case2_candidates", 3
     g = golden(case)
     low = load_case(GOLDENS / "case2_candidates_lowidx.json")
@@ -209,7 +210,7 @@ def test_portable_topk_tie_rule_differs() -> None:
     for entry in g.meta["schedule"]:
         step = entry["step"]
         out = run_model(_select_model(case, layer, _mode(entry), portable=True),
-                        _feeds(low, entry, layer, reads[(step, layer)]))
+                        _feeds(low, entry, layer, reads[(step, layer)]), library=False)
         expected = low.step(step, layer, "index_topk_idxs")
         assert np.array_equal(out["topk_idxs"], expected), f"{step}: lowidx overlay mismatch"
         differs += int((out["topk_idxs"] != g.step(step, layer, "index_topk_idxs")).any())

@@ -123,7 +123,7 @@ def test_positions_past_the_table_are_errors(position: int) -> None:
     ([], 16, "inverse_frequencies must hold at least one value"),
     ([1.0, float("nan")], 16, r"inverse_frequencies\[1\] is not finite"),
     ([1.0, float("inf")], 16, r"inverse_frequencies\[1\] is not finite"),
-    ([1.0], None, r"attribute max_positions \(int\) is required"),
+    ([1.0], None, r"attribute max_positions \(an int\) is required"),
     ([1.0], 0, "max_positions must be > 0, got 0"),
 ])
 def test_bad_attributes_are_clear_errors(freqs, max_positions, message: str) -> None:

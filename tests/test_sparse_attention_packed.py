@@ -216,11 +216,7 @@ def test_wrapper_with_a_packed_cache(portable: bool) -> None:
                         portable=portable)
     nodes = [n.op_type for n in packed.graph.node]
     assert ("UnpackQuantized" in nodes) == portable and "SparseAttention" in nodes
-    if portable:
-        from csa2onnx.custom_ops.portable import portable_functions
-
-        for model in (packed, plain):
-            model.functions.extend(portable_functions())
+    if portable:  # build_model attached the function bodies
         run = lambda m, f: ort.InferenceSession(  # noqa: E731
             m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, f)[0]
     else:

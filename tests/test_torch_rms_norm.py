@@ -1,11 +1,14 @@
-"""TorchRMSNorm against torch's own RMSNorm arithmetic (bit for bit, before the bf16 cast)
-and its errors."""
+"""TorchRMSNorm against torch's own RMSNorm arithmetic (bit for bit, before the bf16 cast),
+its errors, and its portable function body against the kernel (bit for bit: one summation
+order, torch_rms_norm.h's, in C++ and in standard ONNX ops)."""
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import onnxruntime as ort
 import pytest
+from helpers import custom_op_model, run_model
 from onnx import TensorProto, helper
 
 from csa2onnx.custom_ops import make_session
@@ -60,31 +63,166 @@ def test_errors_are_clear() -> None:
     assert y.shape == (0, 8)
 
 
-@pytest.mark.parametrize("n", [8, 20, 64, 128, 300, 1280, 1536])
-def test_portable_spelling_sums_in_the_same_order(n: int) -> None:
-    """A portable graph spells TorchRMSNorm out in standard ops with torch's summation
-    order: bit for bit the kernel's result, with no custom node left."""
+# ------------------------------------------------- the portable body: the kernel's order
+# Widths: the released dims (q_lora_rank 1536, index / head dims 512 and 128, kv 7168-ish),
+# odd widths (a scalar tail and left-over vectors), and the cascade's boundaries: 16 groups
+# of 32 values per level-1 sum, 256 and 4096 groups where levels 2 and 3 flush.
+WIDTHS = [1, 7, 8, 31, 33, 100, 128, 512, 1536, 1560, 4095, 4096, 7168, 7169, 7224, 8192,
+          8224, 131072, 140001]
+
+
+def adversarial_rows(n: int, seed: int) -> np.ndarray:
+    """Rows whose float32 sum of squares depends on the order of the additions: magnitudes
+    over 2^+-40 (a row's small squares vanish or not beside its large ones depending on
+    when they are added), one huge value among ones, bf16 values, denormal and overflowing
+    squares, zeros, inf and NaN; and many plain random rows, since a last-bit change in a
+    sum shows in Y only now and then (through the mean's division and the square root)."""
+    rng = np.random.default_rng(seed)
+    plain = 64 if n <= 16384 else 4
+    rows = [rng.standard_normal(n) * np.exp2(rng.uniform(-20, 20, n)),
+            *rng.standard_normal((plain, n)), *rng.random((plain, n)),
+            np.ones(n), np.zeros(n), np.full(n, 1e-23), np.full(n, 3e19)]
+    spike = np.ones(n)
+    spike[rng.integers(n)] = 4096.0  # 2^24 + ones: each 1 survives only in a partial sum
+    rows.append(spike)
+    bf16 = rng.standard_normal(n).astype(ml_dtypes.bfloat16).astype(np.float32)
+    rows.append(bf16)
+    special = rng.standard_normal(n)
+    special[rng.integers(n)] = np.inf
+    rows.append(special)
+    nan = rng.standard_normal(n)
+    nan[rng.integers(n)] = np.nan
+    rows.append(nan)
+    return np.asarray(rows, np.float32)
+
+
+def rms_node_model(w_type: int, *, portable: bool) -> bytes:
+    node = helper.make_node("TorchRMSNorm", ["X", "W"], ["Y"], domain="csa2onnx",
+                            epsilon=1e-6)
+    graph = helper.make_graph(
+        [node], "rms", [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["r", "n"]),
+                        helper.make_tensor_value_info("W", w_type, ["n"])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["r", "n"])])
+    return custom_op_model(graph, portable=portable)
+
+
+def assert_same_bits(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    """Bit for bit, NaN payloads aside (NaN exactly where the kernel has one)."""
+    nan = np.isnan(want)
+    np.testing.assert_array_equal(np.isnan(got), nan, err_msg=f"{what}: NaN positions")
+    np.testing.assert_array_equal(np.where(nan, 0, got).view(np.uint32),
+                                  np.where(nan, 0, want).view(np.uint32), err_msg=what)
+
+
+@pytest.fixture(scope="module")
+def rms_sessions() -> dict[str, ort.InferenceSession]:
+    """The kernel, the portable body (no library) and, for the control, ReduceMean."""
+    x = helper.make_tensor_value_info("X", TensorProto.FLOAT, ["r", "n"])
+    w = helper.make_tensor_value_info("W", TensorProto.FLOAT, ["n"])
+    y = helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["r", "n"])
+    reduce_mean = helper.make_graph([  # the order ONNX's ReduceMean sums in
+        helper.make_node("Mul", ["X", "X"], ["sq"]),
+        helper.make_node("ReduceMean", ["sq", "axes"], ["mean"], keepdims=1),
+        helper.make_node("Add", ["mean", "eps"], ["var"]),
+        helper.make_node("Sqrt", ["var"], ["root"]),
+        helper.make_node("Reciprocal", ["root"], ["r"]),
+        helper.make_node("Mul", ["X", "r"], ["xr"]),
+        helper.make_node("Mul", ["W", "xr"], ["Y"])], "mean", [x, w], [y],
+        initializer=[helper.make_tensor("axes", TensorProto.INT64, [1], [-1]),
+                     helper.make_tensor("eps", TensorProto.FLOAT, [], [1e-6])])
+    plain = ["CPUExecutionProvider"]
+    return {"kernel": make_session(rms_node_model(TensorProto.FLOAT, portable=False)),
+            "portable": ort.InferenceSession(rms_node_model(TensorProto.FLOAT, portable=True),
+                                             providers=plain),
+            "portable_bf16": ort.InferenceSession(
+                rms_node_model(TensorProto.BFLOAT16, portable=True), providers=plain),
+            "kernel_bf16": make_session(rms_node_model(TensorProto.BFLOAT16, portable=False)),
+            "reduce_mean": ort.InferenceSession(custom_op_model(reduce_mean), providers=plain)}
+
+
+@pytest.mark.parametrize("n", WIDTHS)
+def test_portable_body_sums_in_the_kernels_order(n: int, rms_sessions) -> None:
+    """TorchRMSNorm's standard-op function body (custom_ops/portable.py, what a portable
+    artifact runs without the library) gives the kernel's bits: the same summation order,
+    torch_rms_norm.h's, on order-sensitive rows; with float32 and bfloat16 weights."""
+    x = adversarial_rows(n, seed=n)
+    w = (np.random.default_rng(n + 1).random(n) + 0.5).astype(np.float32)
+    feeds = {"X": x, "W": w}
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = rms_sessions["kernel"].run(None, feeds)[0]
+    assert_same_bits(rms_sessions["portable"].run(None, feeds)[0], want, f"n={n}")
+    w16 = w.astype(ml_dtypes.bfloat16)
+    bf16 = {"X": ort.OrtValue.ortvalue_from_numpy(x),
+            "W": ort.OrtValue.ortvalue_from_numpy_with_onnx_type(w16.view(np.uint16),
+                                                                  TensorProto.BFLOAT16)}
+    want16 = rms_sessions["kernel_bf16"].run_with_ort_values(["Y"], bf16)[0].numpy()
+    got16 = rms_sessions["portable_bf16"].run_with_ort_values(["Y"], bf16)[0].numpy()
+    assert_same_bits(got16, want16, f"n={n}, bfloat16 W")
+
+
+def test_the_rows_tell_summation_orders_apart(rms_sessions) -> None:
+    """Control: on the same rows, ReduceMean (another order) differs from the kernel for
+    most widths, so the test above could fail."""
+    differ = 0
+    for n in WIDTHS:
+        feeds = {"X": adversarial_rows(n, seed=n), "W": np.ones(n, np.float32)}
+        want = rms_sessions["kernel"].run(None, feeds)[0]
+        got = rms_sessions["reduce_mean"].run(None, feeds)[0]
+        differ += int(not np.array_equal(np.nan_to_num(got).view(np.uint32),
+                                         np.nan_to_num(want).view(np.uint32)))
+    assert differ > len(WIDTHS) // 2, f"only {differ} of {len(WIDTHS)} widths differ"
+
+
+@pytest.mark.parametrize("shape", [(1, 0, 64), (0, 7), (3, 0), (2, 0, 0)])
+def test_portable_body_on_empty_inputs(shape: tuple[int, ...]) -> None:
+    """No rows (a decode step's empty selection) or no columns: an empty Y of X's shape."""
+    n = shape[-1]
+    x = np.zeros(shape, np.float32)
+    w = np.ones(n, np.float32)
+    node = helper.make_node("TorchRMSNorm", ["X", "W"], ["Y"], domain="csa2onnx", epsilon=1e-6)
+    graph = helper.make_graph(
+        [node], "rms", [helper.make_tensor_value_info("X", TensorProto.FLOAT, None),
+                        helper.make_tensor_value_info("W", TensorProto.FLOAT, ["n"])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)])
+    for session in (make_session(custom_op_model(graph)),
+                    ort.InferenceSession(custom_op_model(graph, portable=True),
+                                         providers=["CPUExecutionProvider"])):
+        assert session.run(None, {"X": x, "W": w})[0].shape == shape
+
+
+def test_portable_body_at_a_deeper_cascade(rms_sessions) -> None:
+    """Past 2^19 groups (n >= 2^24 + 32) torch's cascade takes 2^5 entries a level: the
+    body computes its step from n, as the kernel does (one row of 16.8M values)."""
+    n = (1 << 24) + 40
+    rng = np.random.default_rng(5)
+    block = (rng.standard_normal(4099) * np.exp2(rng.uniform(-12, 12, 4099))).astype(np.float32)
+    x = np.resize(block, (1, n))
+    feeds = {"X": x, "W": np.ones(n, np.float32)}
+    assert_same_bits(rms_sessions["portable"].run(None, feeds)[0],
+                     rms_sessions["kernel"].run(None, feeds)[0], f"n={n}")
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["kernel", "portable"])
+def test_wrapper_builds_the_op_node_either_way(portable: bool) -> None:
+    """ops.torch_rms_norm emits the TorchRMSNorm node in every graph (one mechanism): a
+    portable model carries the body and runs it without the library, same bits."""
+    import onnx_ir as ir
+
     from csa2onnx.custom_ops.ops import torch_rms_norm
     from csa2onnx.graphs.numerics import FLOAT
     from csa2onnx.graphs.standalone import build_model
 
-    rng = np.random.default_rng(n)
-    x = (rng.standard_normal((64, n)) * 3).astype(np.float32)
-    w = (rng.random(n) + 0.5).astype(np.float32)
+    n = 1536
+    x = adversarial_rows(n, seed=3)
+    w = (np.random.default_rng(4).random(n) + 0.5).astype(np.float32)
 
     def body(op, x):
-        return torch_rms_norm(op, x, op.Constant(value=__import__("onnx_ir").tensor(w)), 1e-6)
+        return torch_rms_norm(op, x, op.Constant(value=ir.tensor(w)), 1e-6)
 
-    portable = build_model("rms", [("x", FLOAT, ["r", n])], ["y"], body, portable=True)
-    assert all(node.domain != "csa2onnx" for node in portable.graph.node)
-    got = ort.InferenceSession(portable.SerializeToString(),
-                               providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
-    node = helper.make_node("TorchRMSNorm", ["X", "W"], ["Y"], domain="csa2onnx", epsilon=1e-6)
-    graph = helper.make_graph(
-        [node], "rms", [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["r", "n"]),
-                        helper.make_tensor_value_info("W", TensorProto.FLOAT, ["n"])],
-        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["r", "n"])])
-    kernel = make_session(helper.make_model(graph, opset_imports=[
-        helper.make_opsetid("", 21), helper.make_opsetid("csa2onnx", 1)]).SerializeToString())
-    want = kernel.run(None, {"X": x, "W": w})[0]
-    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    model = build_model("rms", [("x", FLOAT, ["r", n])], ["y"], body, portable=portable)
+    assert [node.op_type for node in model.graph.node if node.domain == "csa2onnx"] == [
+        "TorchRMSNorm"]
+    got = run_model(model, {"x": x}, library=not portable)["y"]
+    want = make_session(rms_node_model(TensorProto.FLOAT, portable=False)).run(
+        None, {"X": x, "W": w})[0]
+    assert_same_bits(got, want, "wrapper")

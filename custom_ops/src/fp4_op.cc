@@ -20,16 +20,7 @@
 namespace csa {
 namespace {
 
-[[noreturn]] void fail(const std::string& message) {
-  ORT_CXX_API_THROW("Fp4QuantDequant: " + message, ORT_INVALID_ARGUMENT);
-}
-
-// Whether the graph gives output `index` an OrtValue: an omitted output ("" or absent) has
-// none, and Tensor::Allocate would dereference null. Allocates it (Allocate then reuses it).
-bool has_output(OrtKernelContext* ctx, size_t index, const std::vector<int64_t>& shape) {
-  const OrtValue* value = Ort::KernelContext(ctx).GetOutput(index, shape);
-  return value != nullptr;
-}
+constexpr const char* kOp = "Fp4QuantDequant";
 
 // Attributes are checked once, when the session creates the kernel.
 struct Fp4Attributes {
@@ -37,36 +28,28 @@ struct Fp4Attributes {
   ScaleFormat format = ScaleFormat::kE8M0;
 
   explicit Fp4Attributes(const OrtKernelInfo* info) {
-    require_node_io(info, "Fp4QuantDequant", 1, 1);  // Scale is optional
-    Ort::ConstKernelInfo ki(info);
-    try {
-      block_size = ki.GetAttribute<int64_t>("block_size");
-    } catch (const Ort::Exception&) {
-      fail("attribute block_size (int) is required");
-    }
-    if (block_size <= 0) fail("block_size must be > 0, got " + std::to_string(block_size));
-    std::string name;
-    try {
-      name = ki.GetAttribute<std::string>("scale_format");
-    } catch (const Ort::Exception&) {
-      fail("attribute scale_format (\"e8m0\" or \"e4m3\") is required");
-    }
+    require_node_io(info, kOp, 1, 1);  // Scale is optional
+    block_size = required_attribute<int64_t>(info, kOp, "block_size", "an int");
+    if (block_size <= 0) fail(kOp, "block_size must be > 0, got " + std::to_string(block_size));
+    const std::string name = required_attribute<std::string>(
+        info, kOp, "scale_format", "a string, \"e8m0\" or \"e4m3\"");
     if (name == "e8m0") {
       format = ScaleFormat::kE8M0;
     } else if (name == "e4m3") {
       format = ScaleFormat::kE4M3;
     } else {
-      fail("unknown scale_format \"" + name + "\" (expected \"e8m0\" or \"e4m3\")");
+      fail(kOp, "unknown scale_format \"" + name + "\" (expected \"e8m0\" or \"e4m3\")");
     }
   }
 
   // Number of blocks in X, after checking the shape fits the block size.
   int64_t blocks(const std::vector<int64_t>& shape) const {
-    if (shape.empty()) fail("X must have at least one dimension");
+    if (shape.empty()) fail(kOp, "X must have at least one dimension");
     const int64_t last = shape.back();
     if (last % block_size != 0) {
-      fail("block_size " + std::to_string(block_size) + " does not divide the last dimension " +
-           std::to_string(last));
+      fail(kOp, "block_size " + std::to_string(block_size) +
+                    " does not divide the last dimension " +
+                std::to_string(last));
     }
     int64_t count = 1;
     for (int64_t d : shape) count *= d;
@@ -84,7 +67,7 @@ template <typename T>
 T* allocate_outputs(OrtKernelContext* ctx, const Fp4Attributes& attrs,
                     const std::vector<int64_t>& shape, Ort::Custom::Tensor<T>& y,
                     std::optional<Ort::Custom::Tensor<float>*> scale, float** scales) {
-  if (!has_output(ctx, 0, shape)) fail("output Y is required");
+  if (!has_output(ctx, 0, shape)) fail(kOp, "output Y is required");
   const std::vector<int64_t> scale_shape = attrs.scale_shape(shape);
   *scales = scale.has_value() && has_output(ctx, 1, scale_shape) ? (*scale)->Allocate(scale_shape)
                                                                   : nullptr;
@@ -131,12 +114,8 @@ struct Fp4CpuKernel {
       for (int64_t i = 0; i < j.block; ++i) dst[i] = from_float<T>(fp4_round_trip(to_float(src[i]), s));
       if (j.scales != nullptr) j.scales[b] = s;
     };
-    // Below ~64K elements the thread hand-off costs more than it saves.
-    if (nblocks * attrs.block_size < (1 << 16)) {
-      for (int64_t b = 0; b < nblocks; ++b) run_block(&job, static_cast<size_t>(b));
-    } else {
-      Ort::KernelContext(ctx).ParallelFor(run_block, static_cast<size_t>(nblocks), 0, &job);
-    }
+    run_tasks(ctx, nblocks * attrs.block_size, serial_below::kElements,
+              static_cast<size_t>(nblocks), run_block, &job);
   }
 };
 
@@ -169,16 +148,15 @@ struct Fp4CudaKernel {
 }  // namespace
 
 void AppendFp4Ops(std::vector<std::unique_ptr<Ort::Custom::OrtLiteCustomOp>>& ops) {
-  constexpr const char* kName = "Fp4QuantDequant";
-  ops.emplace_back(Ort::Custom::CreateLiteCustomOp<Fp4CpuKernel<float>>(kName, "CPUExecutionProvider"));
+  ops.emplace_back(Ort::Custom::CreateLiteCustomOp<Fp4CpuKernel<float>>(kOp, "CPUExecutionProvider"));
   ops.emplace_back(
-      Ort::Custom::CreateLiteCustomOp<Fp4CpuKernel<Ort::BFloat16_t>>(kName, "CPUExecutionProvider"));
+      Ort::Custom::CreateLiteCustomOp<Fp4CpuKernel<Ort::BFloat16_t>>(kOp, "CPUExecutionProvider"));
   ops.emplace_back(
-      Ort::Custom::CreateLiteCustomOp<Fp4CpuKernel<Ort::Float16_t>>(kName, "CPUExecutionProvider"));
+      Ort::Custom::CreateLiteCustomOp<Fp4CpuKernel<Ort::Float16_t>>(kOp, "CPUExecutionProvider"));
 #ifdef CSA_WITH_CUDA
-  ops.emplace_back(Ort::Custom::CreateLiteCustomOp<Fp4CudaKernel<float>>(kName, "CUDAExecutionProvider"));
+  ops.emplace_back(Ort::Custom::CreateLiteCustomOp<Fp4CudaKernel<float>>(kOp, "CUDAExecutionProvider"));
   ops.emplace_back(
-      Ort::Custom::CreateLiteCustomOp<Fp4CudaKernel<Ort::BFloat16_t>>(kName, "CUDAExecutionProvider"));
+      Ort::Custom::CreateLiteCustomOp<Fp4CudaKernel<Ort::BFloat16_t>>(kOp, "CUDAExecutionProvider"));
 #endif
 }
 

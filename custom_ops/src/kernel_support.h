@@ -1,16 +1,43 @@
-// What every kernel of the library needs: node I/O checked at kernel creation, errors
-// returned as a Status, shapes printed in messages.
+// What every kernel of the library shares, so that each op file holds only its own rules:
+//   - errors: fail(op, message), INVALID_ARGUMENT with the op's name in front;
+//   - node I/O and attributes, checked when the session creates the kernel
+//     (require_node_io, required_attribute, optional_attribute, has_output);
+//   - the Compute trampoline: a kernel's Compute(inputs..., outputs...) is
+//       `return status_of([&] { Run(ctx, inputs..., outputs...); });`
+//     (the lite API reads Compute's parameter types for the op's signature, so the
+//     trampoline cannot be one generic function; status_of is the shared part);
+//   - threading: run_tasks and the serial_below cut-offs (work below which a kernel stays on
+//     the calling thread);
+//   - the instruction-set path (select_isa).
+// Output shapes for onnxruntime are shape_inference.cc's, not the kernels'.
 #pragma once
 
+#include <cstdint>
 #include <cstdlib>
 #include <exception>
+#include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
+#include "ort_api.h"
 #include "simd.h"
 
 namespace csa {
 
+// ---------------------------------------------------------------- errors
+// Every error a kernel reports: "Op: what is wrong" (the caller's input or node is).
+[[noreturn]] inline void fail(const char* op, const std::string& message) {
+  ORT_CXX_API_THROW(std::string(op) + ": " + message, ORT_INVALID_ARGUMENT);
+}
+
+inline std::string shape_string(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+// ---------------------------------------------------------------- node I/O, attributes
 // The node's inputs and outputs, checked when the session creates a kernel: onnxruntime
 // accepts "" (or too few names) for a custom op's required input or output, and the lite
 // API would then dereference the missing value before our code runs.
@@ -19,11 +46,9 @@ inline void require_node_io(const OrtKernelInfo* info, const char* op, size_t in
   const Ort::ConstKernelInfo ki(info);
   auto check = [op](size_t needed, size_t count, auto name_of, const char* kind) {
     for (size_t i = 0; i < needed; ++i) {
-      if (i >= count || name_of(i).empty()) {
-        ORT_CXX_API_THROW(std::string(op) + ": " + kind + " " + std::to_string(i) +
-                              " is required but the node leaves it out",
-                          ORT_INVALID_ARGUMENT);
-      }
+      if (i >= count || name_of(i).empty())
+        fail(op, std::string(kind) + " " + std::to_string(i) +
+                     " is required but the node leaves it out");
     }
   };
   check(inputs, ki.GetInputCount(), [&ki](size_t i) { return ki.GetInputName(i); }, "input");
@@ -31,6 +56,61 @@ inline void require_node_io(const OrtKernelInfo* info, const char* op, size_t in
         "output");
 }
 
+// Attributes. onnxruntime reports "absent" and "of another type" with one error code; the
+// message tells them apart. `kind` names the expected value with its article ("an int",
+// "a float", "floats", "a string"), as the messages print it.
+namespace detail {
+template <typename T>
+struct IsVector : std::false_type {};
+template <typename U>
+struct IsVector<std::vector<U>> : std::true_type {};
+
+template <typename T>
+T read_attribute(const OrtKernelInfo* info, const char* name) {
+  const Ort::ConstKernelInfo ki(info);
+  if constexpr (IsVector<T>::value) {
+    return ki.GetAttributes<typename T::value_type>(name);
+  } else {
+    return ki.GetAttribute<T>(name);
+  }
+}
+
+inline bool is_absent(const Ort::Exception& e) {
+  return std::string(e.what()).find("No attribute") != std::string::npos;
+}
+}  // namespace detail
+
+template <typename T>
+T required_attribute(const OrtKernelInfo* info, const char* op, const char* name,
+                     const char* kind) {
+  try {
+    return detail::read_attribute<T>(info, name);
+  } catch (const Ort::Exception& e) {
+    if (detail::is_absent(e))
+      fail(op, std::string("attribute ") + name + " (" + kind + ") is required");
+    fail(op, std::string("attribute ") + name + " must be " + kind + " (" + e.what() + ")");
+  }
+}
+
+// Empty when the node does not have the attribute; another type is an error.
+template <typename T>
+std::optional<T> optional_attribute(const OrtKernelInfo* info, const char* op,
+                                    const char* name, const char* kind) {
+  try {
+    return detail::read_attribute<T>(info, name);
+  } catch (const Ort::Exception& e) {
+    if (detail::is_absent(e)) return std::nullopt;
+    fail(op, std::string("attribute ") + name + " must be " + kind + " (" + e.what() + ")");
+  }
+}
+
+// Whether the graph gives output `index` an OrtValue: an omitted output ("" or absent) has
+// none, and Tensor::Allocate would dereference null. Allocates it (Allocate then reuses it).
+inline bool has_output(OrtKernelContext* ctx, size_t index, const std::vector<int64_t>& shape) {
+  return Ort::KernelContext(ctx).GetOutput(index, shape) != nullptr;
+}
+
+// ---------------------------------------------------------------- Compute
 // Runs a kernel body, returning its error as a Status: onnxruntime would turn an exception
 // escaping a custom kernel into RUNTIME_EXCEPTION and lose the INVALID_ARGUMENT code.
 template <typename Body>
@@ -58,12 +138,31 @@ inline Ort::ConstValue constant_input(const OrtKernelInfo* info, size_t index) {
   return is_constant ? value : Ort::ConstValue{nullptr};
 }
 
-inline std::string shape_string(const std::vector<int64_t>& shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + "]";
+// ---------------------------------------------------------------- threading
+// Work below which a kernel runs on the calling thread: handing tasks to onnxruntime's pool
+// costs more than it saves (each in the unit its kernel counts). Threads never change a bit
+// of any result: every task computes its own outputs in the fixed order.
+namespace serial_below {
+constexpr int64_t kElements = int64_t{1} << 16;        // cheap per-value work (fp4 round trip)
+constexpr int64_t kRmsNormElements = int64_t{1} << 15;  // a square, a sum and a product each
+constexpr int64_t kAngles = int64_t{1} << 14;           // a cosf and a sinf each (RopeCosSin)
+constexpr int64_t kMultiplyAdds = int64_t{1} << 17;     // the linears: M*N*K
+constexpr int64_t kConvertedValues = int64_t{1} << 18;  // TorchLinear's X rows to bf16 pairs
+}  // namespace serial_below
+
+// fn(data, t) for t in [0, tasks): on the calling thread when `work` is below `serial`,
+// else on onnxruntime's intra-op pool. fn must not throw (no exception may escape into the
+// pool): tasks record failures in `data`.
+inline void run_tasks(OrtKernelContext* ctx, int64_t work, int64_t serial, size_t tasks,
+                      void (*fn)(void*, size_t), void* data) {
+  if (work < serial || tasks <= 1) {
+    for (size_t t = 0; t < tasks; ++t) fn(data, t);
+  } else {
+    Ort::KernelContext(ctx).ParallelFor(fn, tasks, 0, data);
+  }
 }
 
+// ---------------------------------------------------------------- instruction sets
 // kAvx512Bf16: the AVX-512 path plus vdpbf16ps where the op has one (TorchLinear).
 enum class Isa { kReference, kScalar, kAvx2, kAvx512, kAvx512Bf16 };
 

@@ -1,5 +1,6 @@
 // Entry point onnxruntime calls when the library is registered
-// (SessionOptions.register_custom_ops_library): one domain, csa2onnx, version 1.
+// (SessionOptions.register_custom_ops_library): one domain, csa2onnx, version 1. Every op
+// gets its output shape inference here (shape_inference.cc), by name.
 #include "ort_api.h"
 
 #include <memory>
@@ -9,6 +10,7 @@
 #include "fp8_linear_op.h"
 #include "packed_ops.h"
 #include "rope_cos_sin_op.h"
+#include "shape_inference.h"
 #include "sparse_attention_op.h"
 #include "torch_linear_op.h"
 #include "torch_rms_norm_op.h"
@@ -33,7 +35,10 @@ struct Library {
     csa::AppendWriteRowsOps(ops);
     csa::AppendPackedOps(ops);
     csa::AppendRopeCosSinOps(ops);
-    for (auto& op : ops) domain.Add(op.get());
+    for (auto& op : ops) {
+      op->InferOutputShapeFn = csa::shape_inference_for(op->GetName(op.get()));
+      domain.Add(op.get());
+    }
   }
 };
 

@@ -39,35 +39,25 @@ extern "C" __attribute__((visibility("default"))) void csa2onnx_cos_sin(const fl
 namespace csa {
 namespace {
 
-[[noreturn]] void fail(const std::string& message) {
-  ORT_CXX_API_THROW("RopeCosSin: " + message, ORT_INVALID_ARGUMENT);
-}
+constexpr const char* kOp = "RopeCosSin";
 
 struct RopeCosSinKernel {
   std::vector<float> freqs;
   int64_t max_positions = 0;
 
   RopeCosSinKernel(const OrtApi*, const OrtKernelInfo* info) {
-    require_node_io(info, "RopeCosSin", 1, 2);
-    const Ort::ConstKernelInfo ki(info);
-    try {
-      freqs = ki.GetAttributes<float>("inverse_frequencies");
-    } catch (const Ort::Exception&) {
-      fail("attribute inverse_frequencies (floats) is required");
-    }
-    if (freqs.empty()) fail("inverse_frequencies must hold at least one value");
+    require_node_io(info, kOp, 1, 2);
+    freqs = required_attribute<std::vector<float>>(info, kOp, "inverse_frequencies", "floats");
+    if (freqs.empty()) fail(kOp, "inverse_frequencies must hold at least one value");
     for (size_t i = 0; i < freqs.size(); ++i) {
       if (!std::isfinite(freqs[i])) {
-        fail("inverse_frequencies[" + std::to_string(i) + "] is not finite (" +
-             std::to_string(freqs[i]) + ")");
+        fail(kOp, "inverse_frequencies[" + std::to_string(i) + "] is not finite (" +
+                  std::to_string(freqs[i]) + ")");
       }
     }
-    try {
-      max_positions = ki.GetAttribute<int64_t>("max_positions");
-    } catch (const Ort::Exception&) {
-      fail("attribute max_positions (int) is required");
-    }
-    if (max_positions <= 0) fail("max_positions must be > 0, got " + std::to_string(max_positions));
+    max_positions = required_attribute<int64_t>(info, kOp, "max_positions", "an int");
+    if (max_positions <= 0)
+      fail(kOp, "max_positions must be > 0, got " + std::to_string(max_positions));
   }
 
   Ort::Status Compute(OrtKernelContext* ctx, const Ort::Custom::Tensor<int64_t>& positions,
@@ -103,21 +93,16 @@ struct RopeCosSinKernel {
     const int64_t* pos = rows > 0 ? positions.Data() : nullptr;
     for (int64_t r = 0; r < rows; ++r) {
       if (pos[r] < 0 || pos[r] >= max_positions) {
-        fail("position " + std::to_string(pos[r]) + " (element " + std::to_string(r) + " of " +
-             shape_string(shape) + ") is outside 0.." + std::to_string(max_positions - 1) +
-             " (max_positions)");
+        fail(kOp, "position " + std::to_string(pos[r]) + " (element " + std::to_string(r) + " of " +
+                  shape_string(shape) + ") is outside 0.." + std::to_string(max_positions - 1) +
+                  " (max_positions)");
       }
     }
     const int64_t n = static_cast<int64_t>(freqs.size());
     shape.push_back(n);
     Job job{pos, freqs.data(), n, cos.Allocate(shape), sin.Allocate(shape)};
     if (rows == 0) return;
-    // Below ~16K angles the thread hand-off costs more than it saves.
-    if (rows * n < (1 << 14)) {
-      for (int64_t r = 0; r < rows; ++r) Row(&job, static_cast<size_t>(r));
-    } else {
-      Ort::KernelContext(ctx).ParallelFor(Row, static_cast<size_t>(rows), 0, &job);
-    }
+    run_tasks(ctx, rows * n, serial_below::kAngles, static_cast<size_t>(rows), Row, &job);
   }
 };
 
@@ -125,7 +110,7 @@ struct RopeCosSinKernel {
 
 void AppendRopeCosSinOps(std::vector<std::unique_ptr<Ort::Custom::OrtLiteCustomOp>>& ops) {
   ops.emplace_back(
-      Ort::Custom::CreateLiteCustomOp<RopeCosSinKernel>("RopeCosSin", "CPUExecutionProvider"));
+      Ort::Custom::CreateLiteCustomOp<RopeCosSinKernel>(kOp, "CPUExecutionProvider"));
 }
 
 }  // namespace csa

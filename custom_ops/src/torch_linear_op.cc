@@ -44,6 +44,7 @@
 #include <cstring>
 #include <exception>
 #include <memory>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -65,14 +66,11 @@ namespace {
 using torch_linear::Order;
 using torch_linear::Plan;
 
-[[noreturn]] void fail(const std::string& message) {
-  ORT_CXX_API_THROW("TorchLinear: " + message, ORT_INVALID_ARGUMENT);
-}
+constexpr const char* kOp = "TorchLinear";
 
 constexpr int64_t kPanel = 64;     // columns per packed panel
 constexpr int64_t kMaxRows = 48;   // rows per task of the fmaf tiles (a multiple of 6 and 2)
 constexpr int64_t kDpRows = 96;    // rows per task of the vdpbf16ps tiles (a multiple of 6)
-constexpr int64_t kParallelWork = int64_t{1} << 17;  // M*N*K below which one thread runs it
 
 // Calls that ran on vdpbf16ps: the tests read it (csa2onnx_torch_linear_dp_calls) to know
 // that a case they mean for that path did not quietly fall back to the fmaf tiles.
@@ -184,9 +182,9 @@ void check_padding(const S* w, int64_t N, int64_t K) {
   const int64_t rows = kBf16 ? (K + 1) / 2 : K, halves = kBf16 ? 2 : 1;
   const int64_t last = (N - 1) / kPanel;  // the last panel (N > 0)
   auto bad = [&](int64_t column, int64_t k) {
-    fail("a panels64 W must hold zeros in its padding; column " + std::to_string(column) +
-         " (N is " + std::to_string(N) + "), k " + std::to_string(k) + " (K is " +
-         std::to_string(K) + ") is not zero");
+    fail(kOp, "a panels64 W must hold zeros in its padding; column " + std::to_string(column) +
+              " (N is " + std::to_string(N) + "), k " + std::to_string(k) + " (K is " +
+              std::to_string(K) + ") is not zero");
   };
   for (int64_t col = N; col < (last + 1) * kPanel; ++col)
     for (int64_t r = 0; r < rows; ++r)
@@ -515,11 +513,7 @@ ExponentRange convert_rows(OrtKernelContext* ctx, const float* x, int64_t M, int
     Part& part = c.parts[g];
     part.exact = convert_x(c.x + m0 * c.K, rows, c.K, c.xb + m0 * ((c.K + 1) / 2), part.range);
   };
-  if (c.parts.size() > 1 && M * K >= (int64_t{1} << 18)) {
-    Ort::KernelContext(ctx).ParallelFor(run, c.parts.size(), 0, &c);
-  } else {
-    for (size_t g = 0; g < c.parts.size(); ++g) run(&c, g);
-  }
+  run_tasks(ctx, M * K, serial_below::kConvertedValues, c.parts.size(), run, &c);
   ExponentRange range;
   for (const Part& part : c.parts) {
     bf16_exact = bf16_exact && part.exact;
@@ -588,43 +582,35 @@ Isa select_isa() {
   return csa::select_isa("CSA_TORCH_LINEAR_ISA", /*has_reference=*/true, /*has_bf16=*/true);
 }
 
-// Reads an optional attribute into `out`; false when the node does not have it. onnxruntime
-// reports "absent" and "another type" with one error code: the message tells them apart.
-template <typename T>
-bool read_attribute(const OrtKernelInfo* info, const char* name, const char* kind, T& out) {
-  try {
-    out = Ort::ConstKernelInfo(info).GetAttribute<T>(name);
-    return true;
-  } catch (const Ort::Exception& e) {
-    if (std::string(e.what()).find("No attribute") != std::string::npos) return false;
-    fail("attribute " + std::string(name) + " must be " + kind + " (" + e.what() + ")");
-  }
-}
-
 // The node's attributes, checked when the session creates the kernel.
 struct LinearAttributes {
   Layout layout = Layout::kPlain;
   int64_t n = 0, k = 0;  // panels64: out_features (N) and in_features (K)
 
   explicit LinearAttributes(const OrtKernelInfo* info) {
-    std::string name = "plain";
-    read_attribute(info, "weight_layout", "a string", name);
-    const bool has_n = read_attribute(info, "out_features", "an int", n);
-    const bool has_k = read_attribute(info, "in_features", "an int", k);
+    const std::string name =
+        optional_attribute<std::string>(info, kOp, "weight_layout", "a string").value_or("plain");
+    const std::optional<int64_t> out_features =
+        optional_attribute<int64_t>(info, kOp, "out_features", "an int");
+    const std::optional<int64_t> in_features =
+        optional_attribute<int64_t>(info, kOp, "in_features", "an int");
+    const bool has_n = out_features.has_value(), has_k = in_features.has_value();
+    n = out_features.value_or(0);
+    k = in_features.value_or(0);
     if (name == "panels64") {
       layout = Layout::kPanels64;
       if (!has_n || !has_k)
-        fail("weight_layout \"panels64\" needs the attributes out_features (N) and "
-             "in_features (K): the panels' shape pads both");
+        fail(kOp, "weight_layout \"panels64\" needs the attributes out_features (N) and "
+                  "in_features (K): the panels' shape pads both");
       if (n < 0 || k < 0)
-        fail("out_features and in_features must be >= 0, got " + std::to_string(n) + " and " +
-             std::to_string(k));
+        fail(kOp, "out_features and in_features must be >= 0, got " + std::to_string(n) + " and " +
+                  std::to_string(k));
     } else if (name == "plain") {
       if (has_n || has_k)
-        fail("out_features and in_features belong to weight_layout \"panels64\"; a plain W "
-             "is [N, K] and gives them");
+        fail(kOp, "out_features and in_features belong to weight_layout \"panels64\"; a plain W "
+                  "is [N, K] and gives them");
     } else {
-      fail("unknown weight_layout \"" + name + "\" (expected \"plain\" or \"panels64\")");
+      fail(kOp, "unknown weight_layout \"" + name + "\" (expected \"plain\" or \"panels64\")");
     }
   }
 };
@@ -641,7 +627,7 @@ struct TorchLinearKernel {
   ExponentRange constant_range;        // ... and the exponents of its values (bf16)
 
   TorchLinearKernel(const OrtApi*, const OrtKernelInfo* info)
-      : isa(select_isa()), attrs((require_node_io(info, "TorchLinear", 2, 1), info)) {
+      : isa(select_isa()), attrs((require_node_io(info, kOp, 2, 1), info)) {
     const Ort::ConstValue w = constant_input(info, 1);
     if (w == nullptr) return;  // not a constant: packed (plain) or checked (panels64) per call
     const std::vector<int64_t> shape = w.GetTensorTypeAndShapeInfo().GetShape();
@@ -667,14 +653,14 @@ struct TorchLinearKernel {
   void check_panels(const std::vector<int64_t>& shape, const S* data) const {
     const std::vector<int64_t> want = panels_shape(kBf16, attrs.n, attrs.k);
     if (shape != want) {
-      fail(std::string("a panels64 W (") + (kBf16 ? "bfloat16" : "float") +
-           ") for out_features " + std::to_string(attrs.n) + " and in_features " +
-           std::to_string(attrs.k) + " must have shape " + shape_string(want) +
-           (kBf16 ? " ([ceil(N/64), ceil(K/2), 64, 2])" : " ([ceil(N/64), K, 64])") +
-           ", got " + shape_string(shape));
+      fail(kOp, std::string("a panels64 W (") + (kBf16 ? "bfloat16" : "float") +
+                ") for out_features " + std::to_string(attrs.n) + " and in_features " +
+                std::to_string(attrs.k) + " must have shape " + shape_string(want) +
+                (kBf16 ? " ([ceil(N/64), ceil(K/2), 64, 2])" : " ([ceil(N/64), K, 64])") +
+                ", got " + shape_string(shape));
     }
     if (reinterpret_cast<uintptr_t>(data) % alignof(uint32_t) != 0)
-      fail("a panels64 W must be 4-byte aligned (onnxruntime's tensors are)");
+      fail(kOp, "a panels64 W must be 4-byte aligned (onnxruntime's tensors are)");
     if (attrs.n > 0) check_padding(data, attrs.n, attrs.k);
   }
 
@@ -694,7 +680,7 @@ struct TorchLinearKernel {
            const Ort::Custom::Tensor<OrtT>& w, Ort::Custom::Tensor<float>& y) const {
     const std::vector<int64_t> x_shape = x.Shape();
     const std::vector<int64_t> w_shape = w.Shape();
-    if (x_shape.empty()) fail("X must have rank >= 1, got a scalar");
+    if (x_shape.empty()) fail(kOp, "X must have rank >= 1, got a scalar");
     const bool in_panels = attrs.layout == Layout::kPanels64;
     const S* wd = reinterpret_cast<const S*>(w.Data());
     int64_t N, K;
@@ -702,20 +688,20 @@ struct TorchLinearKernel {
       N = attrs.n;
       K = attrs.k;
       if (x_shape.back() != K) {
-        fail("the last dimension of X (" + std::to_string(x_shape.back()) +
-             ") must equal in_features (" + std::to_string(K) + "); X shape " +
-             shape_string(x_shape));
+        fail(kOp, "the last dimension of X (" + std::to_string(x_shape.back()) +
+                  ") must equal in_features (" + std::to_string(K) + "); X shape " +
+                  shape_string(x_shape));
       }
       if (constant_panels == nullptr || wd != constant_panels) check_panels(w_shape, wd);
     } else {
       if (w_shape.size() != 2)
-        fail("W must be [N, K] (rank 2), got shape " + shape_string(w_shape));
+        fail(kOp, "W must be [N, K] (rank 2), got shape " + shape_string(w_shape));
       N = w_shape[0];
       K = w_shape[1];
       if (x_shape.back() != K) {
-        fail("the last dimension of X (" + std::to_string(x_shape.back()) +
-             ") must equal K, the second dimension of W (" + std::to_string(K) + "); X shape " +
-             shape_string(x_shape) + ", W shape " + shape_string(w_shape));
+        fail(kOp, "the last dimension of X (" + std::to_string(x_shape.back()) +
+                  ") must equal K, the second dimension of W (" + std::to_string(K) +
+                  "); X shape " + shape_string(x_shape) + ", W shape " + shape_string(w_shape));
       }
     }
     int64_t M = 1;
@@ -790,11 +776,8 @@ struct TorchLinearKernel {
       c.task(*c.job, t, kBf16);
     };
     const int64_t tasks = job.row_blocks * job.n_panels;
-    if (tasks == 1 || M * N * K < kParallelWork) {
-      for (int64_t t = 0; t < tasks; ++t) run(&call, static_cast<size_t>(t));
-    } else {
-      Ort::KernelContext(ctx).ParallelFor(run, static_cast<size_t>(tasks), 0, &call);
-    }
+    run_tasks(ctx, M * N * K, serial_below::kMultiplyAdds, static_cast<size_t>(tasks), run,
+              &call);
   }
 };
 
@@ -803,9 +786,9 @@ struct TorchLinearKernel {
 void AppendTorchLinearOps(std::vector<std::unique_ptr<Ort::Custom::OrtLiteCustomOp>>& ops) {
   // Same name, one kernel per W type: onnxruntime picks by the input's type.
   ops.emplace_back(Ort::Custom::CreateLiteCustomOp<TorchLinearKernel<float, float>>(
-      "TorchLinear", "CPUExecutionProvider"));
+      kOp, "CPUExecutionProvider"));
   ops.emplace_back(Ort::Custom::CreateLiteCustomOp<TorchLinearKernel<Ort::BFloat16_t, uint16_t>>(
-      "TorchLinear", "CPUExecutionProvider"));
+      kOp, "CPUExecutionProvider"));
 }
 
 }  // namespace csa

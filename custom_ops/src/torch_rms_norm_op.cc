@@ -16,22 +16,16 @@
 namespace csa {
 namespace {
 
-[[noreturn]] void fail(const std::string& message) {
-  ORT_CXX_API_THROW("TorchRMSNorm: " + message, ORT_INVALID_ARGUMENT);
-}
+constexpr const char* kOp = "TorchRMSNorm";
 
 template <typename WT>
 struct TorchRMSNormKernel {
   float epsilon = 0.0f;
 
   TorchRMSNormKernel(const OrtApi*, const OrtKernelInfo* info) {
-    require_node_io(info, "TorchRMSNorm", 2, 1);
-    try {
-      epsilon = Ort::ConstKernelInfo(info).GetAttribute<float>("epsilon");
-    } catch (const Ort::Exception&) {
-      fail("attribute epsilon (float) is required");
-    }
-    if (!(epsilon > 0.0f)) fail("epsilon must be > 0, got " + std::to_string(epsilon));
+    require_node_io(info, kOp, 2, 1);
+    epsilon = required_attribute<float>(info, kOp, "epsilon", "a float");
+    if (!(epsilon > 0.0f)) fail(kOp, "epsilon must be > 0, got " + std::to_string(epsilon));
   }
 
   Ort::Status Compute(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& x,
@@ -42,13 +36,13 @@ struct TorchRMSNormKernel {
   void Run(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& x,
            const Ort::Custom::Tensor<WT>& w, Ort::Custom::Tensor<float>& y) {
     const std::vector<int64_t> shape = x.Shape();
-    if (shape.empty()) fail("X must have rank >= 1, got a scalar");
+    if (shape.empty()) fail(kOp, "X must have rank >= 1, got a scalar");
     const int64_t n = shape.back();
     const std::vector<int64_t> w_shape = w.Shape();
     if (w_shape.size() != 1 || w_shape[0] != n) {
-      fail("W must have shape [" + std::to_string(n) + "] (X's last dimension), got rank " +
-           std::to_string(w_shape.size()) + (w_shape.size() == 1 ? " size " +
-           std::to_string(w_shape[0]) : ""));
+      fail(kOp, "W must have shape [" + std::to_string(n) + "] (X's last dimension), got rank " +
+                std::to_string(w_shape.size()) + (w_shape.size() == 1 ? " size " +
+                std::to_string(w_shape[0]) : ""));
     }
     float* out = y.Allocate(shape);
     int64_t rows = 1;
@@ -74,11 +68,8 @@ struct TorchRMSNormKernel {
         j.out_of_memory = true;
       }
     };
-    if (rows * n < (1 << 15)) {
-      for (int64_t r = 0; r < rows; ++r) run_row(&job, static_cast<size_t>(r));
-    } else {
-      Ort::KernelContext(ctx).ParallelFor(run_row, static_cast<size_t>(rows), 0, &job);
-    }
+    run_tasks(ctx, rows * n, serial_below::kRmsNormElements, static_cast<size_t>(rows),
+              run_row, &job);
     if (job.out_of_memory) ORT_CXX_API_THROW("TorchRMSNorm: out of memory", ORT_FAIL);
   }
 };
@@ -87,9 +78,9 @@ struct TorchRMSNormKernel {
 
 void AppendTorchRMSNormOps(std::vector<std::unique_ptr<Ort::Custom::OrtLiteCustomOp>>& ops) {
   ops.emplace_back(Ort::Custom::CreateLiteCustomOp<TorchRMSNormKernel<float>>(
-      "TorchRMSNorm", "CPUExecutionProvider"));
+      kOp, "CPUExecutionProvider"));
   ops.emplace_back(Ort::Custom::CreateLiteCustomOp<TorchRMSNormKernel<Ort::BFloat16_t>>(
-      "TorchRMSNorm", "CPUExecutionProvider"));
+      kOp, "CPUExecutionProvider"));
 }
 
 }  // namespace csa

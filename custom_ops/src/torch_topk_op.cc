@@ -19,30 +19,14 @@
 namespace csa {
 namespace {
 
-[[noreturn]] void fail(const std::string& message) {
-  ORT_CXX_API_THROW("TorchTopK: " + message, ORT_INVALID_ARGUMENT);
-}
+constexpr const char* kOp = "TorchTopK";
 
-// Whether the graph gives output `index` an OrtValue: an omitted output ("" or absent) has
-// none, and Tensor::Allocate would dereference null. Allocates it (Allocate then reuses it).
-bool has_output(OrtKernelContext* ctx, size_t index, const std::vector<int64_t>& shape) {
-  const OrtValue* value = Ort::KernelContext(ctx).GetOutput(index, shape);
-  return value != nullptr;
-}
-
-// An optional 0/1 attribute. onnxruntime reports "absent" and "not an int" with the same
-// error code, so the message tells them apart: only absence may fall back to the default.
-bool flag_attribute(const OrtApi* api, const OrtKernelInfo* info, const char* name,
-                    bool default_value) {
-  int64_t value = default_value ? 1 : 0;
-  if (OrtStatus* status = api->KernelInfoGetAttribute_int64(info, name, &value)) {
-    const std::string message = api->GetErrorMessage(status);
-    api->ReleaseStatus(status);
-    if (message.find("No attribute") != std::string::npos) return default_value;
-    fail("attribute " + std::string(name) + " must be an int, 0 or 1 (" + message + ")");
-  }
+// An optional 0/1 attribute (default `fallback`).
+bool flag_attribute(const OrtKernelInfo* info, const char* name, bool fallback) {
+  const int64_t value =
+      optional_attribute<int64_t>(info, kOp, name, "an int, 0 or 1").value_or(fallback ? 1 : 0);
   if (value != 0 && value != 1)
-    fail("attribute " + std::string(name) + " must be 0 or 1, got " + std::to_string(value));
+    fail(kOp, "attribute " + std::string(name) + " must be 0 or 1, got " + std::to_string(value));
   return value == 1;
 }
 
@@ -59,9 +43,9 @@ struct TorchTopKKernel {
   bool largest;
   bool sorted;
 
-  TorchTopKKernel(const OrtApi* api, const OrtKernelInfo* info)
-      : largest((require_node_io(info, "TorchTopK", 2, 2), flag_attribute(api, info, "largest", true))),
-        sorted(flag_attribute(api, info, "sorted", true)) {}
+  TorchTopKKernel(const OrtApi*, const OrtKernelInfo* info)
+      : largest((require_node_io(info, kOp, 2, 2), flag_attribute(info, "largest", true))),
+        sorted(flag_attribute(info, "sorted", true)) {}
 
   Ort::Status Compute(OrtKernelContext* ctx, const Ort::Custom::Tensor<OrtT>& x,
                       const Ort::Custom::Tensor<int64_t>& k_tensor,
@@ -73,22 +57,22 @@ struct TorchTopKKernel {
            const Ort::Custom::Tensor<int64_t>& k_tensor, Ort::Custom::Tensor<OrtT>& values,
            Ort::Custom::Tensor<int64_t>& indices) {
     const std::vector<int64_t> shape = x.Shape();
-    if (shape.empty()) fail("X must have rank >= 1, got a scalar");
+    if (shape.empty()) fail(kOp, "X must have rank >= 1, got a scalar");
     const std::vector<int64_t>& k_shape = k_tensor.Shape();
     if (!(k_shape.empty() || (k_shape.size() == 1 && k_shape[0] == 1)))
-      fail("K must be a scalar or have shape [1], got shape " + shape_string(k_shape));
+      fail(kOp, "K must be a scalar or have shape [1], got shape " + shape_string(k_shape));
     const int64_t k = *k_tensor.Data();
     const int64_t n = shape.back();
-    if (k < 0) fail("K must be >= 0, got " + std::to_string(k));
+    if (k < 0) fail(kOp, "K must be >= 0, got " + std::to_string(k));
     if (k > n) {
-      fail("K = " + std::to_string(k) + " exceeds the last dimension of X, " + std::to_string(n) +
-           " (X shape " + shape_string(shape) + ")");
+      fail(kOp, "K = " + std::to_string(k) + " exceeds the last dimension of X, " +
+                    std::to_string(n) + " (X shape " + shape_string(shape) + ")");
     }
 
     std::vector<int64_t> out_shape = shape;
     out_shape.back() = k;
     if (!has_output(ctx, 0, out_shape) || !has_output(ctx, 1, out_shape))
-      fail("outputs Values and Indices are both required");
+      fail(kOp, "outputs Values and Indices are both required");
     Storage* out_values = reinterpret_cast<Storage*>(values.Allocate(out_shape));
     int64_t* out_indices = indices.Allocate(out_shape);
     int64_t rows = 1;
@@ -117,10 +101,7 @@ struct TorchTopKKernel {
       }
     };
     const int64_t tasks = (rows + job.rows_per_task - 1) / job.rows_per_task;
-    if (tasks == 1)
-      run_task(&job, 0);
-    else
-      Ort::KernelContext(ctx).ParallelFor(run_task, static_cast<size_t>(tasks), 0, &job);
+    run_tasks(ctx, rows * n, kElementsPerTask, static_cast<size_t>(tasks), run_task, &job);
     if (job.out_of_memory)
       ORT_CXX_API_THROW("TorchTopK: out of memory for a scratch row of " + std::to_string(n),
                         ORT_FAIL);
@@ -132,11 +113,11 @@ struct TorchTopKKernel {
 void AppendTorchTopKOps(std::vector<std::unique_ptr<Ort::Custom::OrtLiteCustomOp>>& ops) {
   // Same name, one kernel per X type: onnxruntime picks by the input's type.
   ops.emplace_back(Ort::Custom::CreateLiteCustomOp<TorchTopKKernel<float, TopKF32>>(
-      "TorchTopK", "CPUExecutionProvider"));
+      kOp, "CPUExecutionProvider"));
   ops.emplace_back(Ort::Custom::CreateLiteCustomOp<TorchTopKKernel<Ort::BFloat16_t, TopKBF16>>(
-      "TorchTopK", "CPUExecutionProvider"));
+      kOp, "CPUExecutionProvider"));
   ops.emplace_back(Ort::Custom::CreateLiteCustomOp<TorchTopKKernel<Ort::Float16_t, TopKF16>>(
-      "TorchTopK", "CPUExecutionProvider"));
+      kOp, "CPUExecutionProvider"));
 }
 
 }  // namespace csa

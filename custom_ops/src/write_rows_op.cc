@@ -21,14 +21,12 @@
 namespace csa {
 namespace {
 
-[[noreturn]] void fail(const std::string& message) {
-  ORT_CXX_API_THROW("WriteRows: " + message, ORT_INVALID_ARGUMENT);
-}
+constexpr const char* kOp = "WriteRows";
 
 template <typename T>
 struct WriteRowsKernel {
   WriteRowsKernel(const OrtApi*, const OrtKernelInfo* info) {
-    require_node_io(info, "WriteRows", 3, 1);  // After is optional
+    require_node_io(info, kOp, 3, 1);  // After is optional
   }
 
   Ort::Status Compute(const Ort::Custom::Tensor<T>& cache, const Ort::Custom::Tensor<T>& rows,
@@ -42,25 +40,26 @@ struct WriteRowsKernel {
                   const Ort::Custom::Tensor<int64_t>& row_start, Ort::Custom::Tensor<T>& out) {
     const std::vector<int64_t> cs = cache.Shape();
     const std::vector<int64_t> rs = rows.Shape();
-    if (cs.size() != 3) fail("Cache must have rank 3 [batch, rows, d], got " + shape_string(cs));
-    if (rs.size() != 3) fail("Rows must have rank 3 [batch, n, d], got " + shape_string(rs));
+    if (cs.size() != 3)
+      fail(kOp, "Cache must have rank 3 [batch, rows, d], got " + shape_string(cs));
+    if (rs.size() != 3) fail(kOp, "Rows must have rank 3 [batch, n, d], got " + shape_string(rs));
     if (rs[2] != cs[2]) {
-      fail("Rows " + shape_string(rs) + " and Cache " + shape_string(cs) +
-           " differ in the last dimension");
+      fail(kOp, "Rows " + shape_string(rs) + " and Cache " + shape_string(cs) +
+                " differ in the last dimension");
     }
     if (rs[0] > cs[0]) {
-      fail("Rows " + shape_string(rs) + " has a larger batch than Cache " + shape_string(cs));
+      fail(kOp, "Rows " + shape_string(rs) + " has a larger batch than Cache " + shape_string(cs));
     }
     if (row_start.NumberOfElement() != 1) {
-      fail("RowStart must hold one element, got shape " + shape_string(row_start.Shape()));
+      fail(kOp, "RowStart must hold one element, got shape " + shape_string(row_start.Shape()));
     }
     const int64_t start = row_start.Data()[0];
     const int64_t n = rs[1];
-    if (start < 0) fail("RowStart must be >= 0, got " + std::to_string(start));
+    if (start < 0) fail(kOp, "RowStart must be >= 0, got " + std::to_string(start));
     if (start > cs[1] - n) {  // start + n > rows, without overflow
-      fail("rows " + std::to_string(start) + " .. " + std::to_string(start + n - 1) +
-           " are past the cache's " + std::to_string(cs[1]) + " rows (Cache " +
-           shape_string(cs) + ", Rows " + shape_string(rs) + ")");
+      fail(kOp, "rows " + std::to_string(start) + " .. " + std::to_string(start + n - 1) +
+                " are past the cache's " + std::to_string(cs[1]) + " rows (Cache " +
+                shape_string(cs) + ", Rows " + shape_string(rs) + ")");
     }
     const T* src = cache.Data();
     T* dst = out.Allocate(cs);
@@ -82,9 +81,9 @@ struct WriteRowsKernel {
 
 void AppendWriteRowsOps(std::vector<std::unique_ptr<Ort::Custom::OrtLiteCustomOp>>& ops) {
   ops.emplace_back(Ort::Custom::CreateLiteCustomOp<WriteRowsKernel<float>>(
-      "WriteRows", "CPUExecutionProvider"));
+      kOp, "CPUExecutionProvider"));
   ops.emplace_back(Ort::Custom::CreateLiteCustomOp<WriteRowsKernel<uint8_t>>(
-      "WriteRows", "CPUExecutionProvider"));
+      kOp, "CPUExecutionProvider"));
 }
 
 }  // namespace csa
