@@ -14,6 +14,8 @@ from helpers import every_step_and_layer, golden
 from test_graphs_attention_q import query_projection, window_kv_projection
 
 from csa2onnx.custom_ops import make_session
+from csa2onnx.custom_ops.ops import pack_quantized, unpack_quantized
+from csa2onnx.graphs.kv_cache import WINDOW_FORMAT
 from csa2onnx.graphs.numerics import INT64 as INT64_T
 from csa2onnx.graphs.output import OutputProjection
 from csa2onnx.graphs.rope import RopeParams, layer_rope_params
@@ -97,13 +99,17 @@ def _composed(decode: bool) -> ort.InferenceSession:
     inputs = [("x", FLOAT, ["b", "s", a["dim"]]), ("start_pos", INT64, [1]),
               ("compressed_kv", FLOAT, ["b", "n", hd]), ("compressed_idx", INT32, ["b", "s", "k"])]
 
+    def window_kv(op, x, start_pos):  # the fp8 round trip, as the layer does it
+        kv = window_kv_projection(COMPOSE_CASE, COMPOSE_LAYER)(op, x, start_pos)
+        return unpack_quantized(op, pack_quantized(op, kv, WINDOW_FORMAT), WINDOW_FORMAT, hd)
+
     def prefill(op, x, start_pos, ckv, cidx):
-        _, kv = window_kv_projection(COMPOSE_CASE, COMPOSE_LAYER)(op, x, start_pos)
+        kv = window_kv(op, x, start_pos)
         idx, ring = window_prefill(op, kv, win)
         return _attention(op, x, start_pos, kv, idx, ckv, cidx), ring
 
     def step(op, x, start_pos, ckv, cidx, ring):
-        _, kv = window_kv_projection(COMPOSE_CASE, COMPOSE_LAYER)(op, x, start_pos)
+        kv = window_kv(op, x, start_pos)
         idx, ring = window_decode(op, kv, ring, start_pos, win)
         return _attention(op, x, start_pos, ring, idx, ckv, cidx), ring
 
