@@ -42,8 +42,10 @@ constexpr int64_t kPairs = kBlock / 2;      // k-pairs per block
 constexpr int64_t kLanes = 16;              // columns per group (one zmm of int32 lanes)
 constexpr int64_t kPanel = 64;              // columns per panel
 constexpr int64_t kGroups = kPanel / kLanes;
-constexpr int64_t kChunkKb = 8;             // K blocks packed at a time
-constexpr int64_t kPanelInts = kChunkKb * kPairs * kPanel * 2;  // int16 values per panel buffer
+constexpr int64_t kChunkKb = 8;             // K blocks packed at a time (tiles)
+constexpr int64_t kSmallChunkKb = 32;       // K blocks converted at a time (few rows)
+constexpr int64_t kMaxChunkKb = kSmallChunkKb;
+constexpr int64_t kPanelInts = kMaxChunkKb * kPairs * kPanel * 2;  // int16 values per panel buffer
 
 // W's per-block figures, computed once for a constant W (else per call).
 struct WView {
@@ -88,9 +90,9 @@ struct TaskView {
   const float* g;
   const float* ws0;       // WScale rows of the panel's two 32-column halves, [KB] each
   const float* ws1;
-  const uint64_t* masks;  // [kChunkKb][rows]: per group, the lanes taken from its slot
-  const float* const* slot;  // [kChunkKb][kGroups]: [rows][16] (a dummy where none is needed)
-  const uint16_t* bad;       // [kChunkKb][kGroups]
+  const uint64_t* masks;  // [kbs][rows]: per group, the lanes taken from its slot
+  const float* const* slot;  // [kbs][kGroups]: [rows][16] (a dummy where none is needed)
+  const uint16_t* bad;       // [kbs][kGroups]
   float* out;             // [rows][kPanel]
 };
 
@@ -614,9 +616,9 @@ struct GroupConverter {
         const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + (2 * i + 1) * w.K));
         a[i] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
       }
-      if ((kb & 1) == 0) {  // the rows' cache lines a chunk ahead (harmless past the end)
-        for (int i = 0; i < kLanes; ++i)
-          _mm_prefetch(reinterpret_cast<const char*>(src + i * w.K + 4 * kChunkKb * kBlock), _MM_HINT_T1);
+      if ((kb & 1) == 0) {  // the next group's rows (16 more rows at this block) into L2:
+        for (int i = 0; i < kLanes; ++i)  // measured: twice the speed where W comes from DRAM
+          _mm_prefetch(reinterpret_cast<const char*>(src + (kLanes + i) * w.K), _MM_HINT_T1);
       }
     } else {  // the last group: rows past N are never read
       for (int i = 0; i < 8; ++i) {
