@@ -19,7 +19,7 @@
 // time (AVX512-VBMI: a 16x16 transpose by word permutes, table lookups, variable shifts)
 // into a thread-local panel and multiplies them in tiles of 6 rows x 64 columns, one K block
 // at a time; with at most 4 rows (decode) the pairs go straight from the conversion into
-// vpdpwssd. The blocks where the precondition fails are summed exactly first, into override
+// vpdpwssd, 32 K blocks a step, 16 columns' rows at a time (the next 16 prefetched). The blocks where the precondition fails are summed exactly first, into override
 // slots the tiles read by masked loads: a W block that is not int16 as two int16 digits
 // (v = h * 2^8 + l) against every row at once (16 rows a zmm, from X transposed), a flagged
 // row the same way with X's block in two digits, and the rare pair where both blocks are
