@@ -19,7 +19,7 @@
 // time (AVX512-VBMI: a 16x16 transpose by word permutes, table lookups, variable shifts)
 // into a thread-local panel and multiplies them in tiles of 6 rows x 64 columns, one K block
 // at a time; with at most 4 rows (decode) the pairs go straight from the conversion into
-// vpdpwssd. The blocks where the precondition fails are summed exactly first, into override
+// vpdpwssd, 32 K blocks a step, 16 columns' rows at a time (the next 16 prefetched). The blocks where the precondition fails are summed exactly first, into override
 // slots the tiles read by masked loads: a W block that is not int16 as two int16 digits
 // (v = h * 2^8 + l) against every row at once (16 rows a zmm, from X transposed), a flagged
 // row the same way with X's block in two digits, and the rare pair where both blocks are
@@ -461,8 +461,8 @@ struct Call {
 // int32 sums do not cover.
 struct Overrides {
   std::vector<float> pool;
-  const float* slot[kChunkKb * kGroups] = {};
-  uint16_t bad[kChunkKb * kGroups] = {};
+  const float* slot[kMaxChunkKb * kGroups] = {};
+  uint16_t bad[kMaxChunkKb * kGroups] = {};
 };
 
 // The slot rows of flagged (row, block, group)s: the row's block in two digits against the
@@ -564,25 +564,27 @@ void run_task(const Call& c, int64_t task) {
   const int64_t rows16 = (rows + kLanes - 1) / kLanes * kLanes;
   thread_local Scratch scratch;
   int16_t* pw = Scratch::at_least(scratch.pw, static_cast<size_t>(kPanelInts));
-  float* g = Scratch::at_least(scratch.g, static_cast<size_t>(kChunkKb * kPanel));
+  const bool small = rows <= kSmallRows && c.kern.dot_small != nullptr;
+  const int64_t chunk = small ? kSmallChunkKb : kChunkKb;  // K blocks a step
+  float* g = Scratch::at_least(scratch.g, static_cast<size_t>(chunk * kPanel));
   float* out = Scratch::at_least(scratch.out, static_cast<size_t>(rows * kPanel));
   float* f = Scratch::at_least(scratch.f, static_cast<size_t>(rows16));
-  uint8_t* flags = Scratch::at_least(scratch.flags, static_cast<size_t>(kChunkKb * rows));
-  uint64_t* masks = Scratch::at_least(scratch.masks, static_cast<size_t>(kChunkKb * rows));
-  const bool small = rows <= kSmallRows && c.kern.dot_small != nullptr;
-  int32_t* sums = small ? Scratch::at_least(scratch.sums, static_cast<size_t>(kChunkKb * kGroups * rows * kLanes))
-                        : nullptr;
+  uint8_t* flags = Scratch::at_least(scratch.flags, static_cast<size_t>(chunk * rows));
+  uint64_t* masks = Scratch::at_least(scratch.masks, static_cast<size_t>(chunk * rows));
+  int32_t* sums =
+      small ? Scratch::at_least(scratch.sums, static_cast<size_t>(chunk * kGroups * rows * kLanes))
+            : nullptr;
   Overrides& ov = scratch.ov;
   uint64_t lane_sums = 0, row_sums = 0, wide_sums = 0;
   std::memset(out, 0, static_cast<size_t>(rows * kPanel) * sizeof(float));
   const WView wv = meta.view(c.w);
   const float* ws0 = c.ws + (2 * panel) * c.KB;
   const float* ws1 = 2 * panel + 1 < c.NB ? ws0 + c.KB : ws0;  // no second half: unused
-  for (int64_t kb0 = 0; kb0 < c.KB; kb0 += kChunkKb) {
-    const int64_t kbs = c.KB - kb0 < kChunkKb ? c.KB - kb0 : kChunkKb;
+  for (int64_t kb0 = 0; kb0 < c.KB; kb0 += chunk) {
+    const int64_t kbs = c.KB - kb0 < chunk ? c.KB - kb0 : chunk;
 
     // the groups' figures and the flags of (row, block, group) whose int32 sums may overflow
-    uint32_t l1m[kChunkKb * kGroups] = {}, amx[kChunkKb * kGroups] = {};
+    uint32_t l1m[kMaxChunkKb * kGroups] = {}, amx[kMaxChunkKb * kGroups] = {};
     for (int64_t kbi = 0; kbi < kbs; ++kbi) {
       for (int64_t gi = 0; gi < kGroups; ++gi) {
         const int64_t grp = panel * kGroups + gi;
@@ -597,15 +599,15 @@ void run_task(const Call& c, int64_t task) {
     }
     c.kern.flags({xc.lim_l1.data() + r0, xc.lim_max.data() + r0, xc.rows, rows, kb0, kbs, l1m,
                   amx, ov.bad, flags, masks});
-    uint8_t any[kChunkKb] = {};
+    uint8_t any[kMaxChunkKb] = {};
     for (int64_t kbi = 0; kbi < kbs; ++kbi)
       for (int64_t r = 0; r < rows; ++r) any[kbi] = static_cast<uint8_t>(any[kbi] | flags[kbi * rows + r]);
 
     // W's int16 pairs (few rows: straight into the sums, the pairs kept where flagged rows
     // need them)
     if (small) {
-      uint8_t keep_pw[kChunkKb * kGroups];
-      for (int64_t kbi = 0; kbi < kChunkKb; ++kbi)
+      uint8_t keep_pw[kMaxChunkKb * kGroups];
+      for (int64_t kbi = 0; kbi < kMaxChunkKb; ++kbi)
         for (int64_t gi = 0; gi < kGroups; ++gi) keep_pw[kbi * kGroups + gi] = (any[kbi] >> gi) & 1u;
       c.kern.dot_small({wv, panel, kb0, kbs, xc.xi.data() + r0 * c.K, c.K, rows, keep_pw, pw, g, sums});
     } else {
@@ -620,7 +622,7 @@ void run_task(const Call& c, int64_t task) {
     // slot 0 is the dummy the others share (the tiles read it under an all-zero mask)
     Scratch::at_least(ov.pool, (slots + 1) * static_cast<size_t>(rows * kLanes));
     slots = 0;
-    for (int64_t kbi = 0; kbi < kChunkKb; ++kbi) {
+    for (int64_t kbi = 0; kbi < kMaxChunkKb; ++kbi) {
       for (int64_t gi = 0; gi < kGroups; ++gi) {
         const size_t at = static_cast<size_t>(kbi * kGroups + gi);
         const bool need = kbi < kbs && (ov.bad[at] != 0 || ((any[kbi] >> gi) & 1u));
