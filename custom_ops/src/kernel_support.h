@@ -6,8 +6,8 @@
 //       `return status_of([&] { Run(ctx, inputs..., outputs...); });`
 //     (the lite API reads Compute's parameter types for the op's signature, so the
 //     trampoline cannot be one generic function; status_of is the shared part);
-//   - threading: run_tasks and the serial_below cut-offs (work below which a kernel stays on
-//     the calling thread);
+//   - threading: run_tasks, run_row_chunks and the serial_below cut-offs (work below which a
+//     kernel stays on the calling thread);
 //   - the instruction-set path (select_isa).
 // Output shapes for onnxruntime are shape_inference.cc's, not the kernels'.
 #pragma once
@@ -148,7 +148,12 @@ constexpr int64_t kRmsNormElements = int64_t{1} << 15;  // a square, a sum and a
 constexpr int64_t kAngles = int64_t{1} << 14;           // a cosf and a sinf each (RopeCosSin)
 constexpr int64_t kMultiplyAdds = int64_t{1} << 17;     // the linears: M*N*K
 constexpr int64_t kConvertedValues = int64_t{1} << 18;  // TorchLinear's X rows to bf16 pairs
+constexpr int64_t kAttentionTerms = int64_t{1} << 16;   // SparseAttention: rows*h*k*d
 }  // namespace serial_below
+
+// Values per task for kernels that split rows into chunks (Pack/UnpackQuantized): enough
+// that a task outweighs its hand-off, few enough that decode-sized calls still spread.
+constexpr int64_t kValuesPerRowChunk = int64_t{1} << 15;
 
 // fn(data, t) for t in [0, tasks): on the calling thread when `work` is below `serial`,
 // else on onnxruntime's intra-op pool. fn must not throw (no exception may escape into the
@@ -160,6 +165,29 @@ inline void run_tasks(OrtKernelContext* ctx, int64_t work, int64_t serial, size_
   } else {
     Ort::KernelContext(ctx).ParallelFor(fn, tasks, 0, data);
   }
+}
+
+// body(first_row, row_count) over `rows` rows of `width` values, in chunks of about
+// kValuesPerRowChunk values: on the calling thread below serial_below::kElements values,
+// else on the pool. body must not throw (see run_tasks).
+template <typename Body>
+void run_row_chunks(OrtKernelContext* ctx, int64_t rows, int64_t width, Body body) {
+  const int64_t per = width > 0 ? (kValuesPerRowChunk + width - 1) / width : rows;
+  const int64_t chunks = per > 0 ? (rows + per - 1) / per : 0;
+  if (rows * width < serial_below::kElements || chunks <= 1) {
+    body(int64_t{0}, rows);  // one call: no chunking overhead when serial
+    return;
+  }
+  struct Job {
+    Body* body;
+    int64_t rows, per;
+  } job{&body, rows, per};
+  auto run = [](void* data, size_t c) {
+    const Job& j = *static_cast<const Job*>(data);
+    const int64_t r0 = static_cast<int64_t>(c) * j.per;
+    (*j.body)(r0, j.rows - r0 < j.per ? j.rows - r0 : j.per);
+  };
+  run_tasks(ctx, rows * width, serial_below::kElements, static_cast<size_t>(chunks), run, &job);
 }
 
 // ---------------------------------------------------------------- instruction sets

@@ -22,17 +22,9 @@ namespace {
 
 using packed::Format;
 
-[[noreturn]] void fail(const char* op, const std::string& message) {
-  ORT_CXX_API_THROW(std::string(op) + ": " + message, ORT_INVALID_ARGUMENT);
-}
-
 Format read_format(const OrtKernelInfo* info, const char* op) {
-  std::string name;
-  try {
-    name = Ort::ConstKernelInfo(info).GetAttribute<std::string>("format");
-  } catch (const Ort::Exception&) {
-    fail(op, std::string("attribute format (") + packed::kFormatChoices + ") is required");
-  }
+  static const std::string kind = std::string("a string: ") + packed::kFormatChoices;
+  const std::string name = required_attribute<std::string>(info, op, "format", kind.c_str());
   Format f;
   if (!packed::parse_format(name, &f))
     fail(op, "unknown format \"" + name + "\" (expected " + packed::kFormatChoices + ")");
@@ -41,168 +33,149 @@ Format read_format(const OrtKernelInfo* info, const char* op) {
 
 // ---- the row loops per instruction set (flatten: the helpers inline under the target)
 
-using PackFn = void (*)(Format, const float*, uint8_t*, int64_t, int64_t);
-using UnpackFn = void (*)(Format, const uint8_t*, float*, int64_t, int64_t);
+template <typename P>
+inline void pack_rows(Format f, const float* x, uint8_t* p, int64_t rows, int64_t d) {
+  const int64_t rb = packed::row_bytes(f, d);
+  for (int64_t r = 0; r < rows; ++r) packed::pack_row<P>(f, x + r * d, d, p + r * rb);
+}
+template <void (*Row)(Format, const uint8_t*, int64_t, float*)>
+inline void unpack_rows(Format f, const uint8_t* p, float* y, int64_t rows, int64_t d) {
+  const int64_t rb = packed::row_bytes(f, d);
+  for (int64_t r = 0; r < rows; ++r) Row(f, p + r * rb, d, y + r * d);
+}
 
 void pack_rows_scalar(Format f, const float* x, uint8_t* p, int64_t rows, int64_t d) {
-  const int64_t rb = packed::row_bytes(f, d);
-  for (int64_t r = 0; r < rows; ++r)
-    packed::pack_row<packed::PackScalar>(f, x + r * d, d, p + r * rb);
+  pack_rows<packed::PackScalar>(f, x, p, rows, d);
 }
 void unpack_rows_scalar(Format f, const uint8_t* p, float* y, int64_t rows, int64_t d) {
-  const int64_t rb = packed::row_bytes(f, d);
-  for (int64_t r = 0; r < rows; ++r) packed::unpack_row_scalar(f, p + r * rb, d, y + r * d);
+  unpack_rows<packed::unpack_row_scalar>(f, p, y, rows, d);
 }
 #ifdef CSA_X86
-CSA_TARGET_AVX512 __attribute__((flatten)) void pack_rows_avx512(Format f, const float* x,
-                                                                 uint8_t* p, int64_t rows,
-                                                                 int64_t d) {
-  const int64_t rb = packed::row_bytes(f, d);
-  for (int64_t r = 0; r < rows; ++r)
-    packed::pack_row<packed::PackAvx512>(f, x + r * d, d, p + r * rb);
+CSA_TARGET_AVX512 __attribute__((flatten)) void pack_rows_avx512(
+    Format f, const float* x, uint8_t* p, int64_t rows, int64_t d) {
+  pack_rows<packed::PackAvx512>(f, x, p, rows, d);
 }
-CSA_TARGET_AVX2 __attribute__((flatten)) void pack_rows_avx2(Format f, const float* x,
-                                                             uint8_t* p, int64_t rows,
-                                                             int64_t d) {
-  const int64_t rb = packed::row_bytes(f, d);
-  for (int64_t r = 0; r < rows; ++r)
-    packed::pack_row<packed::PackAvx2>(f, x + r * d, d, p + r * rb);
+CSA_TARGET_AVX2 __attribute__((flatten)) void pack_rows_avx2(
+    Format f, const float* x, uint8_t* p, int64_t rows, int64_t d) {
+  pack_rows<packed::PackAvx2>(f, x, p, rows, d);
 }
-CSA_TARGET_AVX512 __attribute__((flatten)) void unpack_rows_avx512(Format f, const uint8_t* p,
-                                                                   float* y, int64_t rows,
-                                                                   int64_t d) {
-  const int64_t rb = packed::row_bytes(f, d);
-  for (int64_t r = 0; r < rows; ++r) packed::unpack_row_avx512(f, p + r * rb, d, y + r * d);
+CSA_TARGET_AVX512 __attribute__((flatten)) void unpack_rows_avx512(
+    Format f, const uint8_t* p, float* y, int64_t rows, int64_t d) {
+  unpack_rows<packed::unpack_row_avx512>(f, p, y, rows, d);
 }
-CSA_TARGET_AVX2 __attribute__((flatten)) void unpack_rows_avx2(Format f, const uint8_t* p,
-                                                               float* y, int64_t rows,
-                                                               int64_t d) {
-  const int64_t rb = packed::row_bytes(f, d);
-  for (int64_t r = 0; r < rows; ++r) packed::unpack_row_avx2(f, p + r * rb, d, y + r * d);
+CSA_TARGET_AVX2 __attribute__((flatten)) void unpack_rows_avx2(
+    Format f, const uint8_t* p, float* y, int64_t rows, int64_t d) {
+  unpack_rows<packed::unpack_row_avx2>(f, p, y, rows, d);
 }
 #endif
 
-PackFn pack_fn(Isa isa) {
-#ifdef CSA_X86
-  if (isa == Isa::kAvx512 || isa == Isa::kAvx512Bf16) return pack_rows_avx512;
-  if (isa == Isa::kAvx2) return pack_rows_avx2;
-#endif
-  (void)isa;
-  return pack_rows_scalar;
-}
+// What differs between the two ops; PackedKernel is the shell both share. A Side gives the
+// element types, the op's names, its row loops per instruction set, and the row widths of a
+// call (in: the input's last dimension, out: the output's, d: the values per row), checking
+// the input's shape.
+struct Widths {
+  int64_t in, out, d;
+};
 
-UnpackFn unpack_fn(Isa isa) {
-#ifdef CSA_X86
-  if (isa == Isa::kAvx512 || isa == Isa::kAvx512Bf16) return unpack_rows_avx512;
-  if (isa == Isa::kAvx2) return unpack_rows_avx2;
-#endif
-  (void)isa;
-  return unpack_rows_scalar;
-}
-
-// Runs body(first_row, row_count) over `rows` rows, in parallel chunks when there is enough
-// work (below ~64K values a thread hand-off costs more than it saves).
-template <typename Body>
-void for_row_chunks(OrtKernelContext* ctx, int64_t rows, int64_t d, Body body) {
-  constexpr int64_t kChunkValues = 1 << 15;
-  const int64_t per = d > 0 ? (kChunkValues + d - 1) / d : rows;
-  const int64_t chunks = per > 0 ? (rows + per - 1) / per : 0;
-  if (rows * d < (1 << 16) || chunks <= 1) {
-    body(int64_t{0}, rows);
-    return;
-  }
-  struct Job {
-    Body* body;
-    int64_t rows, per;
-  } job{&body, rows, per};
-  auto run = [](void* data, size_t c) {
-    const Job& j = *static_cast<const Job*>(data);
-    const int64_t r0 = static_cast<int64_t>(c) * j.per;
-    (*j.body)(r0, j.rows - r0 < j.per ? j.rows - r0 : j.per);
-  };
-  Ort::KernelContext(ctx).ParallelFor(run, static_cast<size_t>(chunks), 0, &job);
-}
-
-struct PackQuantizedKernel {
+struct PackSide {
+  using In = float;
+  using Out = uint8_t;
+  using Fn = void (*)(Format, const In*, Out*, int64_t, int64_t);
+  static constexpr const char* kOp = "PackQuantized";
+  static constexpr const char* kIsaVariable = "CSA_PACK_QUANTIZED_ISA";
   Format format;
-  PackFn fn;
 
-  PackQuantizedKernel(const OrtApi*, const OrtKernelInfo* info)
-      : format(read_format(info, "PackQuantized")),
-        fn(pack_fn(select_isa("CSA_PACK_QUANTIZED_ISA"))) {
-    require_node_io(info, "PackQuantized", 1, 1);
+  explicit PackSide(const OrtKernelInfo* info) : format(read_format(info, kOp)) {}
+
+  static Fn fn(Isa isa) {
+#ifdef CSA_X86
+    if (isa == Isa::kAvx512 || isa == Isa::kAvx512Bf16) return pack_rows_avx512;
+    if (isa == Isa::kAvx2) return pack_rows_avx2;
+#endif
+    (void)isa;
+    return pack_rows_scalar;
   }
 
-  Ort::Status Compute(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& x,
-                      Ort::Custom::Tensor<uint8_t>& p) {
-    return status_of([&] { Run(ctx, x, p); });
-  }
-
-  void Run(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& x,
-           Ort::Custom::Tensor<uint8_t>& p) {
-    std::vector<int64_t> shape = x.Shape();
-    if (shape.empty()) fail("PackQuantized", "X must have at least one dimension [..., d]");
+  Widths widths(const std::vector<int64_t>& shape) const {
+    if (shape.empty()) fail(kOp, "X must have at least one dimension [..., d]");
     const int64_t d = shape.back();
     if (!packed::dim_fits(format, d)) {
-      fail("PackQuantized", std::string("format ") + packed::format_name(format) +
-                                " packs blocks of " + std::to_string(packed::block_of(format)) +
-                                " values, which do not divide X's last dimension " +
-                                std::to_string(d) + " (X " + shape_string(shape) + ")");
+      fail(kOp, std::string("format ") + packed::format_name(format) + " packs blocks of " +
+                    std::to_string(packed::block_of(format)) +
+                    " values, which do not divide X's last dimension " + std::to_string(d) +
+                    " (X " + shape_string(shape) + ")");
     }
-    const int64_t rows = d > 0 ? x.NumberOfElement() / d : 0;
-    shape.back() = packed::row_bytes(format, d);
-    const float* in = x.Data();
-    uint8_t* out = p.Allocate(shape);
-    if (rows == 0 || d == 0) return;
-    const int64_t rb = shape.back();
-    for_row_chunks(ctx, rows, d, [&](int64_t r0, int64_t n) {
-      fn(format, in + r0 * d, out + r0 * rb, n, d);
-    });
+    return {d, packed::row_bytes(format, d), d};
   }
 };
 
-struct UnpackQuantizedKernel {
+struct UnpackSide {
+  using In = uint8_t;
+  using Out = float;
+  using Fn = void (*)(Format, const In*, Out*, int64_t, int64_t);
+  static constexpr const char* kOp = "UnpackQuantized";
+  static constexpr const char* kIsaVariable = "CSA_UNPACK_QUANTIZED_ISA";
   Format format;
-  int64_t dim = 0;
-  UnpackFn fn;
+  int64_t dim;
 
-  UnpackQuantizedKernel(const OrtApi*, const OrtKernelInfo* info)
-      : format(read_format(info, "UnpackQuantized")),
-        fn(unpack_fn(select_isa("CSA_UNPACK_QUANTIZED_ISA"))) {
-    require_node_io(info, "UnpackQuantized", 1, 1);
-    try {
-      dim = Ort::ConstKernelInfo(info).GetAttribute<int64_t>("dim");
-    } catch (const Ort::Exception&) {
-      fail("UnpackQuantized", "attribute dim (int, the values per row) is required");
-    }
+  explicit UnpackSide(const OrtKernelInfo* info)
+      : format(read_format(info, kOp)),
+        dim(required_attribute<int64_t>(info, kOp, "dim", "an int, the values per row")) {
     if (!packed::dim_fits(format, dim)) {
-      fail("UnpackQuantized", "dim " + std::to_string(dim) + " must be >= 0 and a multiple of " +
-                                  std::to_string(packed::block_of(format)) + " (format " +
-                                  packed::format_name(format) + ")");
+      fail(kOp, "dim " + std::to_string(dim) + " must be >= 0 and a multiple of " +
+                    std::to_string(packed::block_of(format)) + " (format " +
+                    packed::format_name(format) + ")");
     }
   }
 
-  Ort::Status Compute(OrtKernelContext* ctx, const Ort::Custom::Tensor<uint8_t>& p,
-                      Ort::Custom::Tensor<float>& y) {
-    return status_of([&] { Run(ctx, p, y); });
+  static Fn fn(Isa isa) {
+#ifdef CSA_X86
+    if (isa == Isa::kAvx512 || isa == Isa::kAvx512Bf16) return unpack_rows_avx512;
+    if (isa == Isa::kAvx2) return unpack_rows_avx2;
+#endif
+    (void)isa;
+    return unpack_rows_scalar;
   }
 
-  void Run(OrtKernelContext* ctx, const Ort::Custom::Tensor<uint8_t>& p,
-           Ort::Custom::Tensor<float>& y) {
-    std::vector<int64_t> shape = p.Shape();
+  Widths widths(const std::vector<int64_t>& shape) const {
     const int64_t rb = packed::row_bytes(format, dim);
     if (shape.empty() || shape.back() != rb) {
-      fail("UnpackQuantized", "P must be [..., " + std::to_string(rb) + "] (format " +
-                                  packed::format_name(format) + ", dim " + std::to_string(dim) +
-                                  "), got " + shape_string(shape));
+      fail(kOp, "P must be [..., " + std::to_string(rb) + "] (format " +
+                    packed::format_name(format) + ", dim " + std::to_string(dim) + "), got " +
+                    shape_string(shape));
     }
-    const int64_t rows = rb > 0 ? p.NumberOfElement() / rb : 0;
-    shape.back() = dim;
-    const uint8_t* in = p.Data();
-    float* out = y.Allocate(shape);
-    if (rows == 0 || dim == 0) return;
-    for_row_chunks(ctx, rows, dim, [&](int64_t r0, int64_t n) {
-      fn(format, in + r0 * rb, out + r0 * dim, n, dim);
+    return {rb, dim, dim};
+  }
+};
+
+template <typename Side>
+struct PackedKernel {
+  using In = typename Side::In;
+  using Out = typename Side::Out;
+  Side side;
+  typename Side::Fn fn;
+
+  PackedKernel(const OrtApi*, const OrtKernelInfo* info)
+      : side(info), fn(Side::fn(select_isa(Side::kIsaVariable))) {
+    require_node_io(info, Side::kOp, 1, 1);
+  }
+
+  Ort::Status Compute(OrtKernelContext* ctx, const Ort::Custom::Tensor<In>& x,
+                      Ort::Custom::Tensor<Out>& y) {
+    return status_of([&] { Run(ctx, x, y); });
+  }
+
+  void Run(OrtKernelContext* ctx, const Ort::Custom::Tensor<In>& x,
+           Ort::Custom::Tensor<Out>& y) {
+    std::vector<int64_t> shape = x.Shape();
+    const Widths w = side.widths(shape);
+    const int64_t rows = w.in > 0 ? x.NumberOfElement() / w.in : 0;
+    shape.back() = w.out;
+    const In* in = x.Data();
+    Out* out = y.Allocate(shape);
+    if (rows == 0 || w.d == 0) return;
+    run_row_chunks(ctx, rows, w.d, [&](int64_t r0, int64_t n) {
+      fn(side.format, in + r0 * w.in, out + r0 * w.out, n, w.d);
     });
   }
 };
@@ -210,9 +183,9 @@ struct UnpackQuantizedKernel {
 }  // namespace
 
 void AppendPackedOps(std::vector<std::unique_ptr<Ort::Custom::OrtLiteCustomOp>>& ops) {
-  ops.emplace_back(Ort::Custom::CreateLiteCustomOp<PackQuantizedKernel>("PackQuantized",
+  ops.emplace_back(Ort::Custom::CreateLiteCustomOp<PackedKernel<PackSide>>(PackSide::kOp,
                                                                        "CPUExecutionProvider"));
-  ops.emplace_back(Ort::Custom::CreateLiteCustomOp<UnpackQuantizedKernel>("UnpackQuantized",
+  ops.emplace_back(Ort::Custom::CreateLiteCustomOp<PackedKernel<UnpackSide>>(UnpackSide::kOp,
                                                                          "CPUExecutionProvider"));
 }
 

@@ -220,22 +220,56 @@ struct PackScalar {
 };
 
 #ifdef CSA_X86
-// AVX-512 and AVX2: the same steps on 16 / 8 values at a time. The clamps use maxps/minps,
-// which turn a NaN into the bound; a NaN quotient only occurs in a block whose scale is NaN or
-// inf, whose codes are all written as 0.
-struct PackAvx512 {
-  using T = __m512;
-  CSA_TARGET_AVX512 static inline __m512 abs(__m512 v) {
-    return _mm512_castsi512_ps(
-        _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7FFFFFFF)));
+// AVX-512 and AVX2: the same steps on 16 / 8 values at a time, written once (PackSimd) over
+// each width's primitives (Avx512Ops, Avx2Ops). The clamps use maxps/minps, which turn a NaN
+// into the bound; a NaN quotient only occurs in a block whose scale is NaN or inf, whose codes
+// are all written as 0. AVX-512 uses the zero-masked forms with every lane set (kAll16).
+struct Avx512Ops {
+  using F = __m512;
+  using I = __m512i;
+  using M = __mmask16;
+  static constexpr int kLanes = 16;
+  CSA_TARGET_AVX512 static inline F load(const float* p) { return _mm512_loadu_ps(p); }
+  CSA_TARGET_AVX512 static inline F set1(float v) { return _mm512_set1_ps(v); }
+  CSA_TARGET_AVX512 static inline I set1i(int v) { return _mm512_set1_epi32(v); }
+  CSA_TARGET_AVX512 static inline I zero() { return _mm512_setzero_si512(); }
+  CSA_TARGET_AVX512 static inline F add(F a, F b) { return _mm512_add_ps(a, b); }
+  CSA_TARGET_AVX512 static inline F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  CSA_TARGET_AVX512 static inline F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  CSA_TARGET_AVX512 static inline F div(F a, F b) { return _mm512_div_ps(a, b); }
+  CSA_TARGET_AVX512 static inline I bits(F v) { return _mm512_castps_si512(v); }
+  CSA_TARGET_AVX512 static inline F abs(F v) {
+    return _mm512_castsi512_ps(_mm512_and_si512(bits(v), _mm512_set1_epi32(0x7FFFFFFF)));
+  }
+  CSA_TARGET_AVX512 static inline I and_(I a, I b) { return _mm512_and_si512(a, b); }
+  CSA_TARGET_AVX512 static inline I or_(I a, I b) { return _mm512_or_si512(a, b); }
+  CSA_TARGET_AVX512 static inline I add_i(I a, I b) { return _mm512_add_epi32(a, b); }
+  CSA_TARGET_AVX512 static inline I sub_i(I a, I b) { return _mm512_sub_epi32(a, b); }
+  template <int N>
+  CSA_TARGET_AVX512 static inline I srli(I a) { return _mm512_maskz_srli_epi32(kAll16, a, N); }
+  CSA_TARGET_AVX512 static inline I cvtt(F v) { return _mm512_maskz_cvttps_epi32(kAll16, v); }
+  template <int P>
+  CSA_TARGET_AVX512 static inline M cmp(F a, float c) {
+    return _mm512_cmp_ps_mask(a, _mm512_set1_ps(c), P);
+  }
+  CSA_TARGET_AVX512 static inline M is_nan(F v) { return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q); }
+  CSA_TARGET_AVX512 static inline I blend(M m, I a, I b) {  // m ? b : a
+    return _mm512_mask_blend_epi32(m, a, b);
+  }
+  CSA_TARGET_AVX512 static inline I count(I c, M k) {  // c + 1 where k is set
+    return _mm512_mask_add_epi32(c, k, c, _mm512_set1_epi32(1));
+  }
+  CSA_TARGET_AVX512 static inline F clamp(F v, float bound) {
+    return _mm512_maskz_min_ps(kAll16, _mm512_maskz_max_ps(kAll16, v, _mm512_set1_ps(-bound)),
+                               _mm512_set1_ps(bound));
   }
   // max |x| over N vectors, NaN if any lane is NaN
   template <int N>
-  CSA_TARGET_AVX512 static inline float amax(const __m512 (&v)[N]) {
+  CSA_TARGET_AVX512 static inline float amax(const F (&v)[N]) {
     __m512 m = _mm512_setzero_ps();
     __mmask16 nan = 0;
     for (int n = 0; n < N; ++n) {
-      nan |= _mm512_cmp_ps_mask(v[n], v[n], _CMP_UNORD_Q);
+      nan |= is_nan(v[n]);
       m = _mm512_maskz_max_ps(kAll16, m, abs(v[n]));
     }
     if (nan) return quiet_nan();
@@ -245,93 +279,63 @@ struct PackAvx512 {
     h = _mm_max_ps(h, _mm_movehl_ps(h, h));
     return _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
   }
-  CSA_TARGET_AVX512 static inline __m512i count(__m512i c, __mmask16 k) {
-    return _mm512_mask_add_epi32(c, k, c, _mm512_set1_epi32(1));
+  // 16 codes (0..255 in int32 lanes) -> 16 bytes
+  CSA_TARGET_AVX512 static inline __m128i bytes(I c) {
+    return _mm512_maskz_cvtepi32_epi8(kAll16, c);
   }
-  CSA_TARGET_AVX512 static inline __m512i fp4_codes(__m512 v) {  // v = x / s, clamped
-    const __m512 a = abs(v);
-    __m512i c = _mm512_setzero_si512();
-    c = count(c, _mm512_cmp_ps_mask(a, _mm512_set1_ps(0.25f), _CMP_GT_OQ));
-    c = count(c, _mm512_cmp_ps_mask(a, _mm512_set1_ps(0.75f), _CMP_GE_OQ));
-    c = count(c, _mm512_cmp_ps_mask(a, _mm512_set1_ps(1.25f), _CMP_GT_OQ));
-    c = count(c, _mm512_cmp_ps_mask(a, _mm512_set1_ps(1.75f), _CMP_GE_OQ));
-    c = count(c, _mm512_cmp_ps_mask(a, _mm512_set1_ps(2.5f), _CMP_GT_OQ));
-    c = count(c, _mm512_cmp_ps_mask(a, _mm512_set1_ps(3.5f), _CMP_GE_OQ));
-    c = count(c, _mm512_cmp_ps_mask(a, _mm512_set1_ps(5.0f), _CMP_GT_OQ));
-    const __m512i sign = _mm512_maskz_srli_epi32(kAll16, _mm512_castps_si512(v), 28);
-    return _mm512_or_si512(c, _mm512_and_si512(sign, _mm512_set1_epi32(8)));
+  // the low kLanes / 2 bytes of b (the fp4 codes of kLanes values), the low kLanes (fp8)
+  CSA_TARGET_AVX512 static inline void store_half(uint8_t* p, __m128i b) {
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), b);
   }
-  CSA_TARGET_AVX512 static inline __m512i e4m3_codes(__m512 v) {  // e4m3_code_rne per lane
-    const __m512 a = abs(v);
-    const __m512i b = _mm512_castps_si512(a);
-    const __m512i sub = _mm512_maskz_cvttps_epi32(
-        kAll16, _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(a, _mm512_set1_ps(512.0f)),
-                                            _mm512_set1_ps(0x1p23f)),
-                              _mm512_set1_ps(0x1p23f)));
-    const __m512i odd =
-        _mm512_and_si512(_mm512_maskz_srli_epi32(kAll16, b, 20), _mm512_set1_epi32(1));
-    const __m512i r = _mm512_and_si512(
-        _mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFFF)), odd),
-        _mm512_set1_epi32(static_cast<int>(0xFFF00000u)));
-    const __m512i normal =
-        _mm512_sub_epi32(_mm512_maskz_srli_epi32(kAll16, r, 20), _mm512_set1_epi32(120 << 3));
-    const __m512i mag = _mm512_mask_blend_epi32(
-        _mm512_cmp_ps_mask(a, _mm512_set1_ps(0x1p-6f), _CMP_LT_OQ), normal, sub);
-    const __m512i sign = _mm512_and_si512(
-        _mm512_maskz_srli_epi32(kAll16, _mm512_castps_si512(v), 24), _mm512_set1_epi32(0x80));
-    return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
-                                   _mm512_or_si512(mag, sign), _mm512_set1_epi32(0x7F));
-  }
-  CSA_TARGET_AVX512 static inline __m512 clamp(__m512 v, float bound) {
-    return _mm512_maskz_min_ps(kAll16, _mm512_maskz_max_ps(kAll16, v, _mm512_set1_ps(-bound)),
-                               _mm512_set1_ps(bound));
-  }
-
-  template <int64_t B, ScaleFormat SF>
-  CSA_TARGET_AVX512 static inline void fp4(const float* x, uint8_t* codes, uint8_t* scale_byte) {
-    constexpr int N = static_cast<int>(B / 16);
-    __m512 v[N];
-    for (int n = 0; n < N; ++n) v[n] = _mm512_loadu_ps(x + 16 * n);
-    const float s = fp4_scale_bits<SF>(amax<N>(v));
-    *scale_byte =
-        static_cast<uint8_t>(SF == ScaleFormat::kE8M0 ? e8m0_code(s) : e4m3_code_rne(s));
-    const __m128i keep = _mm_set1_epi8(static_cast<char>(is_finite(s) ? 0xFF : 0x00));
-    const __m512 sv = _mm512_set1_ps(s);
-    for (int n = 0; n < N; ++n) {
-      const __m512 q = clamp(_mm512_div_ps(v[n], sv), 6.0f);
-      const __m128i c = _mm512_maskz_cvtepi32_epi8(kAll16, fp4_codes(q));
-      // 16 codes as 8 u16 lanes (even code low): code_even | code_odd << 4, then 8 bytes
-      const __m128i nib = _mm_or_si128(_mm_and_si128(c, _mm_set1_epi16(0x000F)),
-                                       _mm_and_si128(_mm_srli_epi16(c, 4), _mm_set1_epi16(0x00F0)));
-      _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + 8 * n),
-                       _mm_and_si128(_mm_packus_epi16(nib, nib), keep));
-    }
-  }
-
-  CSA_TARGET_AVX512 static inline void fp8(const float* x, uint8_t* codes, uint8_t* scale_byte) {
-    __m512 v[2] = {_mm512_loadu_ps(x), _mm512_loadu_ps(x + 16)};
-    const float xs = fp8_scale(amax<2>(v));
-    *scale_byte = static_cast<uint8_t>(e8m0_code(xs));
-    const __m128i keep = _mm_set1_epi8(static_cast<char>(is_finite(xs) ? 0xFF : 0x00));
-    const __m512 sv = _mm512_set1_ps(xs);
-    for (int n = 0; n < 2; ++n) {
-      const __m512 q = clamp(_mm512_div_ps(v[n], sv), Fp8::kMax);
-      const __m128i c = _mm512_maskz_cvtepi32_epi8(kAll16, e4m3_codes(q));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + 16 * n), _mm_and_si128(c, keep));
-    }
+  CSA_TARGET_AVX512 static inline void store_lanes(uint8_t* p, __m128i b) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), b);
   }
 };
 
-struct PackAvx2 {
-  CSA_TARGET_AVX2 static inline __m256 abs(__m256 v) {
-    return _mm256_castsi256_ps(
-        _mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(0x7FFFFFFF)));
+struct Avx2Ops {
+  using F = __m256;
+  using I = __m256i;
+  using M = __m256;  // all ones where set
+  static constexpr int kLanes = 8;
+  CSA_TARGET_AVX2 static inline F load(const float* p) { return _mm256_loadu_ps(p); }
+  CSA_TARGET_AVX2 static inline F set1(float v) { return _mm256_set1_ps(v); }
+  CSA_TARGET_AVX2 static inline I set1i(int v) { return _mm256_set1_epi32(v); }
+  CSA_TARGET_AVX2 static inline I zero() { return _mm256_setzero_si256(); }
+  CSA_TARGET_AVX2 static inline F add(F a, F b) { return _mm256_add_ps(a, b); }
+  CSA_TARGET_AVX2 static inline F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  CSA_TARGET_AVX2 static inline F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  CSA_TARGET_AVX2 static inline F div(F a, F b) { return _mm256_div_ps(a, b); }
+  CSA_TARGET_AVX2 static inline I bits(F v) { return _mm256_castps_si256(v); }
+  CSA_TARGET_AVX2 static inline F abs(F v) {
+    return _mm256_castsi256_ps(_mm256_and_si256(bits(v), _mm256_set1_epi32(0x7FFFFFFF)));
+  }
+  CSA_TARGET_AVX2 static inline I and_(I a, I b) { return _mm256_and_si256(a, b); }
+  CSA_TARGET_AVX2 static inline I or_(I a, I b) { return _mm256_or_si256(a, b); }
+  CSA_TARGET_AVX2 static inline I add_i(I a, I b) { return _mm256_add_epi32(a, b); }
+  CSA_TARGET_AVX2 static inline I sub_i(I a, I b) { return _mm256_sub_epi32(a, b); }
+  template <int N>
+  CSA_TARGET_AVX2 static inline I srli(I a) { return _mm256_srli_epi32(a, N); }
+  CSA_TARGET_AVX2 static inline I cvtt(F v) { return _mm256_cvttps_epi32(v); }
+  template <int P>
+  CSA_TARGET_AVX2 static inline M cmp(F a, float c) {
+    return _mm256_cmp_ps(a, _mm256_set1_ps(c), P);
+  }
+  CSA_TARGET_AVX2 static inline M is_nan(F v) { return _mm256_cmp_ps(v, v, _CMP_UNORD_Q); }
+  CSA_TARGET_AVX2 static inline I blend(M m, I a, I b) {  // m ? b : a
+    return _mm256_castps_si256(
+        _mm256_blendv_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(b), m));
+  }
+  CSA_TARGET_AVX2 static inline I count(I c, M k) {  // c - mask (all ones = -1)
+    return _mm256_sub_epi32(c, _mm256_castps_si256(k));
+  }
+  CSA_TARGET_AVX2 static inline F clamp(F v, float bound) {
+    return _mm256_min_ps(_mm256_max_ps(v, _mm256_set1_ps(-bound)), _mm256_set1_ps(bound));
   }
   template <int N>
-  CSA_TARGET_AVX2 static inline float amax(const __m256 (&v)[N]) {
+  CSA_TARGET_AVX2 static inline float amax(const F (&v)[N]) {
     __m256 m = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
     for (int n = 0; n < N; ++n) {
-      nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[n], v[n], _CMP_UNORD_Q));
+      nan = _mm256_or_ps(nan, is_nan(v[n]));
       m = _mm256_max_ps(m, abs(v[n]));
     }
     if (_mm256_movemask_ps(nan)) return quiet_nan();
@@ -340,88 +344,87 @@ struct PackAvx2 {
     h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
     return _mm_cvtss_f32(h);
   }
-  // c - mask counts one where the mask is set (all ones = -1)
-  CSA_TARGET_AVX2 static inline __m256i count(__m256i c, __m256 k) {
-    return _mm256_sub_epi32(c, _mm256_castps_si256(k));
-  }
-  CSA_TARGET_AVX2 static inline __m256i fp4_codes(__m256 v) {
-    const __m256 a = abs(v);
-    __m256i c = _mm256_setzero_si256();
-    c = count(c, _mm256_cmp_ps(a, _mm256_set1_ps(0.25f), _CMP_GT_OQ));
-    c = count(c, _mm256_cmp_ps(a, _mm256_set1_ps(0.75f), _CMP_GE_OQ));
-    c = count(c, _mm256_cmp_ps(a, _mm256_set1_ps(1.25f), _CMP_GT_OQ));
-    c = count(c, _mm256_cmp_ps(a, _mm256_set1_ps(1.75f), _CMP_GE_OQ));
-    c = count(c, _mm256_cmp_ps(a, _mm256_set1_ps(2.5f), _CMP_GT_OQ));
-    c = count(c, _mm256_cmp_ps(a, _mm256_set1_ps(3.5f), _CMP_GE_OQ));
-    c = count(c, _mm256_cmp_ps(a, _mm256_set1_ps(5.0f), _CMP_GT_OQ));
-    const __m256i sign = _mm256_srli_epi32(_mm256_castps_si256(v), 28);
-    return _mm256_or_si256(c, _mm256_and_si256(sign, _mm256_set1_epi32(8)));
-  }
-  CSA_TARGET_AVX2 static inline __m256i e4m3_codes(__m256 v) {
-    const __m256 a = abs(v);
-    const __m256i b = _mm256_castps_si256(a);
-    const __m256i sub = _mm256_cvttps_epi32(
-        _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(a, _mm256_set1_ps(512.0f)),
-                                    _mm256_set1_ps(0x1p23f)),
-                      _mm256_set1_ps(0x1p23f)));
-    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 20), _mm256_set1_epi32(1));
-    const __m256i r = _mm256_and_si256(
-        _mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7FFFF)), odd),
-        _mm256_set1_epi32(static_cast<int>(0xFFF00000u)));
-    const __m256i normal =
-        _mm256_sub_epi32(_mm256_srli_epi32(r, 20), _mm256_set1_epi32(120 << 3));
-    const __m256 is_sub = _mm256_cmp_ps(a, _mm256_set1_ps(0x1p-6f), _CMP_LT_OQ);
-    const __m256i mag = _mm256_castps_si256(
-        _mm256_blendv_ps(_mm256_castsi256_ps(normal), _mm256_castsi256_ps(sub), is_sub));
-    const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(v), 24),
-                                          _mm256_set1_epi32(0x80));
-    const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
-    return _mm256_castps_si256(_mm256_blendv_ps(
-        _mm256_castsi256_ps(_mm256_or_si256(mag, sign)),
-        _mm256_castsi256_ps(_mm256_set1_epi32(0x7F)), nan));
-  }
-  CSA_TARGET_AVX2 static inline __m256 clamp(__m256 v, float bound) {
-    return _mm256_min_ps(_mm256_max_ps(v, _mm256_set1_ps(-bound)), _mm256_set1_ps(bound));
-  }
   // 8 codes (0..255 in int32 lanes) -> 8 bytes in the low half
-  CSA_TARGET_AVX2 static inline __m128i bytes(__m256i c) {
+  CSA_TARGET_AVX2 static inline __m128i bytes(I c) {
     const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
     return _mm_packus_epi16(w, w);
   }
+  CSA_TARGET_AVX2 static inline void store_half(uint8_t* p, __m128i b) {
+    const uint32_t four = static_cast<uint32_t>(_mm_cvtsi128_si32(b));
+    std::memcpy(p, &four, sizeof four);
+  }
+  CSA_TARGET_AVX2 static inline void store_lanes(uint8_t* p, __m128i b) {
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), b);
+  }
+};
+
+// The vector pack of either width (V: Avx512Ops or Avx2Ops). Not itself compiled for a
+// target: it is inlined, with V's members, into the row loops that carry one (packed_ops.cc).
+template <typename V>
+struct PackSimd {
+  using F = typename V::F;
+  using I = typename V::I;
 
   template <int64_t B, ScaleFormat SF>
-  CSA_TARGET_AVX2 static inline void fp4(const float* x, uint8_t* codes, uint8_t* scale_byte) {
-    constexpr int N = static_cast<int>(B / 8);
-    __m256 v[N];
-    for (int n = 0; n < N; ++n) v[n] = _mm256_loadu_ps(x + 8 * n);
-    const float s = fp4_scale_bits<SF>(amax<N>(v));
+  static inline void fp4(const float* x, uint8_t* codes, uint8_t* scale_byte) {
+    constexpr int N = static_cast<int>(B / V::kLanes);
+    F v[N];
+    for (int n = 0; n < N; ++n) v[n] = V::load(x + V::kLanes * n);
+    const float s = fp4_scale_bits<SF>(V::template amax<N>(v));
     *scale_byte =
         static_cast<uint8_t>(SF == ScaleFormat::kE8M0 ? e8m0_code(s) : e4m3_code_rne(s));
-    const uint32_t keep = is_finite(s) ? 0xFFFFFFFFu : 0u;
-    const __m256 sv = _mm256_set1_ps(s);
+    const __m128i keep = _mm_set1_epi8(static_cast<char>(is_finite(s) ? 0xFF : 0x00));
+    const F sv = V::set1(s);
     for (int n = 0; n < N; ++n) {
-      const __m128i c = bytes(fp4_codes(clamp(_mm256_div_ps(v[n], sv), 6.0f)));
+      // q = x / s clamped, then its code: e2m1_index of |q| and the sign bit
+      const F q = V::clamp(V::div(v[n], sv), 6.0f);
+      const F a = V::abs(q);
+      I code = V::zero();
+      code = V::count(code, V::template cmp<_CMP_GT_OQ>(a, 0.25f));
+      code = V::count(code, V::template cmp<_CMP_GE_OQ>(a, 0.75f));
+      code = V::count(code, V::template cmp<_CMP_GT_OQ>(a, 1.25f));
+      code = V::count(code, V::template cmp<_CMP_GE_OQ>(a, 1.75f));
+      code = V::count(code, V::template cmp<_CMP_GT_OQ>(a, 2.5f));
+      code = V::count(code, V::template cmp<_CMP_GE_OQ>(a, 3.5f));
+      code = V::count(code, V::template cmp<_CMP_GT_OQ>(a, 5.0f));
+      const I sign = V::and_(V::template srli<28>(V::bits(q)), V::set1i(8));
+      const __m128i c = V::bytes(V::or_(code, sign));
+      // the codes as u16 lanes (even code low): code_even | code_odd << 4, then bytes
       const __m128i nib = _mm_or_si128(_mm_and_si128(c, _mm_set1_epi16(0x000F)),
                                        _mm_and_si128(_mm_srli_epi16(c, 4), _mm_set1_epi16(0x00F0)));
-      const uint32_t four = static_cast<uint32_t>(_mm_cvtsi128_si32(_mm_packus_epi16(nib, nib)));
-      const uint32_t out = four & keep;
-      std::memcpy(codes + 4 * n, &out, sizeof out);
+      V::store_half(codes + V::kLanes / 2 * n, _mm_and_si128(_mm_packus_epi16(nib, nib), keep));
     }
   }
 
-  CSA_TARGET_AVX2 static inline void fp8(const float* x, uint8_t* codes, uint8_t* scale_byte) {
-    __m256 v[4];
-    for (int n = 0; n < 4; ++n) v[n] = _mm256_loadu_ps(x + 8 * n);
-    const float xs = fp8_scale(amax<4>(v));
+  static inline void fp8(const float* x, uint8_t* codes, uint8_t* scale_byte) {
+    constexpr int N = static_cast<int>(kFp8E8m0Block / V::kLanes);
+    F v[N];
+    for (int n = 0; n < N; ++n) v[n] = V::load(x + V::kLanes * n);
+    const float xs = fp8_scale(V::template amax<N>(v));
     *scale_byte = static_cast<uint8_t>(e8m0_code(xs));
     const __m128i keep = _mm_set1_epi8(static_cast<char>(is_finite(xs) ? 0xFF : 0x00));
-    const __m256 sv = _mm256_set1_ps(xs);
-    for (int n = 0; n < 4; ++n) {
-      const __m128i c = bytes(e4m3_codes(clamp(_mm256_div_ps(v[n], sv), Fp8::kMax)));
-      _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + 8 * n), _mm_and_si128(c, keep));
+    const F sv = V::set1(xs);
+    for (int n = 0; n < N; ++n) {
+      // q = x / xs clamped, then e4m3_code_rne per lane
+      const F q = V::clamp(V::div(v[n], sv), Fp8::kMax);
+      const F a = V::abs(q);
+      const I b = V::bits(a);
+      const I sub = V::cvtt(
+          V::sub(V::add(V::mul(a, V::set1(512.0f)), V::set1(0x1p23f)), V::set1(0x1p23f)));
+      const I odd = V::and_(V::template srli<20>(b), V::set1i(1));
+      const I r = V::and_(V::add_i(V::add_i(b, V::set1i(0x7FFFF)), odd),
+                          V::set1i(static_cast<int>(0xFFF00000u)));
+      const I normal = V::sub_i(V::template srli<20>(r), V::set1i(120 << 3));
+      const I mag = V::blend(V::template cmp<_CMP_LT_OQ>(a, 0x1p-6f), normal, sub);
+      const I sign = V::and_(V::template srli<24>(V::bits(q)), V::set1i(0x80));
+      const __m128i c = V::bytes(V::blend(V::is_nan(q), V::or_(mag, sign), V::set1i(0x7F)));
+      V::store_lanes(codes + V::kLanes * n, _mm_and_si128(c, keep));
     }
   }
 };
+
+using PackAvx512 = PackSimd<Avx512Ops>;
+using PackAvx2 = PackSimd<Avx2Ops>;
 #endif
 
 // One row of d values (d a multiple of the format's block) into row_bytes(f, d) bytes.

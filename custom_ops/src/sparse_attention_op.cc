@@ -37,15 +37,12 @@
 #include "sparse_attention_op.h"
 #include "simd.h"
 
-
 namespace csa {
 namespace {
 
 namespace sa = sparse_attention;
 
-[[noreturn]] void fail(const std::string& message) {
-  ORT_CXX_API_THROW("SparseAttention: " + message, ORT_INVALID_ARGUMENT);
-}
+constexpr const char* kOp = "SparseAttention";
 
 template <typename I>
 struct Job {
@@ -209,10 +206,6 @@ int64_t heads_per_task(int64_t rows, int64_t h) {
 // k = 640, d = 512); larger index lists unpack on each task's gather instead.
 constexpr int64_t kMaxUnpackedFloats = int64_t{1} << 22;
 
-Isa select_isa() {
-  return csa::select_isa("CSA_SPARSE_ATTENTION_ISA", /*has_reference=*/true);
-}
-
 // The reference path with a packed cache: the definition runs on the concatenated float
 // rows [b, n + n_cache, d] (KV's, then Compressed's unpacked), made here.
 template <typename I>
@@ -236,25 +229,18 @@ struct SparseAttentionKernel {
   packed::Format format = packed::Format::kFp4E4m3;
   Isa isa;
 
-  SparseAttentionKernel(const OrtApi*, const OrtKernelInfo* info) : isa(select_isa()) {
-    require_node_io(info, "SparseAttention", 4, 1);  // Compressed is optional
-    const Ort::ConstKernelInfo ki(info);
-    try {
-      scale = ki.GetAttribute<float>("softmax_scale");
-    } catch (const Ort::Exception&) {
-      fail("attribute softmax_scale (float) is required");
-    }
-    if (!(scale > 0.0f)) fail("softmax_scale must be > 0, got " + std::to_string(scale));
-    std::string name;
-    try {
-      name = ki.GetAttribute<std::string>("compressed_format");
-      has_format = true;
-    } catch (const Ort::Exception&) {
-      has_format = false;  // absent: no packed cache
-    }
-    if (has_format && !packed::parse_format(name, &format))
-      fail("unknown compressed_format \"" + name + "\" (expected " + packed::kFormatChoices +
-           ")");
+  SparseAttentionKernel(const OrtApi*, const OrtKernelInfo* info)
+      : isa(select_isa("CSA_SPARSE_ATTENTION_ISA", /*has_reference=*/true)) {
+    require_node_io(info, kOp, 4, 1);  // Compressed is optional
+    scale = required_attribute<float>(info, kOp, "softmax_scale", "a float");
+    if (!(scale > 0.0f)) fail(kOp, "softmax_scale must be > 0, got " + std::to_string(scale));
+    // absent: no packed cache
+    const std::optional<std::string> name =
+        optional_attribute<std::string>(info, kOp, "compressed_format", "a string");
+    has_format = name.has_value();
+    if (has_format && !packed::parse_format(*name, &format))
+      fail(kOp, "unknown compressed_format \"" + *name + "\" (expected " +
+                    packed::kFormatChoices + ")");
   }
 
   Ort::Status Compute(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& q,
@@ -272,15 +258,15 @@ struct SparseAttentionKernel {
            Ort::Custom::Tensor<float>& o) {
     const std::vector<int64_t> qs = q.Shape(), ks = kv.Shape(), ss = sink.Shape(),
                                is = idx.Shape();
-    if (qs.size() != 4) fail("Q must be [b, s, h, d], got " + shape_string(qs));
+    if (qs.size() != 4) fail(kOp, "Q must be [b, s, h, d], got " + shape_string(qs));
     const int64_t b = qs[0], s = qs[1], h = qs[2], d = qs[3];
     if (ks.size() != 3 || ks[0] != b || ks[2] != d)
-      fail("KV must be [b, n, d] = [" + std::to_string(b) + ", n, " + std::to_string(d) +
+      fail(kOp, "KV must be [b, n, d] = [" + std::to_string(b) + ", n, " + std::to_string(d) +
            "] (Q is " + shape_string(qs) + "), got " + shape_string(ks));
     if (ss.size() != 1 || ss[0] != h)
-      fail("Sink must be [h] = [" + std::to_string(h) + "], got " + shape_string(ss));
+      fail(kOp, "Sink must be [h] = [" + std::to_string(h) + "], got " + shape_string(ss));
     if (is.size() != 3 || is[0] != b || is[1] != s)
-      fail("Idx must be [b, s, k] = [" + std::to_string(b) + ", " + std::to_string(s) +
+      fail(kOp, "Idx must be [b, s, k] = [" + std::to_string(b) + ", " + std::to_string(s) +
            ", k], got " + shape_string(is));
     const int64_t n = ks[1], k = is[2];
     // The packed cache: [b, n_cache, row_bytes(format, d)].
@@ -289,17 +275,18 @@ struct SparseAttentionKernel {
     if (compressed.has_value() && *compressed != nullptr) {
       const std::vector<int64_t> cs = (*compressed)->Shape();
       if (!has_format)
-        fail("input Compressed needs the attribute compressed_format (" +
+        fail(kOp, "input Compressed needs the attribute compressed_format (" +
              std::string(packed::kFormatChoices) + ")");
       if (!packed::dim_fits(format, d))
-        fail(std::string("compressed_format ") + packed::format_name(format) + " packs blocks of " +
-             std::to_string(packed::block_of(format)) + " values, which do not divide d = " +
-             std::to_string(d));
+        fail(kOp, std::string("compressed_format ") + packed::format_name(format) +
+                      " packs blocks of " + std::to_string(packed::block_of(format)) +
+                      " values, which do not divide d = " + std::to_string(d));
       row_bytes = packed::row_bytes(format, d);
       if (cs.size() != 3 || cs[0] != b || cs[2] != row_bytes)
-        fail("Compressed must be [b, n_cache, row_bytes] = [" + std::to_string(b) + ", n_cache, " +
-             std::to_string(row_bytes) + "] (" + packed::format_name(format) + " rows of d = " +
-             std::to_string(d) + "), got " + shape_string(cs));
+        fail(kOp, "Compressed must be [b, n_cache, row_bytes] = [" + std::to_string(b) +
+                      ", n_cache, " + std::to_string(row_bytes) + "] (" +
+                      packed::format_name(format) + " rows of d = " + std::to_string(d) +
+                      "), got " + shape_string(cs));
       n_cache = cs[1];
       packed_rows = (*compressed)->Data();
     }
@@ -310,7 +297,7 @@ struct SparseAttentionKernel {
       const int64_t v = static_cast<int64_t>(ix[i]);
       if (v < -1 || v >= rows_total) {
         const int64_t row = i / (k > 0 ? k : 1);
-        fail("Idx[" + std::to_string(row / (s > 0 ? s : 1)) + ", " +
+        fail(kOp, "Idx[" + std::to_string(row / (s > 0 ? s : 1)) + ", " +
              std::to_string(row % (s > 0 ? s : 1)) + ", " + std::to_string(i % k) + "] = " +
              std::to_string(v) + " is out of range: indices must be -1 or in [0, " +
              std::to_string(rows_total) + ")" +
@@ -377,11 +364,8 @@ struct SparseAttentionKernel {
         const Pass& p = *static_cast<const Pass*>(data);
         p.fn(*p.job, t);
       };
-      if (rows * k * d < (1 << 16)) {
-        for (int64_t t = 0; t < parts; ++t) part(&pass, static_cast<size_t>(t));
-      } else {
-        Ort::KernelContext(ctx).ParallelFor(part, static_cast<size_t>(parts), 0, &pass);
-      }
+      run_tasks(ctx, rows * k * d, serial_below::kElements, static_cast<size_t>(parts), part,
+                &pass);
     }
     struct Call {
       Job<I>* job;
@@ -397,12 +381,9 @@ struct SparseAttentionKernel {
       }
     };
     const int64_t tasks = rows * splits;
-    if (rows * h * (k > 0 ? k : 1) * d < (1 << 16)) {
-      for (int64_t t = 0; t < tasks; ++t) task(&call, static_cast<size_t>(t));
-    } else {
-      Ort::KernelContext(ctx).ParallelFor(task, static_cast<size_t>(tasks), 0, &call);
-    }
-    if (job.out_of_memory) ORT_CXX_API_THROW("SparseAttention: out of memory", ORT_FAIL);
+    run_tasks(ctx, rows * h * (k > 0 ? k : 1) * d, serial_below::kAttentionTerms,
+              static_cast<size_t>(tasks), task, &call);
+    if (job.out_of_memory) ORT_CXX_API_THROW(std::string(kOp) + ": out of memory", ORT_FAIL);
   }
 };
 
@@ -410,9 +391,9 @@ struct SparseAttentionKernel {
 
 void AppendSparseAttentionOps(std::vector<std::unique_ptr<Ort::Custom::OrtLiteCustomOp>>& ops) {
   ops.emplace_back(Ort::Custom::CreateLiteCustomOp<SparseAttentionKernel<int64_t>>(
-      "SparseAttention", "CPUExecutionProvider"));
+      kOp, "CPUExecutionProvider"));
   ops.emplace_back(Ort::Custom::CreateLiteCustomOp<SparseAttentionKernel<int32_t>>(
-      "SparseAttention", "CPUExecutionProvider"));
+      kOp, "CPUExecutionProvider"));
 }
 
 }  // namespace csa
