@@ -148,42 +148,26 @@ def TorchRMSNorm(X: FLOAT, W, epsilon: float) -> FLOAT:
                                       op.Concat(rows, groups, lanes32, axis=0), allowzero=1),
                            perm=[1, 0, 2])
 
-    # level 1: the sums of `step` groups (acc[0]'s flushes into acc[1])
-    m = op.Slice(op.Shape(entries), [0], [1])
-    chunks = op.Div(op.Sub(op.Add(m, step), op.Constant(value_ints=[1])), step)
-    padded = op.Pad(entries, op.Concat(op.Constant(value_ints=[0, 0, 0]),
-                                       op.Sub(op.Mul(chunks, step), m),
-                                       op.Constant(value_ints=[0, 0]), axis=0))
-    blocks = op.Reshape(padded, op.Concat(chunks, step, rows, lanes32, axis=0), allowzero=1)
-    acc = op.ConstantOfShape(op.Concat(chunks, rows, lanes32, axis=0))
-    for j in range(op.Squeeze(step, [0])):
-        acc = op.Add(acc, op.Gather(blocks, j, axis=1))
-    entries = acc
-    # level 2: sums of `step` level-1 sums (acc[1]'s flushes into acc[2])
-    m = op.Slice(op.Shape(entries), [0], [1])
-    chunks = op.Div(op.Sub(op.Add(m, step), op.Constant(value_ints=[1])), step)
-    padded = op.Pad(entries, op.Concat(op.Constant(value_ints=[0, 0, 0]),
-                                       op.Sub(op.Mul(chunks, step), m),
-                                       op.Constant(value_ints=[0, 0]), axis=0))
-    blocks = op.Reshape(padded, op.Concat(chunks, step, rows, lanes32, axis=0), allowzero=1)
-    acc = op.ConstantOfShape(op.Concat(chunks, rows, lanes32, axis=0))
-    for j in range(op.Squeeze(step, [0])):
-        acc = op.Add(acc, op.Gather(blocks, j, axis=1))
-    entries = acc
-    # level 3: sums of `step` level-2 sums (acc[2]'s flushes into acc[3])
-    m = op.Slice(op.Shape(entries), [0], [1])
-    chunks = op.Div(op.Sub(op.Add(m, step), op.Constant(value_ints=[1])), step)
-    padded = op.Pad(entries, op.Concat(op.Constant(value_ints=[0, 0, 0]),
-                                       op.Sub(op.Mul(chunks, step), m),
-                                       op.Constant(value_ints=[0, 0]), axis=0))
-    blocks = op.Reshape(padded, op.Concat(chunks, step, rows, lanes32, axis=0), allowzero=1)
-    acc = op.ConstantOfShape(op.Concat(chunks, rows, lanes32, axis=0))
-    for j in range(op.Squeeze(step, [0])):
-        acc = op.Add(acc, op.Gather(blocks, j, axis=1))
-    # level 4: acc[3] takes every level-3 sum
-    total = op.ConstantOfShape(op.Concat(rows, lanes32, axis=0))
-    for j in range(op.Squeeze(op.Slice(op.Shape(acc), [0], [1]), [0])):
-        total = op.Add(total, op.Gather(acc, j, axis=0))
+    # The cascade, one Loop of Adds for every level: levels 1..3 sum chunks of `step` entries
+    # (acc[k]'s flushes into acc[k + 1]), a short last chunk padded with zeros; level 4 is
+    # acc[3] taking every level-3 sum, i.e. one chunk of them all. [m, rows, 32] entries
+    # become [chunks, rows, 32] sums each level; level 4 leaves one.
+    for level in range(4):
+        cascading = op.Less(level, 3)
+        m = op.Slice(op.Shape(entries), [0], [1])
+        size = op.Where(cascading, step, m)
+        chunks = op.Where(cascading,
+                          op.Div(op.Sub(op.Add(m, step), op.Constant(value_ints=[1])), step),
+                          op.Constant(value_ints=[1]))
+        padded = op.Pad(entries, op.Concat(op.Constant(value_ints=[0, 0, 0]),
+                                           op.Sub(op.Mul(chunks, size), m),
+                                           op.Constant(value_ints=[0, 0]), axis=0))
+        blocks = op.Reshape(padded, op.Concat(chunks, size, rows, lanes32, axis=0), allowzero=1)
+        acc = op.ConstantOfShape(op.Concat(chunks, rows, lanes32, axis=0))
+        for j in range(op.Squeeze(size, [0])):
+            acc = op.Add(acc, op.Gather(blocks, j, axis=1))
+        entries = acc
+    total = op.Squeeze(entries, [0])  # [rows, 32]
 
     # The vectors past the last group (up to 3) into accumulator 0, then accumulators 1..3.
     lanes = op.Constant(value_ints=[8])
@@ -203,13 +187,10 @@ def TorchRMSNorm(X: FLOAT, W, epsilon: float) -> FLOAT:
     tail = op.Pad(tail, op.Concat(op.Constant(value_ints=[0, 0, 0]),
                                   op.Sub(op.Constant(value_ints=[7]),
                                          op.Slice(op.Shape(tail), [1], [2])), axis=0))
-    tail = op.Transpose(tail, perm=[1, 0])  # [7, rows]
-    part = op.Transpose(part, perm=[1, 0])  # [8, rows]
+    terms = op.Transpose(op.Concat(tail, part, axis=1), perm=[1, 0])  # [7 + 8, rows]
     s = op.ConstantOfShape(rows)
-    for t in range(7):
-        s = op.Add(s, op.Gather(tail, t, axis=0))
-    for lane in range(8):
-        s = op.Add(s, op.Gather(part, lane, axis=0))
+    for t in range(15):
+        s = op.Add(s, op.Gather(terms, t, axis=0))
     mean = op.Unsqueeze(s, [1])  # [rows, 1]
     mean = op.Div(mean, op.Cast(n, to=onnx.TensorProto.FLOAT))
     rsqrt = op.Reciprocal(op.Sqrt(mean + op.Constant(value_float=epsilon)))
