@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import ml_dtypes
 import numpy as np
+import onnx_ir as ir
 
 from csa2onnx.custom_ops.constants import TORCH_LINEAR_PANEL
 
@@ -89,6 +90,20 @@ def packed_later(w: np.ndarray) -> PackedWeight:
     if w.ndim != 2:
         raise ValueError(f"a TorchLinear weight is [N, K], got shape {list(w.shape)}")
     return PackedWeight(None, w.shape[0], w.shape[1], plain=w)
+
+
+class PanelsLater(ir.LazyTensor):
+    """A panels64 weight packed when its bytes are asked for (an export never holds the
+    packed copies of all weights at once). `weight` is its source: each model an export
+    builds wraps it anew, and export/shared_weights.py's ContentDigests knows them for one
+    tensor by it (so that it is packed and hashed once per export)."""
+
+    __slots__ = ("weight",)
+
+    def __init__(self, weight: PackedWeight, dtype: ir.DataType) -> None:
+        super().__init__(lambda: ir.tensor(weight.packed()), dtype=dtype,
+                         shape=ir.Shape(weight.panels_shape))
+        self.weight = weight
 
 
 def pack_panels(w: np.ndarray) -> PackedWeight:

@@ -30,6 +30,7 @@ import onnxruntime as ort
 from csa2onnx.custom_ops import session_options
 from csa2onnx.custom_ops.reference import unpack_quantized
 from csa2onnx.export.artifacts import Manifest, read_manifest
+from csa2onnx.export.graph_io import START_POS, layer_input, layer_output, slot_input
 from csa2onnx.export.shared_weights import SharedWeights
 from csa2onnx.export.state_layout import STORAGES
 
@@ -130,7 +131,7 @@ class AttentionRuntime:
         self._ensure_caches(batch, start_pos + seqlen)
         if start_pos == 0:
             self._fresh_sequence(batch)
-        feeds["start_pos"] = self._ortvalue(np.array([start_pos], np.int64))
+        feeds[START_POS] = self._ortvalue(np.array([start_pos], np.int64))
         for t in self.layout:
             feeds[t.input_name] = self.state[t.name]
         result = self._run("prefill", feeds)
@@ -153,7 +154,7 @@ class AttentionRuntime:
                                     f"{self.manifest.max_seq_len}")
         feeds = self._feeds(xs, slots)
         self._ensure_caches(batch, self.position + 1)
-        feeds["start_pos"] = self._ortvalue(np.array([self.position], np.int64))
+        feeds[START_POS] = self._ortvalue(np.array([self.position], np.int64))
         for t in self.layout:
             feeds[t.input_name] = self.state[t.name]
         result = self._run("decode", feeds)
@@ -238,8 +239,8 @@ class AttentionRuntime:
         if missing:
             raise RuntimeStateError(f"this sub-stack reads slots written outside it: pass "
                                     f"{', '.join(missing)} (see manifest external_slots)")
-        feeds = {f"x.L{layer}": self._ortvalue(x) for layer, x in xs.items()}
-        feeds.update({f"slot_in.{name}": self._ortvalue(v) for name, v in slots.items()})
+        feeds = {layer_input(layer): self._ortvalue(x) for layer, x in xs.items()}
+        feeds.update({slot_input(name): self._ortvalue(v) for name, v in slots.items()})
         return feeds
 
     def _check_inputs(self, xs: dict[int, np.ndarray]) -> tuple[int, int]:
@@ -293,10 +294,10 @@ class AttentionRuntime:
                            if name in state_out and name not in in_place})
         if not self.in_place:
             self._host.clear()  # the caches are onnxruntime's outputs now
-        out = {int(name[len("out.L"):]): v.numpy() for name, v in values.items()
-               if name.startswith("out.L")}
+        layer_of = {layer_output(layer): layer for layer in self.layers}
+        out = {layer_of[name]: v.numpy() for name, v in values.items() if name in layer_of}
         extra = {name: v.numpy() for name, v in values.items()
-                 if not name.startswith(("present.", "out.L"))}
+                 if name not in layer_of and name not in state_out}
         return StepOutputs(out, extra)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import sys
+from collections.abc import Callable, Hashable
 from pathlib import Path
 
 import numpy as np
@@ -19,9 +20,53 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
+from csa2onnx.custom_ops.weight_layout import PanelsLater
+
 WEIGHTS_FILE = "weights.onnx.data"
 ALIGNMENT = 4096  # page-aligned: mappable, and aligned for every element type
 SIZE_THRESHOLD = 1024  # smaller initializers stay inside the model
+
+
+class ContentDigests:
+    """The sha256 of each tensor's bytes, computed once per export: the initializer sharing
+    (export/stack.py) and the weights file (SharedWeightsWriter) both ask here, for both
+    models. A tensor is known by its source, which both models' tensors of one weight share:
+    the array memory an in-memory tensor wraps (a checkpoint view, or an array the export
+    prepared), or a lazily packed weight's PackedWeight (PanelsLater). The sources are held
+    until the export ends, so no memory is reused under a known key.
+
+    `sink(digest, data)`, when set, sees each tensor's bytes the one time they are computed
+    (the writer stores them then): a lazily packed weight is packed once per export."""
+
+    def __init__(self) -> None:
+        self._known: dict[Hashable, tuple[bytes, object]] = {}
+        self.sink: Callable[[bytes, memoryview], None] | None = None
+
+    def digest(self, tensor: ir.TensorProtocol) -> bytes:
+        key, source = _source(tensor)
+        known = self._known.get(key)
+        if known is not None:
+            return known[0]
+        data = _raw_view(tensor)  # packs a lazily packed weight
+        digest = hashlib.sha256(data).digest()
+        if self.sink is not None:
+            self.sink(digest, data)
+        self._known[key] = (digest, source)
+        return digest
+
+
+def _source(tensor: ir.TensorProtocol) -> tuple[Hashable, object]:
+    """A key for where the tensor's bytes come from, and the object to hold for it."""
+    if isinstance(tensor, PanelsLater):
+        plain = tensor.weight.plain
+        return ("panels64", *_memory_key(plain)), tensor.weight
+    if isinstance(tensor, ir.Tensor) and isinstance(tensor.raw, np.ndarray):
+        return ("array", *_memory_key(tensor.raw)), tensor.raw
+    return ("tensor", id(tensor)), tensor
+
+
+def _memory_key(array: np.ndarray) -> tuple:
+    return (array.__array_interface__["data"][0], array.shape, array.strides, array.dtype)
 
 
 class SharedWeightsWriter:
@@ -34,11 +79,15 @@ class SharedWeightsWriter:
     once (the mapped pages) plus one model's graph.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, digests: ContentDigests) -> None:
+        """`digests`: the export's; the writer stores each large tensor's bytes as they are
+        hashed (digests.sink), so that nothing is computed twice."""
         self.path = path
         self._file = path.open("wb")
         self._offsets: dict[bytes, int] = {}
         self._end = 0
+        self.digests = digests
+        digests.sink = self._store
 
     def flush(self) -> None:
         self._file.flush()  # before a checker or a session reads the file
@@ -54,24 +103,30 @@ class SharedWeightsWriter:
             if (tensor is None or isinstance(tensor, ir.ExternalTensor)
                     or tensor.nbytes < SIZE_THRESHOLD):
                 continue
-            data = _raw_view(tensor)
-            key = hashlib.sha256(data).digest()
-            if key not in self._offsets:
-                pad = -self._end % ALIGNMENT
-                self._file.write(b"\0" * pad)
-                self._offsets[key] = self._end + pad
-                self._file.write(data)
-                self._end += pad + len(data)
+            key = self.digests.digest(tensor)  # stored now if first seen
+            if key not in self._offsets:  # hashed before this writer existed
+                self._store(key, _raw_view(tensor))
             value.const_value = ir.ExternalTensor(
-                self.path.name, self._offsets[key], len(data), tensor.dtype,
+                self.path.name, self._offsets[key], tensor.nbytes, tensor.dtype,
                 shape=tensor.shape, name=value.name or tensor.name or "",
                 base_dir=self.path.parent)
+
+    def _store(self, key: bytes, data: memoryview) -> None:
+        """Append a large tensor's bytes, page-aligned, unless the file holds them."""
+        if key in self._offsets or len(data) < SIZE_THRESHOLD:
+            return
+        pad = -self._end % ALIGNMENT
+        self._file.write(b"\0" * pad)
+        self._offsets[key] = self._end + pad
+        self._file.write(data)
+        self._end += pad + len(data)
 
 
 def _raw_view(tensor: ir.TensorProtocol) -> memoryview:
     """The tensor's ONNX raw_data bytes, without a copy where they already lie in memory (a
-    whole-byte type held as a little-endian numpy array, as every weight here is)."""
-    if (isinstance(tensor, ir.Tensor) and sys.byteorder == "little"
+    whole-byte type held as a little-endian numpy array, as every weight here is; a lazily
+    packed one is packed here, into the only copy)."""
+    if (isinstance(tensor, (ir.Tensor, ir.LazyTensor)) and sys.byteorder == "little"
             and tensor.dtype.bitwidth % 8 == 0):
         array = tensor.numpy()
         if array.dtype.itemsize * 8 == tensor.dtype.bitwidth:

@@ -1,12 +1,12 @@
 """Export a stack of attention layers (one layer is a stack of one) as a prefill model and a
 decode model. Inputs: x.L{l} per layer (the blocks between attention layers are not part of
 the export), start_pos (decode), past.* state, slot_in.* for slots written outside the
-range. Outputs: out.L{l}, present.* state, slot_out.* for the slots the range writes.
+range. Outputs: out.L{l}, present.* state, slot_out.* for the slots the range writes (names
+from export/graph_io.py and export/state_layout.py).
 A cache's present.* output is its past.* input written in place (export/in_place.py)."""
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,10 +23,18 @@ from csa2onnx.custom_ops.portable import portable_functions
 from csa2onnx.custom_ops.weight_layout import PANELS64, PackedWeight, packed_later
 from csa2onnx.export.artifacts import manifest_for, write_manifest
 from csa2onnx.export.config import AttentionConfig
+from csa2onnx.export.graph_io import (
+    START_POS,
+    debug_output,
+    layer_input,
+    layer_output,
+    slot_input,
+    slot_output,
+)
 from csa2onnx.export.in_place import check_in_place_order, in_place_writes
 from csa2onnx.export.layer import STATE_FIELDS, AttentionLayer, Debug, LayerState, Mode
 from csa2onnx.export.plan import StackPlan, plan_layer
-from csa2onnx.export.shared_weights import WEIGHTS_FILE, SharedWeightsWriter
+from csa2onnx.export.shared_weights import WEIGHTS_FILE, ContentDigests, SharedWeightsWriter
 from csa2onnx.export.slots import Slots
 from csa2onnx.export.weights import (
     LayerWeights,
@@ -70,9 +78,11 @@ def stack_weights(plan: StackPlan, weights: dict[int, LayerWeights], *,
 
 def build_stack_model(plan: StackPlan, weights: dict[int, LayerWeights] | StackWeights,
                       mode: Mode, *, portable: bool = False, debug_outputs: bool = False,
-                      progress: Callable[[str], None] | None = None) -> ir.Model:
+                      progress: Callable[[str], None] | None = None,
+                      digests: ContentDigests | None = None) -> ir.Model:
     """Trace the stack's `mode` call into an ONNX IR model (`weights`: checked or raw
-    per-layer weights, or the ones stack_weights prepared for the same `portable`)."""
+    per-layer weights, or the ones stack_weights prepared for the same `portable`);
+    `digests`: the export's content digests, shared by its models (else the model's own)."""
     if not isinstance(weights, StackWeights):
         weights = stack_weights(plan, weights, portable=portable)
     elif weights.portable != portable:
@@ -86,9 +96,9 @@ def build_stack_model(plan: StackPlan, weights: dict[int, LayerWeights] | StackW
     builder = GraphBuilder(graph)
     op = builder.op
     seq = "seq" if mode == "prefill" else 1
-    xs = {p.layer: builder.input(f"x.L{p.layer}", ir.DataType.FLOAT, ["batch", seq, c.dim])
+    xs = {p.layer: builder.input(layer_input(p.layer), ir.DataType.FLOAT, ["batch", seq, c.dim])
           for p in plan.layers}
-    start_pos = builder.input("start_pos", ir.DataType.INT64, [1])  # prefill: 0 or a chunk's
+    start_pos = builder.input(START_POS, ir.DataType.INT64, [1])  # prefill: 0 or a chunk's
 
     layout = plan.state_layout()
     # Caches come in on both calls, written in place from row start_pos // r on: a new
@@ -106,7 +116,7 @@ def build_stack_model(plan: StackPlan, weights: dict[int, LayerWeights] | StackW
     slots = Slots(plan, publisher=past.get(publisher) if publisher else None,
                   index_k={o: states[o].index_k for o in plan.owners})
     for name in plan.external_slots():
-        slots.external[name] = builder.input(f"slot_in.{name}", *_slot_type(plan, name, seq))
+        slots.external[name] = builder.input(slot_input(name), *_slot_type(plan, name, seq))
 
     outputs: list[tuple[str, ir.Value]] = []
     pos = start_pos
@@ -116,7 +126,7 @@ def build_stack_model(plan: StackPlan, weights: dict[int, LayerWeights] | StackW
         layer = AttentionLayer(plan, p, weights.layers[p.layer])
 
         def record(name: str, value: ir.Value, layer_id: int = p.layer) -> None:
-            outputs.append((f"L{layer_id}.{name}", value))
+            outputs.append((debug_output(layer_id, name), value))
 
         debug = Debug(record if debug_outputs else None)
 
@@ -130,16 +140,16 @@ def build_stack_model(plan: StackPlan, weights: dict[int, LayerWeights] | StackW
         result = layer(op, x, pos, states[p.layer], slots.reads(op, p, end_pos), mode, debug)
         slots.publish_selection(p.layer, result)
         states[p.layer] = result.state
-        outputs.append((f"out.L{p.layer}", result.out))
+        outputs.append((layer_output(p.layer), result.out))
     for t in layout:
         value = (slots.publisher if t.layer is None
                  else getattr(states[t.layer], STATE_FIELDS[t.role]))
         outputs.append((t.output_name, value))
     last_topk = [slots.topk_idxs[p.layer] for p in plan.layers if p.layer in slots.topk_idxs]
     if last_topk:
-        outputs.append(("slot_out.topk_idxs", last_topk[-1]))
+        outputs.append((slot_output("topk_idxs"), last_topk[-1]))
     if slots.candidates is not None:
-        outputs.append(("slot_out.candidates", slots.candidates))
+        outputs.append((slot_output("candidates"), slots.candidates))
 
     seen: set[int] = set()
     for name, value in outputs:
@@ -155,7 +165,7 @@ def build_stack_model(plan: StackPlan, weights: dict[int, LayerWeights] | StackW
     if written != {t.output_name for t in layout.caches}:
         raise RuntimeError(f"caches not written in place by WriteRows: {sorted(written)}")
     check_in_place_order(graph)
-    _share_identical_initializers(graph)
+    _share_identical_initializers(graph, digests or ContentDigests())
     return ir.Model(graph, ir_version=IR_VERSION)
 
 
@@ -199,15 +209,13 @@ def _slot_type(plan: StackPlan, name: str, seq: int | str) -> tuple[ir.DataType,
     }[name]
 
 
-def _share_identical_initializers(graph: ir.Graph) -> None:
+def _share_identical_initializers(graph: ir.Graph, digests: ContentDigests) -> None:
     """One initializer per distinct content: every module builds its own RoPE tables, and
     ratio-0 and compressed layers each share theirs across the stack."""
     first: dict[tuple, ir.Value] = {}
     for name, value in list(graph.initializers.items()):
         tensor = value.const_value
-        data = tensor.numpy()  # hashed in place: no bytes copy of every weight
-        key = (tensor.dtype, tuple(tensor.shape),
-               hashlib.sha1(np.ascontiguousarray(data).view(np.uint8).data).hexdigest())
+        key = (tensor.dtype, tuple(tensor.shape), digests.digest(tensor))
         keep = first.setdefault(key, value)
         if keep is not value:
             ir.convenience.replace_all_uses_with(value, keep)
@@ -231,19 +239,23 @@ def export_stack(plan: StackPlan, weights: dict[int, LayerWeights], folder: str 
     stack's weights go to one file both models reference (export/shared_weights.py)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / WEIGHTS_FILE).unlink(missing_ok=True)
-    writer: SharedWeightsWriter | None = None
+    # Each tensor is hashed once for both models, and the writer stores a large one's bytes
+    # as it is hashed (a lazily packed weight is packed then, once); a model small enough to
+    # hold its weights inline (and a folder that needs no weights file) drops the file.
+    digests = ContentDigests()
+    writer = SharedWeightsWriter(folder / WEIGHTS_FILE, digests)
+    weights_file: str | None = None
     try:
-        prepared = stack_weights(plan, weights, portable=portable)  # packed once
+        prepared = stack_weights(plan, weights, portable=portable)
         for mode in ("prefill", "decode"):
             model = build_stack_model(plan, prepared, mode, portable=portable,
-                                      debug_outputs=debug_outputs, progress=progress)
+                                      debug_outputs=debug_outputs, progress=progress,
+                                      digests=digests)
             weight_bytes = sum(v.const_value.nbytes for v in model.graph.initializers.values())
-            if writer is None and weight_bytes > EXTERNAL_DATA_BYTES:
+            if weight_bytes > EXTERNAL_DATA_BYTES:
                 # (protobuf cannot hold over 2 GiB); both modes then share the file
-                writer = SharedWeightsWriter(folder / WEIGHTS_FILE)
-            weights_file = WEIGHTS_FILE if writer is not None else None
-            if writer is not None:  # before serialising: the proto then holds no weights
+                weights_file = WEIGHTS_FILE
+            if weights_file is not None:  # before serialising: the proto then holds no weights
                 writer.externalize(model)
                 writer.flush()
             proto = to_proto(model, plan, portable, weights_file)
@@ -253,7 +265,8 @@ def export_stack(plan: StackPlan, weights: dict[int, LayerWeights], folder: str 
             del proto
             onnx.checker.check_model(str(path), full_check=True)
     finally:
-        if writer is not None:
-            writer.close()
-    write_manifest(folder, manifest_for(plan, portable, WEIGHTS_FILE if writer else None))
+        writer.close()
+        if weights_file is None:
+            (folder / WEIGHTS_FILE).unlink(missing_ok=True)
+    write_manifest(folder, manifest_for(plan, portable, weights_file))
     return folder

@@ -14,7 +14,7 @@ import onnx_ir as ir
 from onnxscript import OpBuilder, nn
 
 from csa2onnx.custom_ops.ops import fp8_linear, torch_linear, torch_rms_norm
-from csa2onnx.custom_ops.weight_layout import PackedWeight
+from csa2onnx.custom_ops.weight_layout import PackedWeight, PanelsLater
 
 FLOAT = ir.DataType.FLOAT
 BFLOAT16 = ir.DataType.BFLOAT16
@@ -58,11 +58,7 @@ class Linear(nn.Module):
             if w.dtype != want:
                 raise ValueError(f"a packed Linear weight must be {np.dtype(want)}, got "
                                  f"{w.dtype}")
-            if w.panels is not None:
-                data = ir.tensor(w.panels)
-            else:  # packed when serialised or hashed, a tensor at a time
-                data = ir.LazyTensor(lambda w=w: ir.tensor(w.packed()), dtype=dtype,
-                                     shape=ir.Shape(w.panels_shape))
+            data = ir.tensor(w.panels) if w.panels is not None else PanelsLater(w, dtype)
             self.weight = nn.Parameter(w.panels_shape, data=data)
         else:
             self.weight = weight(w, dtype)

@@ -122,3 +122,44 @@ def test_a_loaded_stack_holds_its_weights_once(tmp_path: Path, monkeypatch) -> N
     held = _rss_mib() - before
     state_mib = runtime.state_bytes() / 2**20
     assert held < 1.15 * (weight_mib + state_mib) + slack, (held, weight_mib, state_mib)
+
+
+def test_an_export_packs_each_weight_once_and_hashes_each_tensor_once(
+        tmp_path: Path, monkeypatch) -> None:
+    """Both models' initializer sharing and the weights file ask one ContentDigests: a lazily
+    packed TorchLinear weight is packed once per export (it was packed for each hash and each
+    write, 4 times), and no tensor is hashed by each model and each step (then 2 hashes per
+    initializer per model)."""
+    import collections
+    import hashlib
+
+    import csa2onnx.custom_ops.weight_layout as layout
+    import csa2onnx.export.stack as stack
+
+    monkeypatch.setattr(stack, "EXTERNAL_DATA_BYTES", 1)
+    packs: collections.Counter = collections.Counter()
+    pack_panels = layout.pack_panels
+
+    def counting_pack(w: np.ndarray):
+        packs[(w.__array_interface__["data"][0], w.shape)] += 1
+        return pack_panels(w)
+
+    hashes = collections.Counter()
+    sha1, sha256 = hashlib.sha1, hashlib.sha256
+
+    def counting(name: str, real):
+        def digest(*args):
+            hashes[name] += 1
+            return real(*args)
+        return digest
+
+    monkeypatch.setattr(layout, "pack_panels", counting_pack)
+    monkeypatch.setattr(hashlib, "sha1", counting("sha1", sha1))
+    monkeypatch.setattr(hashlib, "sha256", counting("sha256", sha256))
+    g = golden("case3_r4_r128")
+    plan = plan_stack(AttentionConfig.from_model_args(g.model_args))
+    export_stack(plan, from_golden(g.arrays, range(6)), tmp_path)
+    assert packs and set(packs.values()) == {1}, packs
+    saved = sum(len(onnx.load(str(tmp_path / f"{m}.onnx"), load_external_data=False)
+                    .graph.initializer) for m in ("prefill", "decode"))
+    assert sum(hashes.values()) <= saved, (hashes, saved)

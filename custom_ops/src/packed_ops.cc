@@ -8,6 +8,8 @@
 //     bit for bit the round trip's values.
 // CSA_PACK_QUANTIZED_ISA / CSA_UNPACK_QUANTIZED_ISA (or CSA2ONNX_ISA; read when a session
 // creates the kernel) force "avx512", "avx2" or "scalar"; all give the same bits.
+// The two kernels are one shell (PackedKernel) over what differs (PackSide, UnpackSide);
+// errors, attributes, threading and the instruction set are kernel_support.h's.
 #include "ort_api.h"
 
 #include <string>
@@ -69,6 +71,24 @@ CSA_TARGET_AVX2 __attribute__((flatten)) void unpack_rows_avx2(
 }
 #endif
 
+using PackFn = void (*)(Format, const float*, uint8_t*, int64_t, int64_t);
+using UnpackFn = void (*)(Format, const uint8_t*, float*, int64_t, int64_t);
+
+// The row loops of a session's instruction-set path.
+struct RowLoops {
+  PackFn pack;
+  UnpackFn unpack;
+};
+RowLoops row_loops(Isa isa) {
+#ifdef CSA_X86
+  if (isa == Isa::kAvx512 || isa == Isa::kAvx512Bf16)
+    return {pack_rows_avx512, unpack_rows_avx512};
+  if (isa == Isa::kAvx2) return {pack_rows_avx2, unpack_rows_avx2};
+#endif
+  (void)isa;
+  return {pack_rows_scalar, unpack_rows_scalar};
+}
+
 // What differs between the two ops; PackedKernel is the shell both share. A Side gives the
 // element types, the op's names, its row loops per instruction set, and the row widths of a
 // call (in: the input's last dimension, out: the output's, d: the values per row), checking
@@ -80,21 +100,14 @@ struct Widths {
 struct PackSide {
   using In = float;
   using Out = uint8_t;
-  using Fn = void (*)(Format, const In*, Out*, int64_t, int64_t);
+  using Fn = PackFn;
   static constexpr const char* kOp = "PackQuantized";
   static constexpr const char* kIsaVariable = "CSA_PACK_QUANTIZED_ISA";
   Format format;
 
   explicit PackSide(const OrtKernelInfo* info) : format(read_format(info, kOp)) {}
 
-  static Fn fn(Isa isa) {
-#ifdef CSA_X86
-    if (isa == Isa::kAvx512 || isa == Isa::kAvx512Bf16) return pack_rows_avx512;
-    if (isa == Isa::kAvx2) return pack_rows_avx2;
-#endif
-    (void)isa;
-    return pack_rows_scalar;
-  }
+  static Fn fn(Isa isa) { return row_loops(isa).pack; }
 
   Widths widths(const std::vector<int64_t>& shape) const {
     if (shape.empty()) fail(kOp, "X must have at least one dimension [..., d]");
@@ -112,7 +125,7 @@ struct PackSide {
 struct UnpackSide {
   using In = uint8_t;
   using Out = float;
-  using Fn = void (*)(Format, const In*, Out*, int64_t, int64_t);
+  using Fn = UnpackFn;
   static constexpr const char* kOp = "UnpackQuantized";
   static constexpr const char* kIsaVariable = "CSA_UNPACK_QUANTIZED_ISA";
   Format format;
@@ -128,14 +141,7 @@ struct UnpackSide {
     }
   }
 
-  static Fn fn(Isa isa) {
-#ifdef CSA_X86
-    if (isa == Isa::kAvx512 || isa == Isa::kAvx512Bf16) return unpack_rows_avx512;
-    if (isa == Isa::kAvx2) return unpack_rows_avx2;
-#endif
-    (void)isa;
-    return unpack_rows_scalar;
-  }
+  static Fn fn(Isa isa) { return row_loops(isa).unpack; }
 
   Widths widths(const std::vector<int64_t>& shape) const {
     const int64_t rb = packed::row_bytes(format, dim);

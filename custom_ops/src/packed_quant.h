@@ -28,8 +28,8 @@
 // Pack follows the round trips' definitions step for step (fp4_quant.h for fp4, act_quant as
 // fp8_linear.h's Fp8::quantize_block for fp8: a NaN anywhere in a block makes the whole block
 // NaN, as torch's amax does). Everything is one exact or one IEEE float32 operation per value,
-// so the plain code here, the auto-vectorised pack and the AVX-512 / AVX2 unpack give the same
-// bits; nothing depends on denormals-are-zero settings except an e8m0 scale byte 0 (2^-127),
+// so the plain code here, the AVX-512 / AVX2 pack (one template, PackSimd, over each width's
+// primitives) and the AVX-512 / AVX2 unpack give the same bits; nothing depends on denormals-are-zero settings except an e8m0 scale byte 0 (2^-127),
 // which pack never writes.
 #pragma once
 
