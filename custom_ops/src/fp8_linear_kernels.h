@@ -653,14 +653,19 @@ struct GroupConverter {
     const __m512i base = _mm512_add_epi8(
         _mm512_permutexvar_epi8(_mm512_load_si512(t.lane_of_byte), _mm512_castsi128_si512(t16)),
         _mm512_set1_epi8(11));
+    const __m512i low4 = _mm512_set1_epi16(15), high8 = _mm512_set1_epi16(static_cast<int16_t>(0xFF00));
     for (int i = 0; i < 8; ++i) {
       const __m512i codes = b[i];
       __m512i m = _mm512_permutex2var_epi8(_mm512_load_si512(t.mant), codes, _mm512_load_si512(t.mant + 64));
       m = _mm512_mask_sub_epi8(m, _mm512_movepi8_mask(codes), zero, m);
       const __m512i count = _mm512_sub_epi8(
           base, _mm512_permutex2var_epi8(_mm512_load_si512(t.expo), codes, _mm512_load_si512(t.expo + 64)));
-      __m512i v0 = _mm512_srav_epi16(_mm512_unpacklo_epi8(zero, m), _mm512_unpacklo_epi8(count, zero));
-      __m512i v1 = _mm512_srav_epi16(_mm512_unpackhi_epi8(zero, m), _mm512_unpackhi_epi8(count, zero));
+      // words (m << 8) | count: two unpacks, not four (shuffles are what this loop waits on).
+      // A nonzero code's count is at most 14 (its units are at least 2^t: E + 4 > t); a zero
+      // code's may be larger, but its m is 0
+      const __m512i w0 = _mm512_unpacklo_epi8(count, m), w1 = _mm512_unpackhi_epi8(count, m);
+      __m512i v0 = _mm512_srav_epi16(_mm512_and_si512(w0, high8), _mm512_and_si512(w0, low4));
+      __m512i v1 = _mm512_srav_epi16(_mm512_and_si512(w1, high8), _mm512_and_si512(w1, low4));
       if (keep != 0xFFFF) {
         v0 = _mm512_maskz_mov_epi32(keep, v0);
         v1 = _mm512_maskz_mov_epi32(keep, v1);
@@ -680,14 +685,25 @@ struct StorePairs {
   }
 };
 
-template <int MR, bool kVnni>
+// x's pair p of row m is read by the vpdpwssd itself, broadcast from memory ({1to16}): a
+// broadcast from a general register costs a shuffle, which this loop is short of.
+using Int16Pair = int32_t __attribute__((may_alias));  // two int16 of xi read as one
+
+template <int MR, bool kVnni, bool kStore>
 struct DotPairs {
   __m512i (&acc)[MR];
-  const int32_t (&x)[MR][kPairs];
-  int16_t* out;  // null: the pairs are not stored
+  const Int16Pair* x;  // row m's pairs at x + m * ldx
+  int64_t ldx;
+  int16_t* out;      // kStore: the pairs are stored here too
   CSA_TARGET_AVX512 CSA_INLINE void operator()(int p, __m512i v) const {
-    for (int m = 0; m < MR; ++m) CSA_DP16(kVnni, acc[m], _mm512_set1_epi32(x[m][p]), v);
-    if (out != nullptr) _mm512_storeu_si512(out + p * kPanel * 2, v);
+    for (int m = 0; m < MR; ++m) {
+      if (kVnni) {
+        asm("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc[m]) : "v"(v), "m"(x[m * ldx + p]));
+      } else {
+        acc[m] = _mm512_add_epi32(acc[m], _mm512_madd_epi16(_mm512_set1_epi32(x[m * ldx + p]), v));
+      }
+    }
+    if (kStore) _mm512_storeu_si512(out + p * kPanel * 2, v);
   }
 };
 
@@ -714,12 +730,14 @@ CSA_TARGET_AVX512_VBMI __attribute__((noinline)) void dot_small_vbmi(const Small
       const int64_t kb = j.kb0 + kbi;
       __m512i acc[MR];
       for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_si512();
-      int32_t x[MR][kPairs];
-      for (int m = 0; m < MR; ++m) std::memcpy(x[m], j.xi + m * j.K + kb * kBlock, sizeof x[m]);
+      // X's int16 pairs (xi rows are K int16 values: K / 2 pairs)
+      const Int16Pair* x = reinterpret_cast<const Int16Pair*>(j.xi + kb * kBlock);
       int16_t* out = j.pw + (kbi * kPairs * kPanel + c * kLanes) * 2;
       const bool store = j.keep_pw[kbi * kGroups + c] != 0;
-      const bool any = conv.run(j.panel * kPanel + c * kLanes, kb, j.g + kbi * kPanel + c * kLanes,
-                                DotPairs<MR, kVnni>{acc, x, store ? out : nullptr});
+      const int64_t n0 = j.panel * kPanel + c * kLanes;
+      float* g = j.g + kbi * kPanel + c * kLanes;
+      const bool any = store ? conv.run(n0, kb, g, DotPairs<MR, kVnni, true>{acc, x, j.K / 2, out})
+                             : conv.run(n0, kb, g, DotPairs<MR, kVnni, false>{acc, x, j.K / 2, nullptr});
       if (!any && store)
         for (int64_t p = 0; p < kPairs; ++p) _mm512_storeu_si512(out + p * kPanel * 2, _mm512_setzero_si512());
       for (int m = 0; m < MR; ++m)
