@@ -756,25 +756,28 @@ CSA_TARGET_AVX512_VBMI CSA_INLINE void dot_small_body(const SmallJob& j) {
   }
 }
 
-// The epilogue of dot_small: per row and group, the blocks in order.
+// The epilogue of dot_small: per row, the blocks in order, the 4 groups side by side (one
+// block's row scale and shift broadcast once for them all).
 CSA_TARGET_AVX512 CSA_INLINE void epilogue_small_body(const TaskView& v, const int32_t* sums) {
   for (int64_t r = 0; r < v.rows; ++r) {
-    for (int64_t c = 0; c < kGroups; ++c) {
-      float* o = v.out + r * kPanel + kLanes * c;
-      __m512 f = _mm512_loadu_ps(o);
-      for (int64_t kbi = 0; kbi < v.kbs; ++kbi) {
-        const int64_t kb = v.kb0 + kbi;
+    float* o = v.out + r * kPanel;
+    __m512 f[kGroups];
+    for (int64_t c = 0; c < kGroups; ++c) f[c] = _mm512_loadu_ps(o + kLanes * c);
+    for (int64_t kbi = 0; kbi < v.kbs; ++kbi) {
+      const int64_t kb = v.kb0 + kbi;
+      const float xs = v.xs[kb * v.ld + r];
+      const __m512 cm = _mm512_set1_ps(v.cm[kb * v.ld + r]);
+      const __m512 sc[2] = {_mm512_set1_ps(xs * v.ws0[kb]), _mm512_set1_ps(xs * v.ws1[kb])};
+      const uint64_t take = v.masks[kbi * v.rows + r];
+      for (int64_t c = 0; c < kGroups; ++c) {
         const __m512 s = _mm512_cvtepi32_ps(_mm512_loadu_si512(sums + ((kbi * kGroups + c) * v.rows + r) * kLanes));
-        const __m512 p = _mm512_mask_loadu_ps(s, static_cast<__mmask16>(v.masks[kbi * v.rows + r] >> (16 * c)),
+        const __m512 p = _mm512_mask_loadu_ps(s, static_cast<__mmask16>(take >> (16 * c)),
                                               v.slot[kbi * kGroups + c] + r * kLanes);
-        const float xs = v.xs[kb * v.ld + r];
         const __m512 g = _mm512_loadu_ps(v.g + kbi * kPanel + kLanes * c);
-        const __m512 cm = _mm512_set1_ps(v.cm[kb * v.ld + r]);
-        const __m512 sc = _mm512_set1_ps(xs * (c < 2 ? v.ws0 : v.ws1)[kb]);
-        f = _mm512_add_ps(f, _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(p, g), cm), sc));
+        f[c] = _mm512_add_ps(f[c], _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(p, g), cm), sc[c / 2]));
       }
-      _mm512_storeu_ps(o, f);
     }
+    for (int64_t c = 0; c < kGroups; ++c) _mm512_storeu_ps(o + kLanes * c, f[c]);
   }
 }
 
