@@ -508,13 +508,13 @@ CSA_TARGET_AVX512 CSA_INLINE void w_digits_avx512(const uint8_t* codes, uint32_t
 }
 
 // f_lanes with 16 rows per zmm: X^T pairs times the W block's digits broadcast.
-// One row (decode): lanes over k instead (the row's block times the digits, summed across
-// lanes), not a zmm of 16 rows with 15 idle.
+// A few rows (decode): lanes over k instead (each row's block times the digits, summed
+// across lanes), not a zmm of 16 rows with most lanes idle.
 template <bool kVnni>
 CSA_TARGET_AVX512 CSA_INLINE void f_lanes_avx512_body(const FJob& j) {
   alignas(64) int32_t wh[kPairs], wl[kPairs];
   w_digits_avx512(j.codes, j.t, wh, wl);
-  if (j.rows == 1) {
+  if (j.rows <= kSmallRows) {
     const __m512i h_pairs = _mm512_load_si512(wh), l_pairs = _mm512_load_si512(wl);
     for (int64_t r = 0; r < j.rows; ++r) {
       const __m512i x = _mm512_loadu_si512(j.xi + r * j.K);

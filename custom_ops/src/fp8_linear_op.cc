@@ -346,7 +346,7 @@ struct Kernels {
   void (*tiles)(const TaskView&, int64_t r0, int64_t r1);  // rows [r0, r1)
   void (*f_lanes)(const FJob&);
   void (*row_patch)(const RowJob&);
-  bool uses_xt;  // f_lanes reads X^T
+  bool uses_xt;  // f_lanes reads X^T (for more than kSmallRows rows)
   // few rows (<= kSmallRows): conversion and sums in one pass, then the epilogue (or null)
   void (*dot_small)(const SmallJob&) = nullptr;
   void (*epilogue_small)(const TaskView&, const int32_t* sums) = nullptr;
@@ -638,7 +638,9 @@ void run_task(const Call& c, int64_t task) {
           const int64_t col = panel * kPanel + gi * kLanes + i;
           const FJob job{xc.xi.data() + r0 * c.K + kb * kBlock,
                          c.K,
-                         !c.kern.uses_xt ? nullptr : xc.xt.data() + (kb * kPairs) * xc.rows16 + r0,
+                         !c.kern.uses_xt || xc.rows <= kSmallRows
+                             ? nullptr
+                             : xc.xt.data() + (kb * kPairs) * xc.rows16 + r0,
                          xc.rows16,
                          rows,
                          c.w + col * c.K + kb * kBlock,
@@ -769,7 +771,7 @@ struct Fp8LinearKernel {
       const QuantJob quant{x.Data() + m0 * d.K, &xc};
       auto quantize = [&](int64_t r) { kern.quantize(quant, r); };
       for_each(ctx, xc.rows * d.K, serial_below::kElements, xc.rows, quantize);
-      if (uses_xt) {
+      if (uses_xt && xc.rows > kSmallRows) {
         XChunk::grow(xc.xt, static_cast<size_t>((d.K / 2) * xc.rows16));
         constexpr int64_t kPairsPerTask = 256;
         const int64_t parts = (d.K / 2 + kPairsPerTask - 1) / kPairsPerTask;
