@@ -21,7 +21,8 @@
 // at a time; with at most 4 rows (decode) the pairs go straight from the conversion into
 // vpdpwssd, 32 K blocks a step, 16 columns' rows at a time (the next 16 prefetched). The blocks where the precondition fails are summed exactly first, into override
 // slots the tiles read by masked loads: a W block that is not int16 as two int16 digits
-// (v = h * 2^8 + l) against every row at once (16 rows a zmm, from X transposed), a flagged
+// (v = h * 2^8 + l) against every row at once (16 rows a zmm, from X transposed; up to 4
+// rows: each row's block against the digits, lanes over k), a flagged
 // row the same way with X's block in two digits, and the rare pair where both blocks are
 // not int16 in int64. Then per lane, in float, as the definition:
 // dot = (float(sum) * 2^t_w) * 2^(t_x - 18) (exact), out = out + dot * (xs * ws). Every
