@@ -78,7 +78,7 @@ def fp4_values(rng: np.random.Generator, shape: tuple[int, ...], exponents: tupl
     blocks = (*shape[:-1], shape[-1] // 32, 1)
     scales = np.exp2(rng.integers(*exponents, blocks)).astype(np.float32)
     scales[rng.random(blocks) < zero_blocks] = 0.0
-    return (codes.reshape(blocks[:-1] + (32,)) * scales).reshape(shape).astype(np.float32)
+    return (codes.reshape((*blocks[:-1], 32)) * scales).reshape(shape).astype(np.float32)
 
 
 def case(seed: int, b: int, s: int, h: int, d: int, r: int, *, adversarial: bool):
@@ -162,9 +162,10 @@ def test_matches_standard_ops(monkeypatch, shape, adversarial):
 def tie_case(s: int) -> tuple:
     """Scores that sit on a bf16 tie unless a tiny part is summed in the right order.
 
-    Key row 0's dot with every query and head: 32 products 2^-28 (block 0), then 1, then 2^-8: summed
-    in MLAS's order (an fma chain over d from 0) it is 1 + 2^-8 + 2^-23, which rounds up to
-    bf16 1 + 2^-7; summed big terms first it is the tie 1 + 2^-8, which rounds to even (1).
+    Key row 0's dot with every query and head: 32 products 2^-28 (block 0), then 1, then
+    2^-8: summed in MLAS's order (an fma chain over d from 0) it is 1 + 2^-8 + 2^-23, which
+    rounds up to bf16 1 + 2^-7; summed big terms first it is the tie 1 + 2^-8, which rounds
+    to even (1).
     Key row 1 picks each head's dot 1, 2^-8, 0, 0, 2^-25 x 4 (w = 1): onnxruntime's head sum
     in groups of 4 (b*s >= 2) gives 1 + 2^-8 + 2^-23 (rounds up), the in-order sum (b*s == 1)
     loses each 2^-25 and rounds the tie to 1."""
