@@ -305,33 +305,23 @@ __attribute__((always_inline)) inline void score_tile(const Tile& tile) {
   }
 }
 
-// Column chunk per instruction set (the tile's ldk is a multiple of it).
+// Column chunk per instruction set (the tile's ldk is a multiple of it); the packed rows'
+// unpacking is SparseAttention's tile configuration's.
 template <typename V>
 struct Cfg;
 #ifdef CSA_X86
 template <>
-struct Cfg<tv::VAvx512> {
+struct Cfg<tv::VAvx512> : tv::CfgAvx512 {
   static constexpr int kVecs = 4;  // 4 heads x 4 zmm of dots, 4 zmm of sums
-  CSA_TARGET_AVX512 static inline void unpack(packed::Format f, const uint8_t* p, int64_t d,
-                                              float* y) {
-    packed::unpack_row_avx512(f, p, d, y);
-  }
 };
 template <>
-struct Cfg<tv::VAvx2> {
+struct Cfg<tv::VAvx2> : tv::CfgAvx2 {
   static constexpr int kVecs = 2;  // 4 heads x 2 ymm of dots, 2 ymm of sums
-  CSA_TARGET_AVX2 static inline void unpack(packed::Format f, const uint8_t* p, int64_t d,
-                                            float* y) {
-    packed::unpack_row_avx2(f, p, d, y);
-  }
 };
 #endif
 template <>
-struct Cfg<tv::VScalar> {
+struct Cfg<tv::VScalar> : tv::CfgScalar {
   static constexpr int kVecs = 4;
-  static inline void unpack(packed::Format f, const uint8_t* p, int64_t d, float* y) {
-    packed::unpack_row_scalar(f, p, d, y);
-  }
 };
 
 template <typename V>

@@ -16,7 +16,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <new>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -202,21 +201,8 @@ struct IndexerScoreKernel {
       fn = row_task;
       tasks = b * s;
     }
-    struct Call {
-      Job* job;
-      Fn fn;
-    } call{&job, fn};
-    auto task = [](void* data, size_t i) {
-      Call& c = *static_cast<Call*>(data);
-      try {  // no exception may escape into onnxruntime's thread pool
-        thread_local std::vector<float> scratch;
-        c.fn(*c.job, i, scratch);
-      } catch (const std::bad_alloc&) {
-        c.job->out_of_memory = true;
-      }
-    };
-    run_tasks(ctx, b * s * h * t * d, serial_below::kMultiplyAdds, static_cast<size_t>(tasks),
-              task, &call);
+    run_tasks_with_scratch(ctx, b * s * h * t * d, serial_below::kMultiplyAdds,
+                           static_cast<size_t>(tasks), fn, job);
     if (job.out_of_memory) ORT_CXX_API_THROW(std::string(kOp) + ": out of memory", ORT_FAIL);
   }
 };
