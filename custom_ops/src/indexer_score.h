@@ -3,7 +3,7 @@
 //   dots     = bf16(MatMul(q [b,s,H,D], k^T [b,1,D,T]))
 //   weighted = bf16(Relu(dots) * w [b,s,H,1])
 //   score    = bf16(ReduceSum(weighted, axis 2))              [b, s, T]
-// bit for bit as onnxruntime (1.2x-1.3x, x86-64 with FMA) runs those nodes, so every order
+// bit for bit as onnxruntime 1.32 (x86-64 with FMA) runs those nodes, so every order
 // below is onnxruntime's (MLAS's SGEMM and the CPU ReduceSum), found in its sources and
 // checked against it with adversarial inputs (tests/test_indexer_score.py):
 //   - The MatMul is one SGEMM per (b, s) entry with M = H rows, or, when b == 1 (B's batch
@@ -20,10 +20,9 @@
 //     above, from +0); b*s == 1 sums in order from +0 (H == 1 too adds +0: -0 becomes +0).
 // What onnxruntime itself does differently with its thread count (this op never does):
 // ReduceSum takes the in-order sum when b*s is below the intra-op thread count (so this op
-// is its result for <= 2 threads, or b*s >= threads), a single row with H > 16 x threads
-// and max(H, T) > 256 x threads starts its sum at the first term (only an all -0 sum then
-// differs: -0 instead of +0), and with T == 1 and s*H*D >= 65536 (b == 1) MLAS splits the
-// GEMM's rows over threads, which moves the block boundaries of the T == 1 tree.
+// is its result for <= 2 threads, or b*s >= threads), and with T == 1 and s*H*D >= 65536
+// (b == 1) MLAS splits the GEMM's rows over threads, which moves the block boundaries of
+// the T == 1 tree (both seen with 3 threads).
 //
 // The tiled kernel (M >= 2 and T >= 2, the shapes every prefill and decode step of a real
 // context has): per task, a tile of kTileT key rows is unpacked (or copied) ONCE into a
