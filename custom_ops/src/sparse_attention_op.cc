@@ -383,25 +383,8 @@ struct SparseAttentionKernel {
         Ort::KernelContext(ctx).ParallelFor(part, static_cast<size_t>(parts), 0, &pass);
       }
     }
-    struct Call {
-      Job<I>* job;
-      Fn fn;
-    } call{&job, fn};
-    auto task = [](void* data, size_t t) {
-      Call& c = *static_cast<Call*>(data);
-      try {  // no exception may escape into onnxruntime's thread pool
-        thread_local std::vector<float> scratch;
-        c.fn(*c.job, t, scratch);
-      } catch (const std::bad_alloc&) {
-        c.job->out_of_memory = true;
-      }
-    };
-    const int64_t tasks = rows * splits;
-    if (rows * h * (k > 0 ? k : 1) * d < (1 << 16)) {
-      for (int64_t t = 0; t < tasks; ++t) task(&call, static_cast<size_t>(t));
-    } else {
-      Ort::KernelContext(ctx).ParallelFor(task, static_cast<size_t>(tasks), 0, &call);
-    }
+    run_tasks_with_scratch(ctx, rows * h * (k > 0 ? k : 1) * d, int64_t{1} << 16,
+                           static_cast<size_t>(rows * splits), fn, job);
     if (job.out_of_memory) ORT_CXX_API_THROW("SparseAttention: out of memory", ORT_FAIL);
   }
 };
