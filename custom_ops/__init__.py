@@ -8,6 +8,7 @@ C++ kernels in `libcsa2onnx_ops.so` (README "The custom ops"):
 - `Fp8Linear`: act_quant fused with the block-scaled e4m3 GEMM of the fp8 checkpoint.
 - `TorchRMSNorm`: RMSNorm with the mean summed in torch CPU's order.
 - `SparseAttention`: the reference's sparse_attn, optionally over a packed cache.
+- `IndexerScore`: the Indexer's scores, optionally over the packed index-key cache.
 - `RopeCosSin`: RoPE's freqs_cis rows at given positions, no table.
 - `WriteRows`: cache rows written in place when the runtime binds the cache's buffer.
 - `PackQuantized` / `UnpackQuantized`: state rows quantised and packed, and back.

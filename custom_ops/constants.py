@@ -5,6 +5,8 @@ SPARSE_ATTENTION_BLOCK = 64  # the reference kernel's block of indices (sparse_a
 # finite, so an all -1 row gives exp(sink + 1e30) = inf -> o = 0 (kRunningMaxInit)
 SPARSE_ATTENTION_RUNNING_MAX_INIT = -1e30
 FP8_BLOCK = 32  # act_quant and the fp8 linears' block (fp8_linear.h)
+# IndexerScore's largest head dim: MLAS sums D <= 128 as one fma chain (indexer_score.h kMaxDim)
+INDEXER_SCORE_MAX_DIM = 128
 TORCH_LINEAR_PANEL = 64  # columns per panel of TorchLinear's packed W (torch_linear_op.cc kPanel)
 
 # Packed state rows (custom_ops/src/packed_quant.h): format -> (block, codes per byte). A row

@@ -14,6 +14,8 @@ way, with two exceptions that a function body cannot express:
 - `SparseAttention` over a packed cache becomes Concat(kv, UnpackQuantized(cache)) and the
   4-input node: a function body cannot leave out an optional input it uses (onnxruntime
   rejects the inlined node), so the body takes float rows only.
+- `IndexerScore` over the packed index-key cache becomes UnpackQuantized(Slice(cache)) and
+  the float-key node, for the same reason.
 
 TorchLinear's panels64 weights are not for portable graphs either (its body is a MatMul of a
 plain [N, K] W); that is an error here, not a different node.
@@ -149,6 +151,30 @@ def sparse_attention(op: OpBuilder, q: ir.Value, kv: ir.Value, sink: ir.Value, i
         return _csa(op).SparseAttention(q, rows, sink, idx, softmax_scale=float(scale))
     return _csa(op).SparseAttention(q, kv, sink, idx, compressed, softmax_scale=float(scale),
                                     compressed_format=compressed_format)
+
+
+def indexer_score(op: OpBuilder, q: ir.Value, w: ir.Value, keys: ir.Value, width: ir.Value,
+                  keys_format: PackedFormat | None = None,
+                  head_dim: int | None = None) -> ir.Value:
+    """The Indexer's scores (custom_ops/src/indexer_score.h): q [b,s,H,D] (D <= 128), w
+    [b,s,H], the first `width` (int64 [1]) rows of keys -> float32 [b, s, width] =
+    bf16(sum_h bf16(relu(bf16(q[b,s,h] . k[b,t])) * w[b,s,h])), bit for bit the standard ops
+    it replaces as onnxruntime runs them, with no [b, s, H, T] intermediate.
+
+    `keys` is float [b, R, D], or with `keys_format` the packed cache [b, R, row_bytes]
+    (uint8), read in place. In a portable graph packed keys become UnpackQuantized(Slice)
+    (the head dim must then be known): the op's function body takes float rows only."""
+    if keys_format is None:
+        return _csa(op).IndexerScore(q, w, keys, width)
+    _check_packed_format(keys_format)
+    if is_portable(op):
+        d = head_dim or _static_last_dim(q)
+        if d is None:
+            raise ValueError("a portable IndexerScore over packed keys needs the head dim: "
+                             "pass head_dim, or give q a static last dimension")
+        rows = unpack_quantized(op, op.Slice(keys, [0], width, [1]), keys_format, d)
+        return _csa(op).IndexerScore(q, w, rows, width)
+    return _csa(op).IndexerScore(q, w, keys, width, keys_format=keys_format)
 
 
 def _check_packed_format(fmt: str | None) -> None:

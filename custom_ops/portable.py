@@ -26,6 +26,11 @@ each body computes against its kernel (tests/test_*: each "portable" test):
   is exactly the definition's, not only up to reassociation. It widens W to float32
   (onnxruntime may constant-fold that Cast, keeping 4 bytes per weight for the session) and
   each block's [32, N] slice to double.
+- IndexerScore: the standard ops it replaced (MatMul against the transposed keys, Casts to
+  bf16, Relu, Mul, ReduceSum over heads): bit-exact, as the kernel is defined as onnxruntime's
+  run of these ops (tests/test_indexer_score.py), but it materialises [b, s, H, T] three
+  times. Float keys only: a portable graph feeds it UnpackQuantized(Slice(cache)) instead of
+  the packed cache (custom_ops/ops.py).
 - WriteRows: Slices and Concats (any element type): exact, but it copies the whole cache on
   every call (the kernel writes only the new rows when the runtime binds the cache in place).
 - PackQuantized, UnpackQuantized: bit-exact (NaN payloads aside): the quantisers' own steps,
@@ -298,6 +303,19 @@ def Fp8Linear(X: FLOAT, W, WScale: FLOAT, block_size: int = 32) -> FLOAT:
 
 
 @script(csa2onnx)
+def IndexerScore(Q: FLOAT, W: FLOAT, Keys: FLOAT, Width: INT64) -> FLOAT:
+    # graphs/indexer.py's score before the op, node for node (the kernel's definition).
+    k = op.Slice(Keys, [0], op.Reshape(Width, [1]), [1])
+    dots = op.MatMul(Q, op.Unsqueeze(op.Transpose(k, perm=[0, 2, 1]), [1]))
+    dots = op.Cast(op.Cast(dots, to=onnx.TensorProto.BFLOAT16), to=onnx.TensorProto.FLOAT)
+    weighted = op.Mul(op.Relu(dots), op.Unsqueeze(W, [-1]))
+    weighted = op.Cast(op.Cast(weighted, to=onnx.TensorProto.BFLOAT16),
+                       to=onnx.TensorProto.FLOAT)
+    score = op.ReduceSum(weighted, [2], keepdims=0)
+    return op.Cast(op.Cast(score, to=onnx.TensorProto.BFLOAT16), to=onnx.TensorProto.FLOAT)
+
+
+@script(csa2onnx)
 def WriteRows(Cache, Rows, RowStart: INT64, After: INT64):
     # Any element type (float caches, uint8 packed rows). After only orders the write after
     # its producers; the copy needs no ordering.
@@ -448,4 +466,5 @@ def portable_functions() -> list[onnx.FunctionProto]:
     """The functions to add to a model's `functions` for a library-free artifact."""
     return [f.to_function_proto() for f in (Fp4QuantDequant, TorchTopK, TorchLinear,
                                              TorchRMSNorm, SparseAttention, Fp8Linear,
-                                             WriteRows, PackQuantized, UnpackQuantized)]
+                                             IndexerScore, WriteRows, PackQuantized,
+                                             UnpackQuantized)]

@@ -214,6 +214,12 @@ def _infer_pack(ctx: InferenceContext) -> None:
     _set(ctx, 0, TensorProto.UINT8, _last_replaced(dims, row_bytes))
 
 
+def _infer_indexer_score(ctx: InferenceContext) -> None:
+    q = _dims(_input(ctx, 0))
+    width = _constant_int(ctx, 3)
+    _set(ctx, 0, TensorProto.FLOAT, None if q is None or len(q) != 4 else [q[0], q[1], width])
+
+
 def _infer_unpack(ctx: InferenceContext) -> None:
     _set(ctx, 0, TensorProto.FLOAT,
          _last_replaced(_dims(_input(ctx, 0)), _int_attr(ctx, "dim")))
@@ -260,6 +266,12 @@ SIGNATURES: tuple[OpSignature, ...] = (
         _infer_like_first(TensorProto.FLOAT), (("TI", ("tensor(int64)", "tensor(int32)")),),
         (Attribute("softmax_scale", _Attr.FLOAT, required=True),
          Attribute("compressed_format", _Attr.STRING))),
+    OpSignature(
+        "IndexerScore", "The Indexer's scores bf16(sum_h bf16(relu(bf16(q.k)) * w)) of keys "
+        "0..Width-1, in onnxruntime's orders for the standard ops.",
+        (Param("Q", _FLOAT), Param("W", _FLOAT), Param("Keys", "TK"), Param("Width", _INT64)),
+        (Param("Score", _FLOAT),), _infer_indexer_score, (("TK", (_FLOAT, _UINT8)),),
+        (Attribute("keys_format", _Attr.STRING),)),
     OpSignature(
         "RopeCosSin", "cosf / sinf of f32(position) * f_i: freqs_cis rows, no table.",
         (Param("Positions", _INT64),), (Param("Cos", _FLOAT), Param("Sin", _FLOAT)),

@@ -230,7 +230,7 @@ def rss_mib() -> float:
     return float("nan")
 
 
-def _config(opts: BenchOptions) -> AttentionConfig:
+def bench_config(opts: BenchOptions) -> AttentionConfig:
     """The config: the source's, its precision from --weights (a folder: the checkpoint's)."""
     overrides: dict[str, Any] = {"max_batch_size": opts.batch}
     if opts.max_seq_len:
@@ -242,7 +242,7 @@ def _config(opts: BenchOptions) -> AttentionConfig:
     return open_checkpoint(Path(opts.weights), **overrides).config
 
 
-def _weights(opts: BenchOptions, config: AttentionConfig,
+def bench_weights(opts: BenchOptions, config: AttentionConfig,
              plan: StackPlan) -> dict[int, LayerWeights]:
     layers = [p.layer for p in plan.layers]
     if opts.weights in ("random-bf16", "random-fp8"):
@@ -251,15 +251,32 @@ def _weights(opts: BenchOptions, config: AttentionConfig,
     return open_checkpoint(Path(opts.weights)).read_layers(layers)
 
 
-def _inputs(rng: np.random.Generator, layers: list[int], batch: int, seqlen: int,
+def bench_inputs(rng: np.random.Generator, layers: list[int], batch: int, seqlen: int,
             dim: int) -> dict[int, np.ndarray]:
     return {layer: rng.standard_normal((batch, seqlen, dim), np.float32)
             .astype(ml_dtypes.bfloat16).astype(np.float32) for layer in layers}
 
 
+def outside_slots(runtime: AttentionRuntime, config: AttentionConfig,
+                  batch: int) -> dict[str, np.ndarray] | None:
+    """The slots a layer range reads from layers outside it: only `index_k` may be, empty."""
+    first, last = runtime.manifest.layers[0], runtime.manifest.layers[-1]
+    if set(runtime.manifest.external_slots) - {"index_k"}:
+        raise BenchError(f"layers {first}..{last} read slots "
+                         f"{runtime.manifest.external_slots} from layers outside the "
+                         "range; include their sources")
+    if not runtime.manifest.external_slots:
+        return None
+    # The index_k slot of an upstream stack can hold a later owner's keys; a range that
+    # reads it from outside gets it empty: its own owner publishes before reading, and
+    # the slot then points at that owner (as upstream's layers alone run).
+    row_bytes = packed_row_bytes(INDEX_KEY_FORMAT, config.index_head_dim)
+    return {"index_k": np.zeros((batch, 0, row_bytes), np.uint8)}
+
+
 def run_bench(opts: BenchOptions,
               progress: Callable[[str], None] | None = None) -> BenchResult:
-    config = _config(opts)
+    config = bench_config(opts)
     first, last = opts.layers or (0, config.n_layers - 1)
     plan = plan_stack(config, first, last)
     context = opts.context or opts.prefill
@@ -272,7 +289,7 @@ def run_bench(opts: BenchOptions,
     layers = [p.layer for p in plan.layers]
     say = progress or (lambda text: None)
     say("weights")
-    weights = _weights(opts, config, plan)
+    weights = bench_weights(opts, config, plan)
     weight_bytes = sum(a.nbytes for w in weights.values() for a in w.values())
     with tempfile.TemporaryDirectory(prefix="csa2onnx-bench-") as tmp:
         say("export")
@@ -291,17 +308,7 @@ def run_bench(opts: BenchOptions,
                                    prefill_arena=opts.prefill_arena)
         setup_s = time.perf_counter() - t0
         loaded_mib = rss_mib() - rss_before
-        if set(runtime.manifest.external_slots) - {"index_k"}:
-            raise BenchError(f"layers {first}..{last} read slots "
-                             f"{runtime.manifest.external_slots} from layers outside the "
-                             "range; include their sources")
-        # The index_k slot of an upstream stack can hold a later owner's keys; a range that
-        # reads it from outside gets it empty: its own owner publishes before reading, and
-        # the slot then points at that owner (as upstream's layers alone run).
-        empty_keys = np.zeros((opts.batch, 0, packed_row_bytes(INDEX_KEY_FORMAT,
-                                                               config.index_head_dim)), np.uint8)
-        slots = ({"index_k": empty_keys}
-                 if runtime.manifest.external_slots else None)
+        slots = outside_slots(runtime, config, opts.batch)
         ours, out_ours = _run_csa2onnx(runtime, opts, layers, config.dim, say, slots)
         ours.setup_s, ours.held_mib = setup_s, rss_mib() - rss_before
         ours.loaded_mib = loaded_mib
@@ -333,13 +340,14 @@ def _run_csa2onnx(runtime: AttentionRuntime, opts: BenchOptions, layers: list[in
                   ) -> tuple[SideResult, dict[str, np.ndarray]]:
     rng = np.random.default_rng(opts.seed + 1)
     warm = min(16, opts.prefill)
-    runtime.prefill(_inputs(rng, layers, opts.batch, warm, dim), slots)  # warm-up, not timed
-    runtime.decode(_inputs(rng, layers, opts.batch, 1, dim), slots)
+    # warm-up, not timed
+    runtime.prefill(bench_inputs(rng, layers, opts.batch, warm, dim), slots)
+    runtime.decode(bench_inputs(rng, layers, opts.batch, 1, dim), slots)
     rng = np.random.default_rng(opts.seed + 2)  # the timed inputs, as upstream gets them
     context = opts.context or opts.prefill
     prefill_s, outputs = 0.0, {}
     for start in range(0, context, opts.prefill):
-        xs = _inputs(rng, layers, opts.batch, min(opts.prefill, context - start), dim)
+        xs = bench_inputs(rng, layers, opts.batch, min(opts.prefill, context - start), dim)
         say(f"prefill {start}/{context}" if context > opts.prefill else "prefill")
         t0 = time.perf_counter()
         out = runtime.prefill(xs, slots, start_pos=start).out
@@ -348,7 +356,7 @@ def _run_csa2onnx(runtime: AttentionRuntime, opts: BenchOptions, layers: list[in
             outputs = {f"prefill.L{k}": v for k, v in out.items()}
     decode_ms = []
     for step in range(opts.decode):
-        xs = _inputs(rng, layers, opts.batch, 1, dim)
+        xs = bench_inputs(rng, layers, opts.batch, 1, dim)
         say(f"decode {step + 1}/{opts.decode}")
         t0 = time.perf_counter()
         out = runtime.decode(xs, slots).out
@@ -421,10 +429,10 @@ def _run_upstream(opts: BenchOptions, config: AttentionConfig, layers: list[int]
         with torch.inference_mode():
             rng = np.random.default_rng(opts.seed + 1)
             warm = min(16, opts.prefill)
-            step(_inputs(rng, layers, opts.batch, warm, config.dim), 0)
-            step(_inputs(rng, layers, opts.batch, 1, config.dim), warm)
+            step(bench_inputs(rng, layers, opts.batch, warm, config.dim), 0)
+            step(bench_inputs(rng, layers, opts.batch, 1, config.dim), warm)
             rng = np.random.default_rng(opts.seed + 2)
-            xs = _inputs(rng, layers, opts.batch, opts.prefill, config.dim)
+            xs = bench_inputs(rng, layers, opts.batch, opts.prefill, config.dim)
             say("upstream prefill")
             t0 = time.perf_counter()
             out = step(xs, 0)
@@ -433,7 +441,7 @@ def _run_upstream(opts: BenchOptions, config: AttentionConfig, layers: list[int]
             decode_ms = []
             context = opts.context or opts.prefill  # past the prefill: caches hold zeros
             for i in range(opts.decode):
-                xs = _inputs(rng, layers, opts.batch, 1, config.dim)
+                xs = bench_inputs(rng, layers, opts.batch, 1, config.dim)
                 say(f"upstream decode {i + 1}/{opts.decode}")
                 t0 = time.perf_counter()
                 out = step(xs, context + i)

@@ -95,6 +95,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from csa2onnx.export.bench import BenchOptions, run_bench, to_json
+    from csa2onnx.export.bench_sweep import run_sweep
 
     source = args.source
     config = AttentionConfig.load(source / "config.json" if source.is_dir() else source)
@@ -102,10 +103,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     weights = args.weights or (str(source) if source.is_dir()
                                else f"random-{config.weight_format}")
     n_layers = config.n_layers
+    lengths = args.max_seq_len or []
     opts = BenchOptions(source=source, layers=_layer_range(args.layers, n_layers) if args.layers
                         else None, weights=weights, prefill=args.prefill, context=args.context,
                         decode=args.decode,
-                        batch=args.batch, max_seq_len=args.max_seq_len, threads=args.threads,
+                        batch=args.batch, max_seq_len=lengths[0] if lengths else None,
+                        threads=args.threads,
                         seed=args.seed, baseline=args.baseline, upstream=args.upstream,
                         state=args.state, share_weights=not args.separate_weights,
                         prefill_arena=args.prefill_arena)
@@ -115,11 +118,28 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if live:
             print(f"\r\033[K  bench: {stage}", end="", file=sys.stderr, flush=True)
 
+    if len(lengths) > 1:
+        sweep = run_sweep(opts, lengths, progress)
+        if live:
+            print("\r\033[K", end="", file=sys.stderr)
+        print(sweep.to_json() if args.json else sweep.table())
+        return 0
     result = run_bench(opts, progress)
     if live:
         print("\r\033[K", end="", file=sys.stderr)
     print(to_json(result) if args.json else result.table())
     return 0
+
+
+def _lengths(text: str) -> list[int]:
+    """--max-seq-len: one length, or several separated by commas (a sweep)."""
+    try:
+        lengths = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"integers separated by commas, got {text!r}") from None
+    if any(n < 1 for n in lengths):
+        raise argparse.ArgumentTypeError(f"lengths must be positive, got {text!r}")
+    return lengths
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -186,7 +206,9 @@ def parser() -> argparse.ArgumentParser:
                         "--prefill tokens (default: --prefill)")
     b.add_argument("--decode", type=int, default=16, help="decode steps (default 16)")
     b.add_argument("--batch", type=int, default=1)
-    b.add_argument("--max-seq-len", type=int)
+    b.add_argument("--max-seq-len", type=_lengths,
+                   help="the config's max_seq_len, or several separated by commas: decode "
+                        "steps at each taken in turn, to compare them")
     b.add_argument("--threads", type=int, default=2, help="intra-op threads, both sides")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--baseline", choices=["upstream"],

@@ -85,9 +85,9 @@ class Publication(NamedTuple):
 
 class SlotReads(NamedTuple):
     """What a compressed layer reads from the slots: the (packed) cache of the layer it
-    takes KV from, the first end_pos // r rows of the index_k slot unpacked (index
-    sources), the selection of the layer it takes top-k from (others), the candidates
-    (candidate users)."""
+    takes KV from, the packed key cache in the index_k slot (index sources: the indexer
+    reads its first end_pos // r rows in place), the selection of the layer it takes top-k
+    from (others), the candidates (candidate users)."""
 
     compress_kv: ir.Value
     index_k: ir.Value | None = None

@@ -19,10 +19,8 @@ from dataclasses import dataclass, field
 import onnx_ir as ir
 from onnxscript import OpBuilder
 
-from csa2onnx.custom_ops.ops import unpack_quantized
 from csa2onnx.export.layer import LayerOutput, Publication, SlotReads
 from csa2onnx.export.plan import LayerPlan, StackPlan
-from csa2onnx.graphs.kv_cache import INDEX_KEY_FORMAT
 
 
 @dataclass
@@ -74,12 +72,10 @@ class Slots:
         topk = self.topk_idxs.get(p.topk_from) if p.topk_from is not None else None
         index_k = candidates = None
         if p.index_source:
-            # index_keys="own": an owner reads its own cache
-            rows = op.Div(end_pos, p.ratio)
-            packed = (self._read_index_k(op, rows) if self.plan.reads_index_k_slot(p)
-                      else op.Slice(self.index_k[p.layer], [0], rows, [1]))
-            index_k = unpack_quantized(op, packed, INDEX_KEY_FORMAT,
-                                       self.plan.config.index_head_dim)
+            # The packed key cache, read in place by the indexer's IndexerScore (its first
+            # end_pos // r rows); index_keys="own": an owner reads its own cache.
+            index_k = (self._read_index_k(op, op.Div(end_pos, p.ratio))
+                       if self.plan.reads_index_k_slot(p) else self.index_k[p.layer])
             topk = None  # it selects its own
         if p.uses_candidates:
             candidates = self.candidates if self.candidates is not None \

@@ -4,8 +4,9 @@ Two entry points, both through the module's __call__ (so parameter names get its
 - `keys(op, latent, positions)`: an index-key owner's new keys from its compressor's
   pre-RoPE latents (the caller writes them to its key cache and publishes the slot).
 - `select(op, x, qr, index_k, ...)`: scores the queries against the first end_pos // r rows
-  of `index_k` (whatever key cache the shared slot holds, possibly another layer's) and
-  returns the top-k selection, offset past the window rows.
+  of `index_k` (whatever key cache the shared slot holds, possibly another layer's, read
+  packed in place by the IndexerScore op) and returns the top-k selection, offset past the
+  window rows.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript import OpBuilder, nn
 
-from csa2onnx.custom_ops.ops import pack_quantized, torch_topk
+from csa2onnx.custom_ops.constants import INDEXER_SCORE_MAX_DIM
+from csa2onnx.custom_ops.ops import indexer_score, pack_quantized, torch_topk, unpack_quantized
 from csa2onnx.graphs.candidates import select_candidate_blocks
 from csa2onnx.graphs.common import NEG_INF, Mode, scalar_i64
 from csa2onnx.graphs.kv_cache import INDEX_KEY_FORMAT
@@ -143,8 +145,9 @@ class Indexer(nn.Module):
     def select(self, op: OpBuilder, x: ir.Value, qr: ir.Value, index_k: ir.Value, *,
                start_pos: ir.Value | None = None, candidates: ir.Value | None = None,
                window_rows: ir.Value | None = None, mode: Mode = "prefill") -> IndexerOutput:
-        """x [b, s, dim], qr [b, s, q_lora_rank]; index_k [b, R, D] the key cache in the
-        shared slot (R >= end_pos // r); start_pos int64 scalar or [1] (decode; in prefill
+        """x [b, s, dim], qr [b, s, q_lora_rank]; index_k the key cache in the shared slot,
+        float [b, R, D] or packed (uint8 [b, R, row_bytes], INDEX_KEY_FORMAT, read in place)
+        (R >= end_pos // r); start_pos int64 scalar or [1] (decode; in prefill
         only when continuing a sequence, else 0); candidates bool [b, s, end_pos // r] when
         uses_candidates; window_rows int64 [1]: how many window rows precede the compressed
         ones in this call's KV list (the selection's offset; default s in prefill, the
@@ -160,6 +163,23 @@ class Indexer(nn.Module):
     def _rope(self, op: OpBuilder, x: ir.Value, positions: ir.Value) -> ir.Value:
         cos, sin = self.freqs_cis(op, positions)
         return apply_rotary_emb(op, x, cos, sin, self.rope_head_dim)
+
+    def _score(self, op: OpBuilder, q: ir.Value, w: ir.Value, index_k: ir.Value,
+               width: ir.Value) -> ir.Value:
+        """score[b,t,p] = bf16(sum_h bf16(relu(bf16(q[b,t,h] . k[p])) * w[b,t,h])) for the
+        first `width` rows of index_k (float rows, or the packed cache read in place): the
+        IndexerScore op (bit for bit the standard ops below as onnxruntime runs them, with no
+        [b, s, H, T] intermediate), or those standard ops where D is past the op's limit."""
+        packed = index_k.dtype == ir.DataType.UINT8
+        if self.head_dim <= INDEXER_SCORE_MAX_DIM:
+            return indexer_score(op, q, w, index_k, width,
+                                 INDEX_KEY_FORMAT if packed else None, self.head_dim)
+        k = op.Slice(index_k, [0], width, [1])  # [b, T, D]
+        if packed:
+            k = unpack_quantized(op, k, INDEX_KEY_FORMAT, self.head_dim)
+        dots = round_bf16(op, op.MatMul(q, op.Unsqueeze(op.Transpose(k, perm=[0, 2, 1]), [1])))
+        weighted = round_bf16(op, op.Mul(op.Relu(dots), op.Unsqueeze(w, [-1])))  # [b,s,H,T]
+        return round_bf16(op, op.ReduceSum(weighted, [2], keepdims=0))
 
     def forward(self, op: OpBuilder, x: ir.Value, qr: ir.Value, index_k: ir.Value,
                 start_pos: ir.Value | None, candidates: ir.Value | None,
@@ -177,12 +197,8 @@ class Indexer(nn.Module):
         q = fp4_e8m0(op, q_prequant, width=self.head_dim)
         w = round_bf16(op, op.Mul(self.weights_proj(op, x), self.weights_scale))  # [b, s, H]
 
-        # score[b,t,p] = bf16(sum_h bf16(relu(bf16(q[b,t,h] . k[p])) * w[b,t,h])).
         width = op.Div(end, self.ratio)
-        k = op.Slice(index_k, [0], width, [1])  # [b, T, D]
-        dots = round_bf16(op, op.MatMul(q, op.Unsqueeze(op.Transpose(k, perm=[0, 2, 1]), [1])))
-        weighted = round_bf16(op, op.Mul(op.Relu(dots), op.Unsqueeze(w, [-1])))  # [b,s,H,T]
-        score = round_bf16(op, op.ReduceSum(weighted, [2], keepdims=0))  # [b, s, T]
+        score = self._score(op, q, w, index_k, width)  # [b, s, T]
 
         # Reachable compressed positions per query: prefill (pos+1)//r, decode end_pos//r.
         if mode == "prefill":

@@ -52,3 +52,29 @@ def test_bench_rejects_a_context_below_the_prefill() -> None:
     with pytest.raises(BenchError, match="context >= prefill"):
         run_bench(BenchOptions(source=GOLDENS / "case1_r2_r1.json", layers=(0, 3), prefill=8,
                                context=4, decode=1, threads=1))
+
+
+def test_bench_sweeps_max_seq_len(capsys) -> None:
+    """Several max_seq_len: one runtime each, the same inputs, decode steps taken in turn."""
+    assert main(["bench", str(GOLDENS / "case1_r2_r1.json"), "--layers", "0-3", "--prefill",
+                 "8", "--context", "16", "--decode", "3", "--threads", "1",
+                 "--max-seq-len", "2048,8192", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["lengths"] == [2048, 8192] and data["layers"] == [0, 1, 2, 3]
+    assert all(len(steps) == 3 for steps in data["decode_ms"].values())
+    # grown caches hold the same rows whatever max_seq_len is
+    assert data["state_bytes"]["2048"] == data["state_bytes"]["8192"] > 0
+
+
+@pytest.mark.parametrize("lengths, problem", [("64,64", "distinct"),
+                                              ("16,256", "past max_seq_len 16")])
+def test_bench_sweep_rejects_bad_lengths(lengths: str, problem: str, capsys) -> None:
+    assert main(["bench", str(GOLDENS / "case1_r2_r1.json"), "--layers", "0-3", "--prefill",
+                 "8", "--decode", "9", "--threads", "1", "--max-seq-len", lengths]) == 2
+    assert problem in capsys.readouterr().err
+
+
+def test_bench_rejects_a_malformed_max_seq_len(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", str(GOLDENS / "case1_r2_r1.json"), "--max-seq-len", "8k"])
+    assert "integers separated by commas" in capsys.readouterr().err

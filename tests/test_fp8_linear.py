@@ -229,6 +229,29 @@ def test_exact_block_sums_matter(fed_sessions) -> None:
         assert_same(run(session, x, codes, w_scale), want, f"isa={isa}")
 
 
+def test_zero_codes_in_coarse_blocks(fed_sessions) -> None:
+    """W blocks whose nonzero values are all multiples of 2^t for t = 0..13 (so t is large)
+    with zeros among them: the AVX-512 conversion's shift count of a zero code is then past
+    15 (11 + t) and must still give 0; every row count (few-rows path and tiles)."""
+    rng = np.random.default_rng(23)
+    n, k = 72, 32 * 14
+    units = np.zeros((n, k), np.int64)
+    for kb in range(k // 32):  # block kb: mantissas 8..15 (or 1..7 in binade 0) times 2^kb
+        mant = rng.integers(8 if kb else 1, 16 if kb else 8, (n, 32))
+        units[:, 32 * kb:32 * kb + 32] = mant << kb
+    units *= rng.integers(0, 3, (n, k)) > 0  # a third of the values zero
+    units *= np.where(rng.integers(0, 2, (n, k)) > 0, 1, -1)
+    w = (units / 512.0).astype(np.float32)
+    assert np.array_equal(values(codes_of(w)), w)  # on the e4m3 grid
+    codes = codes_of(w)
+    w_scale = np.exp2(rng.integers(-12, -4, (-(-n // 32), k // 32))).astype(np.float32)
+    for m in (1, 3, 4, 5, 40):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        want = fp8_linear(x, values(codes), w_scale)
+        for isa, session in fed_sessions.items():
+            assert_same(run(session, x, codes, w_scale), want, f"isa={isa} M={m}")
+
+
 def test_nan_and_inf(fed_sessions) -> None:
     """A NaN or inf in a row of X makes that row NaN; a NaN weight code its column."""
     rng = np.random.default_rng(23)

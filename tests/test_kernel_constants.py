@@ -44,3 +44,7 @@ def test_packed_formats() -> None:
 
 def test_torch_linear_panel() -> None:
     assert header_constant("torch_linear_op.cc", "kPanel") == constants.TORCH_LINEAR_PANEL
+
+
+def test_indexer_score_max_dim() -> None:
+    assert header_constant("indexer_score.h", "kMaxDim") == constants.INDEXER_SCORE_MAX_DIM

@@ -109,8 +109,9 @@ def case1_exports(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, Path]:
 
 def test_an_exported_stack_differs_only_where_a_body_cannot_serve(case1_exports) -> None:
     """Default and portable artifacts hold the same custom nodes, but RopeCosSin (replaced by
-    Gathers from tables) and the packed-cache SparseAttention (its 5-input node becomes the
-    4-input one over one more UnpackQuantized's rows)."""
+    Gathers from tables), the packed-cache SparseAttention (its 5-input node becomes the
+    4-input one over one more UnpackQuantized's rows) and IndexerScore over the packed key
+    cache (the float-key node over one more UnpackQuantized's rows)."""
     for mode in ("prefill", "decode"):
         count, packed_reads = {}, {}
         for portable, folder in case1_exports.items():
@@ -118,11 +119,14 @@ def test_an_exported_stack_differs_only_where_a_body_cannot_serve(case1_exports)
                                           load_external_data=False).graph.node
                      if n.domain == "csa2onnx"]
             count[portable] = collections.Counter(n.op_type for n in nodes)
-            packed_reads[portable] = sum(n.op_type == "SparseAttention" and len(n.input) == 5
-                                         for n in nodes)
+            packed_reads[portable] = sum(
+                (n.op_type == "SparseAttention" and len(n.input) == 5) or
+                (n.op_type == "IndexerScore" and any(a.name == "keys_format" for a in n.attribute))
+                for n in nodes)
         default, portable = count[False], count[True]
         assert default["RopeCosSin"] > 0 and portable["RopeCosSin"] == 0
-        assert packed_reads[True] == 0 and packed_reads[False] > 0
+        assert default["IndexerScore"] > 0
+        assert packed_reads[True] == 0 and packed_reads[False] > default["IndexerScore"]
         assert portable["UnpackQuantized"] - default["UnpackQuantized"] == packed_reads[False]
         for op in set(default) | set(portable):
             if op not in ("RopeCosSin", "UnpackQuantized"):

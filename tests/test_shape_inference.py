@@ -94,6 +94,12 @@ CASES = [
                              "Sink": (F, [4]), "Idx": (TensorProto.INT32, ["b", "s", "k"]),
                              "Compressed": (U8, ["b", "m", 36])}, ["O"],
          [["b", "s", 4, 64]], {"softmax_scale": 0.125, "compressed_format": "fp4_e4m3_16"}),
+    Case("IndexerScore", {"Q": (F, ["b", "s", 4, 64]), "W": (F, ["b", "s", 4]),
+                          "Keys": (U8, ["b", "R", 34])}, ["Score"], [["b", "s", 7]],
+         {"keys_format": "fp4_e8m0_32"}, constants={"Width": np.array([7], np.int64)}),
+    Case("IndexerScore", {"Q": (F, ["b", "s", 4, 64]), "W": (F, ["b", "s", 4]),
+                          "Keys": (F, ["b", "R", 64]), "Width": (I64, [1])}, ["Score"],
+         [["b", "s", None]]),
     Case("RopeCosSin", {"Positions": (I64, ["s"])}, ["Cos", "Sin"], [["s", 3], ["s", 3]],
          {"inverse_frequencies": [1.0, 0.5, 0.25], "max_positions": 64}),
     Case("RopeCosSin", {"Positions": (I64, ["b", 7])}, ["Cos", "Sin"],
@@ -112,9 +118,10 @@ CASES = [
     Case("UnpackQuantized", {"P": (U8, ["b", "n", 72])}, ["Y"], [["b", "n", 128]],
          {"format": "fp4_e4m3_16", "dim": 128}),
 ]
-# What onnxruntime's inference context cannot express (shape_inference.cc): K's value, and
-# how many outputs a node has (the optional Scale).
-ORT_LEAVES_UNKNOWN = {("TorchTopK", 0), ("TorchTopK", 1), ("Fp4QuantDequant", 1)}
+# What onnxruntime's inference context cannot express (shape_inference.cc): K's and Width's
+# values, and how many outputs a node has (the optional Scale).
+ORT_LEAVES_UNKNOWN = {("TorchTopK", 0), ("TorchTopK", 1), ("Fp4QuantDequant", 1),
+                      ("IndexerScore", 0)}
 
 
 def dims_of(t: onnx.TypeProto) -> Shape | None:

@@ -18,6 +18,7 @@ machine's load then hits them alike), and each time is the median over the round
 
     python tools/bench_ops.py --only sparse [--threads 2] [--sparse-decode]  # SparseAttention
     python tools/bench_ops.py --only packed                         # Pack/UnpackQuantized only
+    python tools/bench_ops.py --only indexer [--indexer-baseline-max-gib 6]   # IndexerScore
 
 Fp4QuantDequant: values/s of the onnxruntime kernel, the NumPy definition
 (custom_ops/reference.py) and a compact torch version of the same round trip, on a float32
@@ -42,6 +43,14 @@ included everywhere.
 PackQuantized / UnpackQuantized (--only packed): values/s on [4096, d] rows of each format
 (d = 512, 128 for the index keys) against today's round trip (the Fp4QuantDequant kernel, or
 the graph's act_quant), which the packed pair replaces, and the NumPy definitions.
+
+IndexerScore (--only indexer): milliseconds per call at the released indexer's dims (H = 32,
+D = 128, b = 1) for decode (s = 1) and a 1024-token prefill chunk, T = 8192 and 32768 keys of
+the packed index-key cache (fp4_e8m0_32, read in place), against what the layer ran before
+the op: UnpackQuantized(Slice(cache)) and the standard ops (MatMul, Casts, Relu, Mul,
+ReduceSum), which materialise [s, H, T] float32 several times; the baseline is left out where
+one such intermediate would pass --indexer-baseline-max-gib (default 1.5). Outputs checked
+bit for bit; the two run interleaved; "scores/s" counts s*T outputs.
 
 Fp8Linear: milliseconds per call against the bf16 TorchLinear on the same [N, K] (the same
 values: e4m3 is exact in bf16), both with W a constant initializer, at the released
@@ -571,6 +580,64 @@ def bench_packed_format(args: argparse.Namespace, options: ort.SessionOptions, f
              "values/s") for impl, seconds in impls.items()]
 
 
+INDEXER_SHAPES = [(1, 8192), (1, 32768), (1024, 8192), (1024, 32768)]  # s, T (H 32, D 128)
+
+
+def indexer_models(d: int) -> tuple[bytes, bytes]:
+    """IndexerScore over the packed cache, and the layer's standard ops before it."""
+    vi = helper.make_tensor_value_info
+    inputs = [vi("Q", TensorProto.FLOAT, ["b", "s", "h", d]),
+              vi("W", TensorProto.FLOAT, ["b", "s", "h"]),
+              vi("K", TensorProto.UINT8, ["b", "r", "w"]), vi("T", TensorProto.INT64, [1])]
+    out = [vi("S", TensorProto.FLOAT, ["b", "s", "t"])]
+    op = helper.make_node("IndexerScore", ["Q", "W", "K", "T"], ["S"], domain="csa2onnx",
+                          keys_format="fp4_e8m0_32")
+
+    def bf16(x: str, y: str) -> list:
+        return [helper.make_node("Cast", [x], [y + "_h"], to=TensorProto.BFLOAT16),
+                helper.make_node("Cast", [y + "_h"], [y], to=TensorProto.FLOAT)]
+    standard = [
+        helper.make_node("Slice", ["K", "zero", "T", "one"], ["kp"]),
+        helper.make_node("UnpackQuantized", ["kp"], ["ks"], domain="csa2onnx",
+                         format="fp4_e8m0_32", dim=d),
+        helper.make_node("Transpose", ["ks"], ["kt"], perm=[0, 2, 1]),
+        helper.make_node("Unsqueeze", ["kt", "one"], ["ku"]),
+        helper.make_node("MatMul", ["Q", "ku"], ["d0"]), *bf16("d0", "dots"),
+        helper.make_node("Relu", ["dots"], ["r"]),
+        helper.make_node("Unsqueeze", ["W", "minus_one"], ["wu"]),
+        helper.make_node("Mul", ["r", "wu"], ["m0"]), *bf16("m0", "m"),
+        helper.make_node("ReduceSum", ["m", "two"], ["s0"], keepdims=0), *bf16("s0", "S")]
+    inits = [helper.make_tensor(n, TensorProto.INT64, [1], [v])
+             for n, v in (("zero", 0), ("one", 1), ("two", 2), ("minus_one", -1))]
+    return tuple(helper.make_model(helper.make_graph(nodes, "indexer", inputs, out, inits),
+                                   opset_imports=OPSETS).SerializeToString()
+                 for nodes in ([op], standard))
+
+
+def bench_indexer_score(args: argparse.Namespace, threads: int,
+                        rng: np.random.Generator) -> list[Row]:
+    h, d = 32, 128
+    options = session_options(threads)
+    options.enable_cpu_mem_arena = False  # as the runtime's prefill session
+    fused, standard = (make_session(m, options=options) for m in indexer_models(d))
+    rows = []
+    for s, t in INDEXER_SHAPES:
+        q = fp4_round_trip(rng.standard_normal((1, s, h, d)).astype(np.float32), 32, "e8m0")[0]
+        w = (rng.standard_normal((1, s, h)) * 0.02).astype(np.float32)
+        cache = pack_quantized(rng.standard_normal((1, t, d)).astype(np.float32), "fp4_e8m0_32")
+        feeds = {"Q": q, "W": w, "K": cache, "T": np.array([t], np.int64)}
+        fns = {"onnxruntime kernel": lambda f=feeds: fused.run(None, f)}
+        if s * h * t * 4 <= args.indexer_baseline_max_gib * 2**30:
+            fns["standard ops"] = lambda f=feeds: standard.run(None, f)
+            if not same_bits(fused.run(None, feeds)[0], standard.run(None, feeds)[0]):
+                print(f"warning: IndexerScore s={s} T={t} differs from the standard ops",
+                      file=sys.stderr)
+        for impl, seconds in interleaved_medians(fns, args.repeat).items():
+            rows.append(("IndexerScore H32 D128", f"s={s} T={t}", impl, seconds,
+                         s * t / seconds, "scores/s"))
+    return rows
+
+
 def median_time(fn: Callable[[], Any], repeat: int, min_time: float) -> float:
     """Median seconds per call, after one warm-up call; at least `repeat` calls and
     `min_time` seconds in all."""
@@ -599,7 +666,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--min-time", type=float, default=1.0, help="seconds per measurement")
-    parser.add_argument("--only", choices=["linear", "fp8", "fp4", "topk", "sparse", "packed"],
+    parser.add_argument("--only", choices=["linear", "fp8", "fp4", "topk", "sparse", "packed",
+                                           "indexer"],
                         action="append",
                         help="run only these sections (repeatable; default: all)")
     parser.add_argument("--linear-m", type=int, nargs="+", default=[1, 256, 1024],
@@ -625,8 +693,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fp8-shapes", default=None,
                         help="comma-separated KxN shapes for the Fp8Linear section (default: "
                              "the released model's fp8 linears)")
+    parser.add_argument("--indexer-baseline-max-gib", type=float, default=1.5,
+                        help="IndexerScore: time the standard ops only where one [s, H, T] "
+                             "float32 intermediate fits in this many GiB")
     args = parser.parse_args(argv)
-    sections = set(args.only or ["linear", "fp8", "fp4", "topk", "sparse", "packed"])
+    sections = set(args.only or ["linear", "fp8", "fp4", "topk", "sparse", "packed", "indexer"])
     if "fp8" in sections:
         shapes = None
         if args.fp8_shapes:
@@ -643,7 +714,7 @@ def main(argv: list[str] | None = None) -> int:
         bench_linear(args.linear_m, threads, args.repeat, args.min_time, args.baseline_library,
                      args.linear_layers)
         print()
-    if not sections & {"fp4", "topk", "sparse", "packed"}:
+    if not sections & {"fp4", "topk", "sparse", "packed", "indexer"}:
         return 0
     options = session_options(threads)
     rng = np.random.default_rng(0)
@@ -701,6 +772,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if "packed" in sections:
         rows += bench_packed(args, options, rng)
+
+    if "indexer" in sections:
+        rows += bench_indexer_score(args, threads, rng)
 
     print(f"threads: onnxruntime intra_op_num_threads={threads} = torch threads, "
           f"numpy single-threaded; {os.cpu_count()} CPUs; onnxruntime {ort.__version__}, "

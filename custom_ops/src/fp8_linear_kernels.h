@@ -508,13 +508,13 @@ CSA_TARGET_AVX512 CSA_INLINE void w_digits_avx512(const uint8_t* codes, uint32_t
 }
 
 // f_lanes with 16 rows per zmm: X^T pairs times the W block's digits broadcast.
-// One row (decode): lanes over k instead (the row's block times the digits, summed across
-// lanes), not a zmm of 16 rows with 15 idle.
+// A few rows (decode): lanes over k instead (each row's block times the digits, summed
+// across lanes), not a zmm of 16 rows with most lanes idle.
 template <bool kVnni>
 CSA_TARGET_AVX512 CSA_INLINE void f_lanes_avx512_body(const FJob& j) {
   alignas(64) int32_t wh[kPairs], wl[kPairs];
   w_digits_avx512(j.codes, j.t, wh, wl);
-  if (j.rows == 1) {
+  if (j.rows <= kSmallRows) {
     const __m512i h_pairs = _mm512_load_si512(wh), l_pairs = _mm512_load_si512(wl);
     for (int64_t r = 0; r < j.rows; ++r) {
       const __m512i x = _mm512_loadu_si512(j.xi + r * j.K);
@@ -653,14 +653,19 @@ struct GroupConverter {
     const __m512i base = _mm512_add_epi8(
         _mm512_permutexvar_epi8(_mm512_load_si512(t.lane_of_byte), _mm512_castsi128_si512(t16)),
         _mm512_set1_epi8(11));
+    const __m512i low4 = _mm512_set1_epi16(15), high8 = _mm512_set1_epi16(static_cast<int16_t>(0xFF00));
     for (int i = 0; i < 8; ++i) {
       const __m512i codes = b[i];
       __m512i m = _mm512_permutex2var_epi8(_mm512_load_si512(t.mant), codes, _mm512_load_si512(t.mant + 64));
       m = _mm512_mask_sub_epi8(m, _mm512_movepi8_mask(codes), zero, m);
       const __m512i count = _mm512_sub_epi8(
           base, _mm512_permutex2var_epi8(_mm512_load_si512(t.expo), codes, _mm512_load_si512(t.expo + 64)));
-      __m512i v0 = _mm512_srav_epi16(_mm512_unpacklo_epi8(zero, m), _mm512_unpacklo_epi8(count, zero));
-      __m512i v1 = _mm512_srav_epi16(_mm512_unpackhi_epi8(zero, m), _mm512_unpackhi_epi8(count, zero));
+      // words (m << 8) | count: two unpacks, not four (shuffles are what this loop waits on).
+      // A nonzero code's count is at most 14 (its units are at least 2^t: E + 4 > t); a zero
+      // code's may be larger, but its m is 0
+      const __m512i w0 = _mm512_unpacklo_epi8(count, m), w1 = _mm512_unpackhi_epi8(count, m);
+      __m512i v0 = _mm512_srav_epi16(_mm512_and_si512(w0, high8), _mm512_and_si512(w0, low4));
+      __m512i v1 = _mm512_srav_epi16(_mm512_and_si512(w1, high8), _mm512_and_si512(w1, low4));
       if (keep != 0xFFFF) {
         v0 = _mm512_maskz_mov_epi32(keep, v0);
         v1 = _mm512_maskz_mov_epi32(keep, v1);
@@ -680,14 +685,25 @@ struct StorePairs {
   }
 };
 
-template <int MR, bool kVnni>
+// x's pair p of row m is read by the vpdpwssd itself, broadcast from memory ({1to16}): a
+// broadcast from a general register costs a shuffle, which this loop is short of.
+using Int16Pair = int32_t __attribute__((may_alias));  // two int16 of xi read as one
+
+template <int MR, bool kVnni, bool kStore>
 struct DotPairs {
   __m512i (&acc)[MR];
-  const int32_t (&x)[MR][kPairs];
-  int16_t* out;  // null: the pairs are not stored
+  const Int16Pair* x;  // row m's pairs at x + m * ldx
+  int64_t ldx;
+  int16_t* out;      // kStore: the pairs are stored here too
   CSA_TARGET_AVX512 CSA_INLINE void operator()(int p, __m512i v) const {
-    for (int m = 0; m < MR; ++m) CSA_DP16(kVnni, acc[m], _mm512_set1_epi32(x[m][p]), v);
-    if (out != nullptr) _mm512_storeu_si512(out + p * kPanel * 2, v);
+    for (int m = 0; m < MR; ++m) {
+      if (kVnni) {
+        asm("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc[m]) : "v"(v), "m"(x[m * ldx + p]));
+      } else {
+        acc[m] = _mm512_add_epi32(acc[m], _mm512_madd_epi16(_mm512_set1_epi32(x[m * ldx + p]), v));
+      }
+    }
+    if (kStore) _mm512_storeu_si512(out + p * kPanel * 2, v);
   }
 };
 
@@ -714,12 +730,14 @@ CSA_TARGET_AVX512_VBMI __attribute__((noinline)) void dot_small_vbmi(const Small
       const int64_t kb = j.kb0 + kbi;
       __m512i acc[MR];
       for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_si512();
-      int32_t x[MR][kPairs];
-      for (int m = 0; m < MR; ++m) std::memcpy(x[m], j.xi + m * j.K + kb * kBlock, sizeof x[m]);
+      // X's int16 pairs (xi rows are K int16 values: K / 2 pairs)
+      const Int16Pair* x = reinterpret_cast<const Int16Pair*>(j.xi + kb * kBlock);
       int16_t* out = j.pw + (kbi * kPairs * kPanel + c * kLanes) * 2;
       const bool store = j.keep_pw[kbi * kGroups + c] != 0;
-      const bool any = conv.run(j.panel * kPanel + c * kLanes, kb, j.g + kbi * kPanel + c * kLanes,
-                                DotPairs<MR, kVnni>{acc, x, store ? out : nullptr});
+      const int64_t n0 = j.panel * kPanel + c * kLanes;
+      float* g = j.g + kbi * kPanel + c * kLanes;
+      const bool any = store ? conv.run(n0, kb, g, DotPairs<MR, kVnni, true>{acc, x, j.K / 2, out})
+                             : conv.run(n0, kb, g, DotPairs<MR, kVnni, false>{acc, x, j.K / 2, nullptr});
       if (!any && store)
         for (int64_t p = 0; p < kPairs; ++p) _mm512_storeu_si512(out + p * kPanel * 2, _mm512_setzero_si512());
       for (int m = 0; m < MR; ++m)
@@ -738,25 +756,28 @@ CSA_TARGET_AVX512_VBMI CSA_INLINE void dot_small_body(const SmallJob& j) {
   }
 }
 
-// The epilogue of dot_small: per row and group, the blocks in order.
+// The epilogue of dot_small: per row, the blocks in order, the 4 groups side by side (one
+// block's row scale and shift broadcast once for them all).
 CSA_TARGET_AVX512 CSA_INLINE void epilogue_small_body(const TaskView& v, const int32_t* sums) {
   for (int64_t r = 0; r < v.rows; ++r) {
-    for (int64_t c = 0; c < kGroups; ++c) {
-      float* o = v.out + r * kPanel + kLanes * c;
-      __m512 f = _mm512_loadu_ps(o);
-      for (int64_t kbi = 0; kbi < v.kbs; ++kbi) {
-        const int64_t kb = v.kb0 + kbi;
+    float* o = v.out + r * kPanel;
+    __m512 f[kGroups];
+    for (int64_t c = 0; c < kGroups; ++c) f[c] = _mm512_loadu_ps(o + kLanes * c);
+    for (int64_t kbi = 0; kbi < v.kbs; ++kbi) {
+      const int64_t kb = v.kb0 + kbi;
+      const float xs = v.xs[kb * v.ld + r];
+      const __m512 cm = _mm512_set1_ps(v.cm[kb * v.ld + r]);
+      const __m512 sc[2] = {_mm512_set1_ps(xs * v.ws0[kb]), _mm512_set1_ps(xs * v.ws1[kb])};
+      const uint64_t take = v.masks[kbi * v.rows + r];
+      for (int64_t c = 0; c < kGroups; ++c) {
         const __m512 s = _mm512_cvtepi32_ps(_mm512_loadu_si512(sums + ((kbi * kGroups + c) * v.rows + r) * kLanes));
-        const __m512 p = _mm512_mask_loadu_ps(s, static_cast<__mmask16>(v.masks[kbi * v.rows + r] >> (16 * c)),
+        const __m512 p = _mm512_mask_loadu_ps(s, static_cast<__mmask16>(take >> (16 * c)),
                                               v.slot[kbi * kGroups + c] + r * kLanes);
-        const float xs = v.xs[kb * v.ld + r];
         const __m512 g = _mm512_loadu_ps(v.g + kbi * kPanel + kLanes * c);
-        const __m512 cm = _mm512_set1_ps(v.cm[kb * v.ld + r]);
-        const __m512 sc = _mm512_set1_ps(xs * (c < 2 ? v.ws0 : v.ws1)[kb]);
-        f = _mm512_add_ps(f, _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(p, g), cm), sc));
+        f[c] = _mm512_add_ps(f[c], _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(p, g), cm), sc[c / 2]));
       }
-      _mm512_storeu_ps(o, f);
     }
+    for (int64_t c = 0; c < kGroups; ++c) _mm512_storeu_ps(o + kLanes * c, f[c]);
   }
 }
 

@@ -21,7 +21,8 @@
 // at a time; with at most 4 rows (decode) the pairs go straight from the conversion into
 // vpdpwssd, 32 K blocks a step, 16 columns' rows at a time (the next 16 prefetched). The blocks where the precondition fails are summed exactly first, into override
 // slots the tiles read by masked loads: a W block that is not int16 as two int16 digits
-// (v = h * 2^8 + l) against every row at once (16 rows a zmm, from X transposed), a flagged
+// (v = h * 2^8 + l) against every row at once (16 rows a zmm, from X transposed; up to 4
+// rows: each row's block against the digits, lanes over k), a flagged
 // row the same way with X's block in two digits, and the rare pair where both blocks are
 // not int16 in int64. Then per lane, in float, as the definition:
 // dot = (float(sum) * 2^t_w) * 2^(t_x - 18) (exact), out = out + dot * (xs * ws). Every
@@ -66,9 +67,8 @@ namespace {
 using namespace fp8_kernels;  // NOLINT: the kernels' constants and job types
 using fp8_int::BlockInts;
 
-[[noreturn]] void fail(const std::string& message) {
-  ORT_CXX_API_THROW("Fp8Linear: " + message, ORT_INVALID_ARGUMENT);
-}
+constexpr const char* kOp = "Fp8Linear";
+
 
 // How often each way of summing ran, for the tests (csa2onnx_fp8_linear_counts): that a case
 // built for a fallback did take it. Tasks add their counts once, at their end.
@@ -78,7 +78,6 @@ struct Counts {
 Counts counts;
 
 constexpr int64_t kTaskRows = 256;    // rows per task (and per quantised chunk of X)
-constexpr int64_t kParallelWork = int64_t{1} << 17;  // M*N*K below which one thread runs it
 
 struct Dims {
   int64_t M = 0, N = 0, K = 0, KB = 0, NB = 0;
@@ -87,24 +86,24 @@ struct Dims {
 // Checks shapes and returns (M, N, K); everything is checked before any memory is touched.
 Dims check_shapes(const std::vector<int64_t>& x, const std::vector<int64_t>& w,
                   const std::vector<int64_t>& ws) {
-  if (x.empty()) fail("X must have rank >= 1, got a scalar");
-  if (w.size() != 2) fail("W must be [N, K] (rank 2), got shape " + shape_string(w));
+  if (x.empty()) fail(kOp, "X must have rank >= 1, got a scalar");
+  if (w.size() != 2) fail(kOp, "W must be [N, K] (rank 2), got shape " + shape_string(w));
   Dims d;
   d.N = w[0];
   d.K = w[1];
   if (d.K % kBlock != 0) {
-    fail("K (" + std::to_string(d.K) + ", the second dimension of W " + shape_string(w) +
+    fail(kOp, "K (" + std::to_string(d.K) + ", the second dimension of W " + shape_string(w) +
          ") must be a multiple of the block size 32");
   }
   if (x.back() != d.K) {
-    fail("the last dimension of X (" + std::to_string(x.back()) +
+    fail(kOp, "the last dimension of X (" + std::to_string(x.back()) +
          ") must equal K, the second dimension of W (" + std::to_string(d.K) + "); X shape " +
          shape_string(x) + ", W shape " + shape_string(w));
   }
   d.KB = d.K / kBlock;
   d.NB = (d.N + kBlock - 1) / kBlock;
   if (ws.size() != 2 || ws[0] != d.NB || ws[1] != d.KB) {
-    fail("WScale must be [ceil(N/32), K/32] = " + shape_string({d.NB, d.KB}) + " for W " +
+    fail(kOp, "WScale must be [ceil(N/32), K/32] = " + shape_string({d.NB, d.KB}) + " for W " +
          shape_string(w) + ", got shape " + shape_string(ws));
   }
   d.M = 1;
@@ -348,7 +347,7 @@ struct Kernels {
   void (*tiles)(const TaskView&, int64_t r0, int64_t r1);  // rows [r0, r1)
   void (*f_lanes)(const FJob&);
   void (*row_patch)(const RowJob&);
-  bool uses_xt;  // f_lanes reads X^T
+  bool uses_xt;  // f_lanes reads X^T (for more than kSmallRows rows)
   // few rows (<= kSmallRows): conversion and sums in one pass, then the epilogue (or null)
   void (*dot_small)(const SmallJob&) = nullptr;
   void (*epilogue_small)(const TaskView&, const int32_t* sums) = nullptr;
@@ -433,7 +432,7 @@ Path select_path() {
   const char* forced = std::getenv("CSA_FP8_LINEAR_ISA");
   if (forced != nullptr && std::strcmp(forced, "avx512-novbmi") == 0) {
     if (!cpu_has(Isa::kAvx512))
-      fail("CSA_FP8_LINEAR_ISA=avx512-novbmi but this CPU does not support it");
+      fail(kOp, "CSA_FP8_LINEAR_ISA=avx512-novbmi but this CPU does not support it");
     return Path::kAvx512Plain;
   }
   switch (select_isa("CSA_FP8_LINEAR_ISA")) {
@@ -640,7 +639,9 @@ void run_task(const Call& c, int64_t task) {
           const int64_t col = panel * kPanel + gi * kLanes + i;
           const FJob job{xc.xi.data() + r0 * c.K + kb * kBlock,
                          c.K,
-                         !c.kern.uses_xt ? nullptr : xc.xt.data() + (kb * kPairs) * xc.rows16 + r0,
+                         !c.kern.uses_xt || xc.rows <= kSmallRows
+                             ? nullptr
+                             : xc.xt.data() + (kb * kPairs) * xc.rows16 + r0,
                          xc.rows16,
                          rows,
                          c.w + col * c.K + kb * kBlock,
@@ -684,15 +685,11 @@ void run_task(const Call& c, int64_t task) {
 
 // Attributes and node I/O, checked when the session creates the kernel.
 void check_node(const OrtKernelInfo* info) {
-  require_node_io(info, "Fp8Linear", 3, 1);
-  int64_t block_size = kBlock;
-  try {
-    block_size = Ort::ConstKernelInfo(info).GetAttribute<int64_t>("block_size");
-  } catch (const Ort::Exception&) {
-    block_size = kBlock;  // absent: the default
-  }
+  require_node_io(info, kOp, 3, 1);
+  const int64_t block_size =
+      optional_attribute<int64_t>(info, kOp, "block_size", "an int").value_or(kBlock);
   if (block_size != kBlock)
-    fail("block_size must be 32 (the only size supported), got " + std::to_string(block_size));
+    fail(kOp, "block_size must be 32 (the only size supported), got " + std::to_string(block_size));
 }
 
 struct Fp8LinearKernel {
@@ -718,16 +715,13 @@ struct Fp8LinearKernel {
     return status_of([&] { Run(ctx, x, w, wscale, y); });
   }
 
-  // ParallelFor over [0, count) when `parallel`, else in order on this thread.
+  // fn(i) for i in [0, count): on onnxruntime's pool unless `work` is below `serial`
+  // (kernel_support.h run_tasks); fn must not throw.
   template <typename Fn>
-  static void for_each(const Ort::KernelContext& context, bool parallel, int64_t count,
+  static void for_each(OrtKernelContext* ctx, int64_t work, int64_t serial, int64_t count,
                        Fn& fn) {
     auto call = [](void* data, size_t i) { (*static_cast<Fn*>(data))(static_cast<int64_t>(i)); };
-    if (parallel && count > 1) {
-      context.ParallelFor(call, static_cast<size_t>(count), 0, &fn);
-    } else {
-      for (int64_t i = 0; i < count; ++i) fn(i);
-    }
+    run_tasks(ctx, work, serial, static_cast<size_t>(count), call, &fn);
   }
 
   void Run(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& x,
@@ -745,8 +739,7 @@ struct Fp8LinearKernel {
     }
     const uint8_t* codes = reinterpret_cast<const uint8_t*>(w.Data());
     counts.calls.fetch_add(1, std::memory_order_relaxed);
-    Ort::KernelContext context(ctx);
-    const bool parallel = d.M * d.N * d.K >= kParallelWork;
+    const int64_t work = d.M * d.N * d.K;  // multiply-adds
 
     WMeta per_call;
     const WMeta* meta = &constant_meta;
@@ -758,7 +751,7 @@ struct Fp8LinearKernel {
         const int64_t g1 = (i + 1) * kGroupsPerTask;
         per_call.build(codes, i * kGroupsPerTask, g1 < per_call.groups ? g1 : per_call.groups);
       };
-      for_each(context, parallel, parts, build);
+      for_each(ctx, d.N * d.K, serial_below::kElements, parts, build);
       per_call.finish();
       meta = &per_call;
     }
@@ -778,8 +771,8 @@ struct Fp8LinearKernel {
       xc.rows16 = (xc.rows + kLanes - 1) / kLanes * kLanes;
       const QuantJob quant{x.Data() + m0 * d.K, &xc};
       auto quantize = [&](int64_t r) { kern.quantize(quant, r); };
-      for_each(context, parallel && xc.rows * d.K >= (int64_t{1} << 16), xc.rows, quantize);
-      if (uses_xt) {
+      for_each(ctx, xc.rows * d.K, serial_below::kElements, xc.rows, quantize);
+      if (uses_xt && xc.rows > kSmallRows) {
         XChunk::grow(xc.xt, static_cast<size_t>((d.K / 2) * xc.rows16));
         constexpr int64_t kPairsPerTask = 256;
         const int64_t parts = (d.K / 2 + kPairsPerTask - 1) / kPairsPerTask;
@@ -787,7 +780,7 @@ struct Fp8LinearKernel {
           const int64_t p1 = (i + 1) * kPairsPerTask;
           transpose_x(xc, i * kPairsPerTask, p1 < d.K / 2 ? p1 : d.K / 2);
         };
-        for_each(context, parallel, parts, transpose);
+        for_each(ctx, xc.rows16 * d.K / 2, serial_below::kElements, parts, transpose);
       }
       call.x = x.Data() + m0 * d.K;
       call.y = out + m0 * d.N;
@@ -798,7 +791,8 @@ struct Fp8LinearKernel {
           failed.store(true);
         }
       };
-      for_each(context, parallel, call.panels * ((xc.rows + kTaskRows - 1) / kTaskRows), task);
+      for_each(ctx, work, serial_below::kMultiplyAdds,
+               call.panels * ((xc.rows + kTaskRows - 1) / kTaskRows), task);
       if (failed.load()) throw std::bad_alloc();
     }
     const float nan = Fp8::from_bits(0x7FC00000u);

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <exception>
+#include <new>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -188,6 +189,28 @@ void run_row_chunks(OrtKernelContext* ctx, int64_t rows, int64_t width, Body bod
     (*j.body)(r0, j.rows - r0 < j.per ? j.rows - r0 : j.per);
   };
   run_tasks(ctx, rows * width, serial_below::kElements, static_cast<size_t>(chunks), run, &job);
+}
+
+// fn(job, t, scratch) for t in [0, tasks) through run_tasks, each task with its thread's
+// scratch vector (kept from call to call); a task that runs out of memory sets
+// job.out_of_memory instead of throwing into the pool.
+template <typename Job, typename Fn>
+void run_tasks_with_scratch(OrtKernelContext* ctx, int64_t work, int64_t serial, size_t tasks,
+                            Fn fn, Job& job) {
+  struct Call {
+    Job* job;
+    Fn fn;
+  } call{&job, fn};
+  auto task = [](void* data, size_t t) {
+    Call& c = *static_cast<Call*>(data);
+    try {
+      thread_local std::vector<float> scratch;
+      c.fn(*c.job, t, scratch);
+    } catch (const std::bad_alloc&) {
+      c.job->out_of_memory = true;
+    }
+  };
+  run_tasks(ctx, work, serial, tasks, task, &call);
 }
 
 // ---------------------------------------------------------------- instruction sets

@@ -8,6 +8,7 @@
 
 #include "fp4_op.h"
 #include "fp8_linear_op.h"
+#include "indexer_score_op.h"
 #include "packed_ops.h"
 #include "rope_cos_sin_op.h"
 #include "shape_inference.h"
@@ -35,6 +36,7 @@ struct Library {
     csa::AppendWriteRowsOps(ops);
     csa::AppendPackedOps(ops);
     csa::AppendRopeCosSinOps(ops);
+    csa::AppendIndexerScoreOps(ops);
     for (auto& op : ops) {
       op->InferOutputShapeFn = csa::shape_inference_for(op->GetName(op.get()));
       domain.Add(op.get());

@@ -367,22 +367,8 @@ struct SparseAttentionKernel {
       run_tasks(ctx, rows * k * d, serial_below::kElements, static_cast<size_t>(parts), part,
                 &pass);
     }
-    struct Call {
-      Job<I>* job;
-      Fn fn;
-    } call{&job, fn};
-    auto task = [](void* data, size_t t) {
-      Call& c = *static_cast<Call*>(data);
-      try {  // no exception may escape into onnxruntime's thread pool
-        thread_local std::vector<float> scratch;
-        c.fn(*c.job, t, scratch);
-      } catch (const std::bad_alloc&) {
-        c.job->out_of_memory = true;
-      }
-    };
-    const int64_t tasks = rows * splits;
-    run_tasks(ctx, rows * h * (k > 0 ? k : 1) * d, serial_below::kAttentionTerms,
-              static_cast<size_t>(tasks), task, &call);
+    run_tasks_with_scratch(ctx, rows * h * (k > 0 ? k : 1) * d, serial_below::kAttentionTerms,
+                           static_cast<size_t>(rows * splits), fn, job);
     if (job.out_of_memory) ORT_CXX_API_THROW(std::string(kOp) + ": out of memory", ORT_FAIL);
   }
 };

@@ -1,0 +1,350 @@
+// IndexerScore's definition and its tiled kernel. The op replaces the Indexer's standard-op
+// score (graphs/indexer.py, before this op):
+//   dots     = bf16(MatMul(q [b,s,H,D], k^T [b,1,D,T]))
+//   weighted = bf16(Relu(dots) * w [b,s,H,1])
+//   score    = bf16(ReduceSum(weighted, axis 2))              [b, s, T]
+// bit for bit as onnxruntime 1.32 (x86-64 with FMA) runs those nodes, so every order
+// below is onnxruntime's (MLAS's SGEMM and the CPU ReduceSum), found in its sources and
+// checked against it with adversarial inputs (tests/test_indexer_score.py):
+//   - The MatMul is one SGEMM per (b, s) entry with M = H rows, or, when b == 1 (B's batch
+//     dimensions all 1), one with M = s*H rows (onnxruntime folds A's batch into M).
+//     D <= 128 is one K panel, so MLAS's kernel sums each dot as ONE fma chain from +0 over
+//     d in order (kMaxDim; larger D would split the chain, which is not reproduced here).
+//     Two shapes take MLAS's M=1 kernels instead, which multiply and add separately:
+//     M == 1: groups of 4 products summed ((p0+p1)+p2)+p3, each group added to the running
+//     sum (2 then 1 for the rest); T == 1 (N = 1): 8 lane sums over d (mod 8), reduced by a
+//     tree that depends on where the row falls in the GEMM's blocks of 4, 2 and 1 rows.
+//   - Cast to bf16: round to nearest even; a NaN becomes the quiet NaN 0x7FC0 with its sign.
+//     Relu keeps -0 and NaN (x < 0 ? +0 : x).
+//   - ReduceSum over H: b*s >= 2 is MLAS's M=1 kernel on a ones vector (groups of 4 as
+//     above, from +0); b*s == 1 sums in order from +0 (H == 1 too adds +0: -0 becomes +0).
+// What onnxruntime itself does differently with its thread count (this op never does):
+// ReduceSum takes the in-order sum when b*s is below the intra-op thread count (so this op
+// is its result for <= 2 threads, or b*s >= threads), and with T == 1 and s*H*D >= 65536
+// (b == 1) MLAS splits the GEMM's rows over threads, which moves the block boundaries of
+// the T == 1 tree (both seen with 3 threads).
+//
+// The tiled kernel (M >= 2 and T >= 2, the shapes every prefill and decode step of a real
+// context has): per task, a tile of kTileT key rows is unpacked (or copied) ONCE into a
+// transposed float buffer kT[D][kTileT] and reused by a block of kTileS queries and all
+// their heads; a register tile of kHeads heads x kVecs vectors of columns runs the fma
+// chains, then the epilogue rounds, applies relu and the weight, and adds the heads in the
+// ReduceSum order above. No [s, H, T] intermediate exists. The other shapes (and
+// CSA_INDEXER_SCORE_ISA=reference) run the scalar definition below.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "packed_quant.h"
+#include "simd.h"
+#include "sparse_attention_tiled.h"
+
+#ifdef CSA_X86
+#include <immintrin.h>
+#endif
+
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+namespace csa::indexer_score {
+
+constexpr int64_t kMaxDim = 128;  // MLAS's SGEMM K panel: one fma chain per dot
+constexpr int64_t kTileT = 256;   // key rows per task: kT is D x 256 floats (128 KiB at 128)
+constexpr int64_t kTileS = 16;    // queries per task
+
+// How onnxruntime sums the heads (see above).
+enum class SumOrder { kGroups4, kInOrder };
+
+struct Problem {
+  int64_t b, s, h, d, t;
+  // The MatMul's GEMM rows: s*H when b == 1 (folded), else H.
+  int64_t gemm_rows() const { return b == 1 ? s * h : h; }
+  int64_t gemm_row(int64_t i, int64_t hh) const { return b == 1 ? i * h + hh : hh; }
+  SumOrder sum_order() const { return b * s >= 2 ? SumOrder::kGroups4 : SumOrder::kInOrder; }
+  // The tiled kernel's shapes: every dot one fma chain.
+  bool tiled() const { return gemm_rows() >= 2 && t >= 2; }
+};
+
+// ---------------------------------------------------------------- scalar definition
+// onnxruntime's Cast float -> bfloat16 -> float.
+inline float cast_bf16(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) {
+    u = (u & 0x80000000u) | 0x7fc00000u;
+  } else {
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  }
+  float y;
+  std::memcpy(&y, &u, sizeof y);
+  return y;
+}
+
+inline float relu(float x) { return x < 0.0f ? 0.0f : x; }
+
+// MLAS's general kernel: one fma chain from +0.
+inline float dot_chain(const float* q, const float* k, int64_t d) {
+  float acc = 0.0f;
+  for (int64_t i = 0; i < d; ++i) acc = __builtin_fmaf(q[i], k[i], acc);
+  return acc;
+}
+
+// MLAS's M = 1 kernel (B not transposed) for one output: products in groups of 4, 2, 1.
+// Also the ReduceSum of b*s >= 2 rows (q = ones: the products are the terms).
+inline float sum_groups4(const float* terms, int64_t n) {
+  float c = 0.0f;
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) c = (((terms[i] + terms[i + 1]) + terms[i + 2]) + terms[i + 3]) + c;
+  if (n - i >= 2) {
+    c = (terms[i] + terms[i + 1]) + c;
+    i += 2;
+  }
+  if (n - i == 1) c = terms[i] + c;
+  return c;
+}
+
+inline float dot_m1(const float* q, const float* k, int64_t d) {
+  float p[kMaxDim];
+  for (int64_t i = 0; i < d; ++i) p[i] = q[i] * k[i];
+  return sum_groups4(p, d);
+}
+
+// MLAS's M = 1 kernel with B transposed (the MatMul's N = T = 1, A and B swapped): 8 lane
+// sums over d, the last partial vector adding +0 in its idle lanes, then the tree of the
+// row's block (4, 2 or 1 rows), then + 0.
+inline float dot_lanes(const float* q, const float* k, int64_t d, int block) {
+  float a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int64_t i0 = 0; i0 < d; i0 += 8) {
+    for (int64_t l = 0; l < 8; ++l) a[l] = a[l] + (i0 + l < d ? q[i0 + l] * k[i0 + l] : 0.0f);
+  }
+  float r;
+  if (block == 4) {
+    r = (((a[0] + a[1]) + a[2]) + a[3]) + (((a[4] + a[5]) + a[6]) + a[7]);
+  } else if (block == 2) {
+    r = ((a[0] + a[2]) + (a[4] + a[6])) + ((a[1] + a[3]) + (a[5] + a[7]));
+  } else {
+    r = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+  }
+  return r + 0.0f;
+}
+
+// The size of the block of GEMM rows (4, 2 or 1) that row r of m falls in.
+inline int row_block(int64_t r, int64_t m) {
+  const int64_t fours = m / 4 * 4;
+  if (r < fours) return 4;
+  if ((m & 2) != 0 && r < fours + 2) return 2;
+  return 1;
+}
+
+inline float dot(const Problem& pr, int64_t i, int64_t hh, const float* q, const float* k) {
+  const int64_t m = pr.gemm_rows();
+  if (m == 1) return dot_m1(q, k, pr.d);
+  if (pr.t == 1) return dot_lanes(q, k, pr.d, row_block(pr.gemm_row(i, hh), m));
+  return dot_chain(q, k, pr.d);
+}
+
+inline float sum_heads(SumOrder order, const float* x, int64_t h) {
+  if (order == SumOrder::kGroups4) return sum_groups4(x, h);
+  float c = 0.0f;
+  for (int64_t i = 0; i < h; ++i) c = c + x[i];
+  return c;
+}
+
+// score[t] for query row i (q_row [H][D], w_row [H]) against key rows k [T][D]: the
+// definition, for any shape (the reference path and the shapes the tiles do not take).
+inline void score_row(const Problem& pr, int64_t i, const float* q_row, const float* w_row,
+                      const float* k, float* out, float* terms /* [H] */) {
+  const SumOrder order = pr.sum_order();
+  for (int64_t t = 0; t < pr.t; ++t) {
+    for (int64_t hh = 0; hh < pr.h; ++hh) {
+      const float dq = cast_bf16(dot(pr, i, hh, q_row + hh * pr.d, k + t * pr.d));
+      terms[hh] = cast_bf16(relu(dq) * w_row[hh]);
+    }
+    out[t] = cast_bf16(sum_heads(order, terms, pr.h));
+  }
+}
+
+// ---------------------------------------------------------------- the tiles
+namespace tv = sparse_attention::tiled;
+
+// Per vector type: relu and the Cast's bf16 rounding, lane by lane as above.
+template <typename V>
+struct Ops;
+
+#ifdef CSA_X86
+template <>
+struct Ops<tv::VAvx512> {
+  using T = __m512;
+  CSA_TARGET_AVX512 static inline T relu(T x) {
+    const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+    return _mm512_mask_mov_ps(x, neg, _mm512_setzero_ps());
+  }
+  CSA_TARGET_AVX512 static inline T cast_bf16(T x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    const __m512i odd =
+        _mm512_and_si512(_mm512_maskz_srli_epi32(0xffff, u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
+    r = _mm512_and_si512(r, _mm512_set1_epi32(~0xffff));
+    const __m512i quiet = _mm512_or_si512(_mm512_and_si512(u, _mm512_set1_epi32(INT32_MIN)),
+                                          _mm512_set1_epi32(0x7fc00000));
+    return _mm512_castsi512_ps(_mm512_mask_mov_epi32(r, nan, quiet));
+  }
+};
+
+template <>
+struct Ops<tv::VAvx2> {
+  using T = __m256;
+  CSA_TARGET_AVX2 static inline T relu(T x) {
+    const __m256 neg = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
+    return _mm256_andnot_ps(neg, x);
+  }
+  CSA_TARGET_AVX2 static inline T cast_bf16(T x) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
+    r = _mm256_and_si256(r, _mm256_set1_epi32(~0xffff));
+    const __m256i quiet = _mm256_or_si256(_mm256_and_si256(u, _mm256_set1_epi32(INT32_MIN)),
+                                          _mm256_set1_epi32(0x7fc00000));
+    return _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(quiet), nan);
+  }
+};
+#endif
+
+template <>
+struct Ops<tv::VScalar> {
+  static inline float relu(float x) { return indexer_score::relu(x); }
+  static inline float cast_bf16(float x) { return indexer_score::cast_bf16(x); }
+};
+
+// One task's inputs: a block of queries of one batch entry against a tile of key rows.
+struct Tile {
+  const Problem* pr;
+  const float* q;    // [rows][H][D]: the block's first query
+  const float* w;    // [rows][H]
+  const float* kt;   // [D][ldk]: the key tile transposed (columns past `cols` are zeros)
+  int64_t ldk;       // kt's row length: cols rounded up to the kernel's column chunk
+  int64_t rows;      // queries in the block
+  int64_t cols;      // key rows in the tile
+  float* out;        // [rows][out_stride]: score[block's first query][tile's first key]
+  int64_t out_stride;
+};
+
+// Adds group's kHeads (or fewer) weighted terms x[g][v] into the sum `acc` in `order`.
+template <typename V, int kVecs>
+__attribute__((always_inline)) inline void add_heads(SumOrder order, typename V::T (*x)[kVecs],
+                                                     int heads, typename V::T* acc) {
+  for (int v = 0; v < kVecs; ++v) {
+    if (order == SumOrder::kInOrder) {
+      for (int g = 0; g < heads; ++g) acc[v] = V::add(acc[v], x[g][v]);
+    } else if (heads == 4) {
+      acc[v] = V::add(V::add(V::add(V::add(x[0][v], x[1][v]), x[2][v]), x[3][v]), acc[v]);
+    } else if (heads == 2) {
+      acc[v] = V::add(V::add(x[0][v], x[1][v]), acc[v]);
+    } else {
+      acc[v] = V::add(x[0][v], acc[v]);
+    }
+  }
+}
+
+// A group of `heads` (<= 4) heads of query row r against one chunk of kVecs vectors of
+// columns starting at c: the fma chains, then the epilogue into `acc`.
+template <typename V, int kVecs, int kHeads>
+__attribute__((always_inline)) inline void head_group(const Tile& tile, int64_t r, int64_t h0,
+                                                      int64_t c, typename V::T* acc) {
+  using T = typename V::T;
+  const int64_t d = tile.pr->d;
+  const float* q = tile.q + (r * tile.pr->h + h0) * d;
+  T dots[4][kVecs];
+  for (int g = 0; g < kHeads; ++g)
+    for (int v = 0; v < kVecs; ++v) dots[g][v] = V::zero();
+  const float* kt = tile.kt + c;
+  for (int64_t i = 0; i < d; ++i, kt += tile.ldk) {
+    T k[kVecs];
+    for (int v = 0; v < kVecs; ++v) k[v] = V::load(kt + v * V::W);
+    for (int g = 0; g < kHeads; ++g) {
+      const T qb = V::bcast(q[g * d + i]);
+      for (int v = 0; v < kVecs; ++v) dots[g][v] = V::fma(qb, k[v], dots[g][v]);
+    }
+  }
+  const float* w = tile.w + r * tile.pr->h + h0;
+  for (int g = 0; g < kHeads; ++g) {
+    const T wg = V::bcast(w[g]);
+    for (int v = 0; v < kVecs; ++v) {
+      dots[g][v] = Ops<V>::cast_bf16(V::mul(Ops<V>::relu(Ops<V>::cast_bf16(dots[g][v])), wg));
+    }
+  }
+  add_heads<V, kVecs>(tile.pr->sum_order(), dots, kHeads, acc);
+}
+
+template <typename V, int kVecs>
+__attribute__((always_inline)) inline void score_tile(const Tile& tile) {
+  using T = typename V::T;
+  constexpr int64_t kChunk = kVecs * V::W;
+  const int64_t h = tile.pr->h;
+  for (int64_t r = 0; r < tile.rows; ++r) {
+    for (int64_t c = 0; c < tile.cols; c += kChunk) {
+      T acc[kVecs];
+      for (int v = 0; v < kVecs; ++v) acc[v] = V::zero();
+      int64_t h0 = 0;
+      for (; h0 + 4 <= h; h0 += 4) head_group<V, kVecs, 4>(tile, r, h0, c, acc);
+      if (h - h0 >= 2) {
+        head_group<V, kVecs, 2>(tile, r, h0, c, acc);
+        h0 += 2;
+      }
+      if (h - h0 == 1) head_group<V, kVecs, 1>(tile, r, h0, c, acc);
+      alignas(64) float sums[kChunk];
+      for (int v = 0; v < kVecs; ++v) V::store(sums + v * V::W, Ops<V>::cast_bf16(acc[v]));
+      const int64_t n = tile.cols - c < kChunk ? tile.cols - c : kChunk;
+      std::memcpy(tile.out + r * tile.out_stride + c, sums, static_cast<size_t>(n) * sizeof(float));
+    }
+  }
+}
+
+// Column chunk per instruction set (the tile's ldk is a multiple of it); the packed rows'
+// unpacking is SparseAttention's tile configuration's.
+template <typename V>
+struct Cfg;
+#ifdef CSA_X86
+template <>
+struct Cfg<tv::VAvx512> : tv::CfgAvx512 {
+  static constexpr int kVecs = 4;  // 4 heads x 4 zmm of dots, 4 zmm of sums
+};
+template <>
+struct Cfg<tv::VAvx2> : tv::CfgAvx2 {
+  static constexpr int kVecs = 2;  // 4 heads x 2 ymm of dots, 2 ymm of sums
+};
+#endif
+template <>
+struct Cfg<tv::VScalar> : tv::CfgScalar {
+  static constexpr int kVecs = 4;
+};
+
+template <typename V>
+constexpr int64_t chunk_of() {
+  return Cfg<V>::kVecs * V::W;
+}
+
+// Key rows [cols] (float rows of `d`, or packed rows of `row_bytes` in `format`) into
+// kt[D][ldk], zeros past cols; `row` is scratch [D].
+template <typename V>
+__attribute__((always_inline)) inline void transpose_keys(const float* keys, const uint8_t* packed,
+                                                          packed::Format format,
+                                                          int64_t row_bytes, int64_t d,
+                                                          int64_t cols, int64_t ldk, float* kt,
+                                                          float* row) {
+  for (int64_t j = 0; j < cols; ++j) {
+    const float* src = keys != nullptr ? keys + j * d : row;
+    if (keys == nullptr) Cfg<V>::unpack(format, packed + j * row_bytes, d, row);
+    for (int64_t i = 0; i < d; ++i) kt[i * ldk + j] = src[i];
+  }
+  for (int64_t i = 0; i < d; ++i)
+    for (int64_t j = cols; j < ldk; ++j) kt[i * ldk + j] = 0.0f;
+}
+
+}  // namespace csa::indexer_score
+
+#pragma GCC diagnostic pop

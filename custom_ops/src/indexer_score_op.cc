@@ -1,0 +1,219 @@
+// IndexerScore (domain csa2onnx): the Indexer's score of every compressed position for every
+// query, bf16(sum_h bf16(relu(bf16(q[b,s,h] . k[b,t])) * w[b,s,h])), bit for bit as
+// onnxruntime runs the standard ops it replaces (indexer_score.h states the orders), with no
+// [s, H, T] intermediate.
+// Inputs Q (float [b, s, H, D], D <= 128), W (float [b, s, H]), Keys (float [b, R, D], or
+// uint8 [b, R, row_bytes]: the packed index-key cache read in place, in the format named by
+// the attribute keys_format, e.g. "fp4_e8m0_32"), Width (int64, one element: T, 0 <= T <= R,
+// the key rows scored); output Score (float [b, s, T], bf16 values).
+// In parallel over (batch entry, block of 16 queries, tile of 256 key rows); each task
+// unpacks its key tile once into a transposed float buffer (D x 256) that its queries' heads
+// share. CSA_INDEXER_SCORE_ISA (or CSA2ONNX_ISA; read when a session creates the kernel)
+// forces a path: "avx512", "avx2", "scalar" (the tiles without SIMD) or "reference" (the
+// scalar definition, one query row per task); all give the same bits.
+// Compiled with -ffp-contract=off: the orders keep multiplies and adds apart.
+#include "ort_api.h"
+
+#include <algorithm>
+#include <atomic>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "indexer_score.h"
+#include "indexer_score_op.h"
+#include "kernel_support.h"
+#include "packed_quant.h"
+#include "simd.h"
+
+namespace csa {
+namespace {
+
+namespace is = indexer_score;
+constexpr const char* kOp = "IndexerScore";
+
+struct Job {
+  is::Problem pr{};
+  int64_t r = 0;  // Keys' rows per batch entry
+  const float* q = nullptr;
+  const float* w = nullptr;
+  const float* keys = nullptr;      // float keys, or null
+  const uint8_t* packed = nullptr;  // packed keys, or null
+  packed::Format format = packed::Format::kFp4E8m0;
+  int64_t row_bytes = 0;
+  float* out = nullptr;
+  int64_t s_blocks = 0, t_blocks = 0;
+  std::atomic<bool> out_of_memory{false};
+};
+
+// Tiled task t = (batch entry, query block, key tile).
+template <typename V>
+__attribute__((always_inline)) inline void tiled_task(const Job& j, size_t task,
+                                                      std::vector<float>& scratch) {
+  const is::Problem& pr = j.pr;
+  const int64_t tb = static_cast<int64_t>(task) % j.t_blocks;
+  const int64_t sb = static_cast<int64_t>(task) / j.t_blocks % j.s_blocks;
+  const int64_t bi = static_cast<int64_t>(task) / j.t_blocks / j.s_blocks;
+  const int64_t t0 = tb * is::kTileT, s0 = sb * is::kTileS;
+  const int64_t cols = std::min(is::kTileT, pr.t - t0);
+  const int64_t rows = std::min(is::kTileS, pr.s - s0);
+  constexpr int64_t kChunk = is::chunk_of<V>();
+  const int64_t ldk = (cols + kChunk - 1) / kChunk * kChunk;
+  const size_t need = static_cast<size_t>(pr.d * (ldk + 1));
+  if (scratch.size() < need) scratch.resize(need);
+  float* kt = scratch.data();
+  float* row = kt + pr.d * ldk;
+  const int64_t first_key = bi * j.r + t0;
+  is::transpose_keys<V>(j.keys != nullptr ? j.keys + first_key * pr.d : nullptr,
+                        j.packed != nullptr ? j.packed + first_key * j.row_bytes : nullptr,
+                        j.format, j.row_bytes, pr.d, cols, ldk, kt, row);
+  const int64_t first_query = bi * pr.s + s0;
+  const is::Tile tile{&pr, j.q + first_query * pr.h * pr.d, j.w + first_query * pr.h, kt, ldk,
+                      rows, cols, j.out + first_query * pr.t + t0, pr.t};
+  is::score_tile<V, is::Cfg<V>::kVecs>(tile);
+}
+
+__attribute__((flatten)) void tiled_scalar(const Job& j, size_t t, std::vector<float>& s) {
+  tiled_task<is::tv::VScalar>(j, t, s);
+}
+#ifdef CSA_X86
+CSA_TARGET_AVX512 __attribute__((flatten)) void tiled_avx512(const Job& j, size_t t,
+                                                             std::vector<float>& s) {
+  tiled_task<is::tv::VAvx512>(j, t, s);
+}
+CSA_TARGET_AVX2 __attribute__((flatten)) void tiled_avx2(const Job& j, size_t t,
+                                                         std::vector<float>& s) {
+  tiled_task<is::tv::VAvx2>(j, t, s);
+}
+#endif
+
+// The definition for query row `task` (the reference path and the shapes the tiles do not
+// take: one GEMM row, or T == 1); packed keys are unpacked row by row first.
+void row_task(const Job& j, size_t task, std::vector<float>& scratch) {
+  const is::Problem& pr = j.pr;
+  const int64_t i = static_cast<int64_t>(task);  // b * s + query
+  const int64_t bi = i / pr.s;
+  const float* keys = j.keys != nullptr ? j.keys + bi * j.r * pr.d : nullptr;
+  const size_t need = static_cast<size_t>(pr.h + (keys == nullptr ? pr.t * pr.d : 0));
+  if (scratch.size() < need) scratch.resize(need);
+  float* terms = scratch.data();
+  if (keys == nullptr) {
+    float* unpacked = terms + pr.h;
+    for (int64_t t = 0; t < pr.t; ++t)
+      packed::unpack_row_scalar(j.format, j.packed + (bi * j.r + t) * j.row_bytes, pr.d,
+                                unpacked + t * pr.d);
+    keys = unpacked;
+  }
+  is::score_row(pr, i % pr.s, j.q + i * pr.h * pr.d, j.w + i * pr.h, keys, j.out + i * pr.t,
+                terms);
+}
+
+template <typename K>
+struct IndexerScoreKernel {
+  static constexpr bool kPacked = std::is_same_v<K, uint8_t>;
+  Isa isa;
+  packed::Format format = packed::Format::kFp4E8m0;
+
+  IndexerScoreKernel(const OrtApi*, const OrtKernelInfo* info)
+      : isa(select_isa("CSA_INDEXER_SCORE_ISA", /*has_reference=*/true)) {
+    require_node_io(info, kOp, 4, 1);
+    const auto name = optional_attribute<std::string>(info, kOp, "keys_format", "a string");
+    if (kPacked && !name.has_value())
+      fail(kOp, std::string("uint8 Keys (packed rows) need the attribute keys_format (") +
+                    packed::kFormatChoices + ")");
+    if (!kPacked && name.has_value())
+      fail(kOp, "keys_format \"" + *name + "\" names a packed format but Keys are float rows");
+    if (name.has_value() && !packed::parse_format(*name, &format))
+      fail(kOp, "unknown keys_format \"" + *name + "\" (expected " + packed::kFormatChoices + ")");
+  }
+
+  Ort::Status Compute(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& q,
+                      const Ort::Custom::Tensor<float>& w, const Ort::Custom::Tensor<K>& keys,
+                      const Ort::Custom::Tensor<int64_t>& width,
+                      Ort::Custom::Tensor<float>& score) {
+    return status_of([&] { Run(ctx, q, w, keys, width, score); });
+  }
+
+  void Run(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& q,
+           const Ort::Custom::Tensor<float>& w, const Ort::Custom::Tensor<K>& keys,
+           const Ort::Custom::Tensor<int64_t>& width, Ort::Custom::Tensor<float>& score) {
+    const std::vector<int64_t> qs = q.Shape(), ws = w.Shape(), ks = keys.Shape();
+    if (qs.size() != 4) fail(kOp, "Q must be [b, s, H, D], got " + shape_string(qs));
+    const int64_t b = qs[0], s = qs[1], h = qs[2], d = qs[3];
+    if (h < 1) fail(kOp, "Q " + shape_string(qs) + " has no heads");
+    if (d < 1 || d > is::kMaxDim)
+      fail(kOp, "Q's head dim D must be in [1, " + std::to_string(is::kMaxDim) +
+                    "] (onnxruntime's MatMul sums larger D in several chains, which this op "
+                    "does not reproduce), got Q " + shape_string(qs));
+    if (ws.size() != 3 || ws[0] != b || ws[1] != s || ws[2] != h)
+      fail(kOp, "W must be [b, s, H] = [" + std::to_string(b) + ", " + std::to_string(s) + ", " +
+                    std::to_string(h) + "] (Q is " + shape_string(qs) + "), got " +
+                    shape_string(ws));
+    int64_t row_bytes = d;
+    if (kPacked) {
+      if (!packed::dim_fits(format, d))
+        fail(kOp, std::string("keys_format ") + packed::format_name(format) + " packs blocks of " +
+                      std::to_string(packed::block_of(format)) +
+                      " values, which do not divide D = " + std::to_string(d));
+      row_bytes = packed::row_bytes(format, d);
+    }
+    if (ks.size() != 3 || ks[0] != b || ks[2] != row_bytes)
+      fail(kOp, std::string("Keys must be [b, R, ") + (kPacked ? "row_bytes" : "D") + "] = [" +
+                    std::to_string(b) + ", R, " + std::to_string(row_bytes) + "]" +
+                    (kPacked ? std::string(" (") + packed::format_name(format) +
+                                   " rows of D = " + std::to_string(d) + ")"
+                             : std::string()) +
+                    " (Q is " + shape_string(qs) + "), got " + shape_string(ks));
+    if (width.NumberOfElement() != 1)
+      fail(kOp, "Width must hold one element, got shape " + shape_string(width.Shape()));
+    const int64_t t = width.Data()[0];
+    if (t < 0 || t > ks[1])
+      fail(kOp, "Width " + std::to_string(t) + " must be in [0, R = " + std::to_string(ks[1]) +
+                    "] (Keys " + shape_string(ks) + ")");
+    float* out = score.Allocate({b, s, t});
+    if (b == 0 || s == 0 || t == 0) return;
+
+    Job job;
+    job.pr = is::Problem{b, s, h, d, t};
+    job.r = ks[1];
+    job.q = q.Data();
+    job.w = w.Data();
+    if constexpr (kPacked) {
+      job.packed = keys.Data();
+      job.format = format;
+      job.row_bytes = row_bytes;
+    } else {
+      job.keys = keys.Data();
+    }
+    job.out = out;
+    job.s_blocks = (s + is::kTileS - 1) / is::kTileS;
+    job.t_blocks = (t + is::kTileT - 1) / is::kTileT;
+
+    using Fn = void (*)(const Job&, size_t, std::vector<float>&);
+    Fn fn = tiled_scalar;
+#ifdef CSA_X86
+    if (isa == Isa::kAvx512) fn = tiled_avx512;
+    if (isa == Isa::kAvx2) fn = tiled_avx2;
+#endif
+    int64_t tasks = b * job.s_blocks * job.t_blocks;
+    if (isa == Isa::kReference || !job.pr.tiled()) {
+      fn = row_task;
+      tasks = b * s;
+    }
+    run_tasks_with_scratch(ctx, b * s * h * t * d, serial_below::kMultiplyAdds,
+                           static_cast<size_t>(tasks), fn, job);
+    if (job.out_of_memory) ORT_CXX_API_THROW(std::string(kOp) + ": out of memory", ORT_FAIL);
+  }
+};
+
+}  // namespace
+
+void AppendIndexerScoreOps(std::vector<std::unique_ptr<Ort::Custom::OrtLiteCustomOp>>& ops) {
+  ops.emplace_back(Ort::Custom::CreateLiteCustomOp<IndexerScoreKernel<float>>(
+      kOp, "CPUExecutionProvider"));
+  ops.emplace_back(Ort::Custom::CreateLiteCustomOp<IndexerScoreKernel<uint8_t>>(
+      kOp, "CPUExecutionProvider"));
+}
+
+}  // namespace csa

@@ -1,0 +1,256 @@
+"""IndexerScore against the standard ops it replaces (the Indexer's score before the op:
+MatMul, Cast to bf16 and back, Relu, Mul, Cast, ReduceSum over heads, Cast), run by this
+onnxruntime on one thread, bit for bit: on every instruction-set path and thread count, with
+float keys and with the packed index-key cache read in place, on fp4-valued inputs and on
+adversarial ones built to make the summation orders show (dots that are not exact in float32,
+cancelling head sums, -0, the relu boundary, huge and tiny weights, NaN key blocks), over
+shapes that take each of onnxruntime's orders (one GEMM row, T == 1, b == 1 folded or not,
+one query row). Also: the portable function body, and the errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from helpers import custom_op_model
+from onnx import TensorProto, helper
+
+from csa2onnx.custom_ops import make_session, session_options
+from csa2onnx.custom_ops.library import cpu_isas
+from csa2onnx.custom_ops.reference import pack_quantized, round_bf16, unpack_quantized
+
+FORMAT = "fp4_e8m0_32"
+PATHS = [isa for isa in ("avx512", "avx2", "scalar", "reference")
+         if isa in cpu_isas() or isa == "reference"]
+E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6], np.float32)
+_vi = helper.make_tensor_value_info
+
+
+def standard_graph() -> bytes:
+    """graphs/indexer.py's score as it was before IndexerScore (the op's portable body)."""
+    def cast(x: str, y: str) -> list:
+        return [helper.make_node("Cast", [x], [y + "_h"], to=TensorProto.BFLOAT16),
+                helper.make_node("Cast", [y + "_h"], [y], to=TensorProto.FLOAT)]
+    nodes = [helper.make_node("Slice", ["K", "zero", "T", "one"], ["ks"]),
+             helper.make_node("Transpose", ["ks"], ["kt"], perm=[0, 2, 1]),
+             helper.make_node("Unsqueeze", ["kt", "one"], ["ku"]),
+             helper.make_node("MatMul", ["Q", "ku"], ["dots0"]), *cast("dots0", "dots"),
+             helper.make_node("Relu", ["dots"], ["r"]),
+             helper.make_node("Unsqueeze", ["W", "minus_one"], ["wu"]),
+             helper.make_node("Mul", ["r", "wu"], ["m0"]), *cast("m0", "m"),
+             helper.make_node("ReduceSum", ["m", "two"], ["s0"], keepdims=0),
+             *cast("s0", "S")]
+    inits = [helper.make_tensor(n, TensorProto.INT64, [1], [v])
+             for n, v in (("zero", 0), ("one", 1), ("two", 2), ("minus_one", -1))]
+    graph = helper.make_graph(nodes, "score", float_inputs(), [_vi("S", TensorProto.FLOAT, None)],
+                              inits)
+    return custom_op_model(graph)
+
+
+def float_inputs() -> list:
+    # unranked: the kernel checks the shapes
+    return [_vi(name, TensorProto.INT64 if name == "T" else TensorProto.FLOAT, None)
+            for name in ("Q", "W", "K", "T")]
+
+
+def op_model(packed: bool, *, portable: bool = False, fmt: str | None = FORMAT) -> bytes:
+    inputs = float_inputs()
+    attrs = {}
+    if packed:
+        inputs[2] = _vi("K", TensorProto.UINT8, None)
+        attrs = {"keys_format": fmt} if fmt else {}
+    node = helper.make_node("IndexerScore", ["Q", "W", "K", "T"], ["S"], domain="csa2onnx",
+                            **attrs)
+    graph = helper.make_graph([node], "indexer_score", inputs,
+                              [_vi("S", TensorProto.FLOAT, ["b", "s", None])])
+    return custom_op_model(graph, portable=portable)
+
+
+def bits(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x).view(np.uint32)
+
+
+def fp4_values(rng: np.random.Generator, shape: tuple[int, ...], exponents: tuple[int, int],
+               zero_blocks: float = 0.0) -> np.ndarray:
+    """fp4 e2m1 values with a power-of-two scale per block of 32 on the last axis (the
+    values Fp4QuantDequant e8m0 and the packed index keys hold)."""
+    codes = E2M1[rng.integers(0, 8, shape)] * rng.choice([-1.0, 1.0], shape)
+    blocks = (*shape[:-1], shape[-1] // 32, 1)
+    scales = np.exp2(rng.integers(*exponents, blocks)).astype(np.float32)
+    scales[rng.random(blocks) < zero_blocks] = 0.0
+    return (codes.reshape((*blocks[:-1], 32)) * scales).reshape(shape).astype(np.float32)
+
+
+def case(seed: int, b: int, s: int, h: int, d: int, r: int, *, adversarial: bool):
+    """q [b,s,H,D], w [b,s,H], key rows [b,R,D] as the packed cache holds them, packed."""
+    rng = np.random.default_rng(seed)
+    if adversarial:
+        # Block scales 2^-40..2^40 apart: most dots are not exact in float32, so the order
+        # shows; zero blocks make -0/+0 and exact-zero dots; weights mix huge, tiny (down to
+        # bf16 subnormals) and equal-magnitude opposite signs (cancelling head sums).
+        q = fp4_values(rng, (b, s, h, d), (-40, 41), zero_blocks=0.2)
+        keys = fp4_values(rng, (b, r, d), (-40, 41), zero_blocks=0.2)
+        w = np.exp2(rng.integers(-140, 120, (b, s, h))) * rng.choice([-1.0, 1.0], (b, s, h))
+        w[rng.random((b, s, h)) < 0.3] = 1.5
+        w[rng.random((b, s, h)) < 0.3] = -1.5
+    else:
+        q = fp4_values(rng, (b, s, h, d), (-6, 2))
+        keys = fp4_values(rng, (b, r, d), (-6, 2))
+        w = rng.standard_normal((b, s, h)) * 0.1
+    packed = pack_quantized(keys, FORMAT)
+    keys = unpack_quantized(packed, FORMAT, d)  # what the cache holds, exactly
+    return q, round_bf16(w).astype(np.float32), keys, packed
+
+
+_sessions: dict = {}
+
+
+def expected(q, w, keys, t: int) -> np.ndarray:
+    if "standard" not in _sessions:
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = 1  # onnxruntime's own orders move with its threads
+        _sessions["standard"] = ort.InferenceSession(standard_graph(), options,
+                                                     providers=["CPUExecutionProvider"])
+    return _sessions["standard"].run(None, {"Q": q, "W": w, "K": keys,
+                                            "T": np.array([t], np.int64)})[0]
+
+
+def op_session(monkeypatch, packed: bool, isa: str, threads: int) -> ort.InferenceSession:
+    key = (packed, isa, threads)
+    if key not in _sessions:
+        monkeypatch.delenv("CSA2ONNX_ISA", raising=False)
+        monkeypatch.setenv("CSA_INDEXER_SCORE_ISA", isa)  # read when the kernel is created
+        try:
+            _sessions[key] = make_session(op_model(packed), options=session_options(threads))
+        finally:
+            monkeypatch.delenv("CSA_INDEXER_SCORE_ISA")
+    return _sessions[key]
+
+
+def check(monkeypatch, q, w, keys, packed, t: int, paths=PATHS, threads=(1, 2)) -> None:
+    want = expected(q, w, keys, t)
+    for isa in paths:
+        for n in threads:
+            for is_packed, k in ((False, keys), (True, packed)):
+                got = op_session(monkeypatch, is_packed, isa, n).run(
+                    None, {"Q": q, "W": w, "K": k, "T": np.array([t], np.int64)})[0]
+                assert got.shape == want.shape
+                diff = np.flatnonzero(bits(got) != bits(want))
+                assert diff.size == 0, (
+                    f"{isa} threads={n} packed={is_packed} shape q{q.shape} T={t}: "
+                    f"{diff.size} of {want.size} differ, first at {diff[0]}: "
+                    f"{got.reshape(-1)[diff[0]]!r} vs {want.reshape(-1)[diff[0]]!r}")
+
+
+# (b, s, H, D, R, T): released-like, odd heads, T around the 256-row tile, decode, b = 2,
+# one GEMM row (H = 1 with b = 2 or s = 1), T = 1 (the lane-sum kernel) and T = 0.
+SHAPES = [(1, 5, 32, 128, 300, 300), (1, 17, 4, 64, 600, 513), (2, 3, 7, 64, 70, 65),
+          (1, 1, 32, 128, 700, 600), (2, 1, 64, 128, 40, 33), (1, 1, 5, 64, 10, 9),
+          (1, 3, 1, 64, 20, 20), (2, 2, 1, 128, 19, 17), (1, 1, 1, 64, 30, 30),
+          (1, 6, 3, 128, 5, 1), (2, 2, 5, 64, 3, 1), (1, 1, 33, 64, 2, 1), (1, 1, 1, 32, 4, 1),
+          (1, 2, 6, 32, 8, 2), (2, 4, 2, 64, 4, 0)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}s{}H{}D{}R{}T{}".format(*s))
+@pytest.mark.parametrize("adversarial", [False, True], ids=["fp4", "adversarial"])
+def test_matches_standard_ops(monkeypatch, shape, adversarial):
+    b, s, h, d, r, t = shape
+    q, w, keys, packed = case(sum(shape) + adversarial, b, s, h, d, r, adversarial=adversarial)
+    check(monkeypatch, q, w, keys, packed, t)
+
+
+def tie_case(s: int) -> tuple:
+    """Scores that sit on a bf16 tie unless a tiny part is summed in the right order.
+
+    Key row 0's dot with every query and head: 32 products 2^-28 (block 0), then 1, then
+    2^-8: summed in MLAS's order (an fma chain over d from 0) it is 1 + 2^-8 + 2^-23, which
+    rounds up to bf16 1 + 2^-7; summed big terms first it is the tie 1 + 2^-8, which rounds
+    to even (1).
+    Key row 1 picks each head's dot 1, 2^-8, 0, 0, 2^-25 x 4 (w = 1): onnxruntime's head sum
+    in groups of 4 (b*s >= 2) gives 1 + 2^-8 + 2^-23 (rounds up), the in-order sum (b*s == 1)
+    loses each 2^-25 and rounds the tie to 1."""
+    h, d = 8, 128
+    q = np.zeros((1, s, h, d), np.float32)
+    keys = np.zeros((1, 3, d), np.float32)
+    q[..., :32] = keys[0, 0, :32] = 2.0 ** -14
+    q[..., 32] = keys[0, 0, 32] = 1.0
+    q[..., 64] = 2.0 ** -8
+    keys[0, 0, 64] = 1.0
+    keys[0, 1, 127] = 1.0
+    q[..., 127] = np.array([1, 2 ** -8, 0, 0] + [2 ** -25] * 4, np.float32)
+    return q, np.ones((1, s, h), np.float32), keys, pack_quantized(keys, FORMAT)
+
+
+def test_orders_decide_ties(monkeypatch):
+    """Inputs whose scores change with the dot's and the head sum's order: onnxruntime's
+    results are the ones the orders above predict, and the op gives them on every path."""
+    q, w, keys, packed = tie_case(2)
+    assert (unpack_quantized(packed, FORMAT, 128) == keys).all()
+    want = expected(q, w, keys, 3)
+    assert (want[0, :, 0] == 8 * (1 + 2 ** -7)).all()  # the tiny block first: rounds up
+    assert (want[0, :, 1] == 1 + 2 ** -7).all()  # heads in groups of 4: rounds up
+    check(monkeypatch, q, w, keys, packed, 3)
+    q1, w1, keys1, packed1 = tie_case(1)
+    want1 = expected(q1, w1, keys1, 3)
+    assert want1[0, 0, 1] == 1.0  # one query row: heads in order, the tie to even
+    check(monkeypatch, q1, w1, keys1, packed1, 3)
+
+
+def test_relu_boundary_signed_zeros_and_nan_keys(monkeypatch):
+    """Dots of exactly +0 and -0 (zero queries), tiny negative dots, weights of both signs
+    (relu's +0 times a negative weight is -0), all-(-0) head sums, and a NaN key block (scale
+    byte 0xFF)."""
+    b, s, h, d, r = 2, 3, 6, 64, 40
+    q, w, keys, packed = case(11, b, s, h, d, r, adversarial=False)
+    q[0, 0] = 0.0
+    q[0, 1, :, :32] = -0.0
+    q[0, 1, :, 32:] = 0.0
+    w[0, :2] = -np.abs(w[0, :2])  # relu's zeros times negative weights: -0 terms
+    keys[1, 3] *= np.float32(2.0 ** -120)  # tiny dots: bf16 subnormals, relu boundary
+    packed = pack_quantized(keys, FORMAT)
+    packed[1, 5, d // 2] = 0xFF  # block 0 of key row 5: NaN
+    keys = unpack_quantized(packed, FORMAT, d)
+    assert np.isnan(keys[1, 5, :32]).all()
+    check(monkeypatch, q, w, keys, packed, r)
+
+
+def test_portable_body_is_the_standard_graph():
+    """A portable artifact (no library: the function body inlined) gives the same bits."""
+    q, w, keys, _ = case(3, 2, 5, 8, 64, 50, adversarial=True)
+    session = ort.InferenceSession(op_model(False, portable=True),
+                                   providers=["CPUExecutionProvider"])
+    t = np.array([47], np.int64)
+    got = session.run(None, {"Q": q, "W": w, "K": keys, "T": t})[0]
+    assert (bits(got) == bits(expected(q, w, keys, 47))).all()
+
+
+def run_op(model: bytes, feeds: dict) -> None:
+    make_session(model, options=session_options(1)).run(None, feeds)
+
+
+def test_errors_name_the_problem():
+    q, w, keys, packed = case(1, 1, 2, 4, 64, 8, adversarial=False)
+    t = np.array([8], np.int64)
+    feeds = {"Q": q, "W": w, "K": keys, "T": t}
+    cases = [
+        (dict(feeds, T=np.array([9], np.int64)), "Width 9 must be in [0, R = 8]"),
+        (dict(feeds, T=np.array([-1], np.int64)), "Width -1"),
+        (dict(feeds, T=np.array([1, 2], np.int64)), "Width must hold one element"),
+        (dict(feeds, W=w[:, :, :3]), "W must be [b, s, H] = [1, 2, 4]"),
+        (dict(feeds, K=keys[:, :, :32]), "Keys must be [b, R, D] = [1, R, 64]"),
+        (dict(feeds, Q=q[0]), "Q must be [b, s, H, D]"),
+        (dict(feeds, Q=np.zeros((1, 2, 4, 256), np.float32), K=np.zeros((1, 8, 256), np.float32)),
+         "D must be in [1, 128]"),
+    ]
+    for bad, message in cases:
+        with pytest.raises(Exception, match=message.replace("[", r"\[").replace("]", r"\]")):
+            run_op(op_model(False), bad)
+    packed_feeds = dict(feeds, K=packed)
+    with pytest.raises(Exception, match=r"Keys must be \[b, R, row_bytes\] = \[1, R, 34\]"):
+        run_op(op_model(True), dict(packed_feeds, K=packed[:, :, :30]))
+    with pytest.raises(Exception, match="need the attribute keys_format"):
+        run_op(op_model(True, fmt=None), packed_feeds)
+    with pytest.raises(Exception, match="unknown keys_format \"fp4\""):
+        run_op(op_model(True, fmt="fp4"), packed_feeds)
+    with pytest.raises(Exception, match="do not divide D = 48"):
+        run_op(op_model(True), dict(packed_feeds, Q=q[..., :48]))
