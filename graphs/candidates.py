@@ -63,12 +63,13 @@ def select_candidate_blocks(op: OpBuilder, logits: ir.Value, compress_lens: ir.V
     k = op.Min(n_blocks, op.Constant(value_ints=[topk_blocks]))
     values, indices = torch_topk(op, block_scores, k, largest=True, sorted=True)
 
-    # A block is kept iff picked with a value > -inf. ReduceSum over the k picks (0 when
-    # k = 0) marks the kept blocks; a position inherits its block's mark.
+    # A block is kept iff picked with a value > -inf: the reference's scatter of the picks'
+    # marks into zeros [b, s, nb] (the k indices of a row are distinct, so the scatter is
+    # exact); a position inherits its block's mark.
     keep = op.Cast(op.Greater(values, op.Constant(value_float=NEG_INF)), to=FLOAT)
-    hits = op.Mul(op.Cast(op.Equal(op.Unsqueeze(indices, [-1]), block_ids), to=FLOAT),
-                  op.Unsqueeze(keep, [-1]))  # [b, s, k, nb]
-    kept = op.Greater(op.ReduceSum(hits, [2], keepdims=0), op.Constant(value_float=0.0))
+    zeros = op.ConstantOfShape(op.Concat(op.Slice(shape, [0], [2]), n_blocks, axis=0))
+    kept = op.Greater(op.ScatterElements(zeros, indices, keep, axis=2),
+                      op.Constant(value_float=0.0))
     position_block = op.Div(op.Range(zero, op.Squeeze(width, [0]), one), block_size)
     candidates = op.Gather(kept, position_block, axis=2)
     return CandidateBlocks(candidates, block_scores, values, indices)
