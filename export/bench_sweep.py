@@ -8,7 +8,6 @@ ratios stay meaningful where absolute times do not.
 from __future__ import annotations
 
 import json
-import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -21,6 +20,7 @@ import numpy as np
 from csa2onnx.export.bench import (
     BenchError,
     BenchOptions,
+    SideResult,
     bench_config,
     bench_inputs,
     bench_weights,
@@ -45,8 +45,12 @@ class SweepResult:
     state_bytes: dict[int, int]  # max_seq_len -> bytes held after the decode steps
     read_bandwidth: float
 
+    def steps(self, length: int) -> SideResult:
+        """One length's decode steps, with bench's median and p90."""
+        return SideResult(prefill_s=0.0, decode_ms=self.decode_ms[length], peak_rss_mib=0.0)
+
     def median(self, length: int) -> float:
-        return statistics.median(self.decode_ms[length])
+        return self.steps(length).decode_median_ms
 
     def table(self) -> str:
         o = self.options
@@ -64,9 +68,9 @@ class SweepResult:
                  f"{'max_seq_len':>12}{'median ms':>11}{'min ms':>9}{'p90 ms':>9}"
                  f"{'x ' + str(base):>12}{'state MiB':>11}"]
         for length in self.lengths:
-            steps = sorted(self.decode_ms[length])
-            p90 = steps[min(len(steps) - 1, int(0.9 * len(steps)))]
-            lines.append(f"{length:>12}{self.median(length):>11.1f}{steps[0]:>9.1f}{p90:>9.1f}"
+            side = self.steps(length)
+            lines.append(f"{length:>12}{side.decode_median_ms:>11.1f}{min(side.decode_ms):>9.1f}"
+                         f"{side.decode_p90_ms:>9.1f}"
                          f"{self.median(length) / self.median(base):>12.2f}"
                          f"{self.state_bytes[length] / 2**20:>11.2f}")
         return "\n".join(lines)
