@@ -76,20 +76,25 @@ def torch_topk(op: OpBuilder, x: ir.Value, k: ir.Value, *, largest: bool = True,
 
 
 def torch_linear(op: OpBuilder, x: ir.Value, w: ir.Value, *,
-                 panels: tuple[int, int] | None = None) -> ir.Value:
+                 panels: tuple[int, int] | None = None, rounded: bool = False) -> ir.Value:
     """float32 x @ W^T (W: [N, K], bfloat16 or float32) summed in torch CPU's order.
 
     `panels=(N, K)`: W is stored in the kernel's panels64 layout (custom_ops/weight_layout.py),
     which the kernel reads in place; not in a portable graph, whose MatMul body reads a plain
-    W. No rounding inside: round the result to bf16 where the reference does.
+    W. `rounded`: y through bfloat16 as a Cast pair would (the kernel fuses it; a portable
+    graph gets the Casts).
     """
-    if panels is None:
-        return _csa(op).TorchLinear(x, w)
     if is_portable(op):
-        raise ValueError("a portable graph takes plain [N, K] TorchLinear weights (its "
-                         "standard-op body is a MatMul), not panels64 ones")
-    n, k = panels
-    return _csa(op).TorchLinear(x, w, weight_layout="panels64", out_features=n, in_features=k)
+        if panels is not None:
+            raise ValueError("a portable graph takes plain [N, K] TorchLinear weights (its "
+                             "standard-op body is a MatMul), not panels64 ones")
+        y = _csa(op).TorchLinear(x, w)
+        return op.Cast(op.Cast(y, to=ir.DataType.BFLOAT16), to=ir.DataType.FLOAT) if rounded else y
+    attributes: dict[str, int | str] = {"round_output": 1} if rounded else {}
+    if panels is not None:
+        n, k = panels
+        attributes |= {"weight_layout": "panels64", "out_features": n, "in_features": k}
+    return _csa(op).TorchLinear(x, w, **attributes)
 
 
 def fp8_linear(op: OpBuilder, x: ir.Value, w: ir.Value, w_scale: ir.Value) -> ir.Value:

@@ -248,7 +248,8 @@ SIGNATURES: tuple[OpSignature, ...] = (
         (Param("X", _FLOAT), Param("W", "TW")), (Param("Y", _FLOAT),),
         _infer_torch_linear, (("TW", _W_TYPES),),
         (Attribute("weight_layout", _Attr.STRING, default="plain"),
-         Attribute("out_features", _Attr.INT), Attribute("in_features", _Attr.INT))),
+         Attribute("out_features", _Attr.INT), Attribute("in_features", _Attr.INT),
+         Attribute("round_output", _Attr.INT, default=0))),
     OpSignature(
         "Fp8Linear", "act_quant fused with the block-scaled e4m3 GEMM (reference.md).",
         (Param("X", _FLOAT), Param("W", "tensor(float8e4m3fn)"), Param("WScale", _FLOAT)),

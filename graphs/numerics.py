@@ -65,8 +65,7 @@ class Linear(nn.Module):
 
     def forward(self, op: OpBuilder, x: ir.Value) -> ir.Value:
         panels = (self.out_features, self.in_features) if self.packed else None
-        y = torch_linear(op, x, self.weight, panels=panels)
-        return round_bf16(op, y) if self.rounded else y
+        return torch_linear(op, x, self.weight, panels=panels, rounded=self.rounded)
 
 
 @dataclass(frozen=True)

@@ -895,3 +895,47 @@ def test_panels64_bad_shapes_and_attributes_are_clear_errors() -> None:
                 "X": ort.OrtValue.ortvalue_from_numpy(np.ones(x_shape, np.float32)),
                 "W": ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
                     np.ascontiguousarray(w_value).view(np.uint16), bf16)})
+
+
+# ------------------------------------------------------------ round_output (fused Casts)
+def cast_pair(y: np.ndarray) -> np.ndarray:
+    """onnxruntime's Cast float -> bfloat16 -> float of y, run by onnxruntime itself."""
+    nodes = [helper.make_node("Cast", ["Y"], ["B"], to=TensorProto.BFLOAT16),
+             helper.make_node("Cast", ["B"], ["Z"], to=TensorProto.FLOAT)]
+    graph = helper.make_graph(nodes, "casts",
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)],
+                              [helper.make_tensor_value_info("Z", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    return ort.InferenceSession(model.SerializeToString()).run(None, {"Y": y})[0]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("w_type", ["bf16", "f32"])
+def test_round_output_is_the_cast_pair_on_every_path(isa: str, w_type: str) -> None:
+    rng = np.random.default_rng(47)
+    n, k = 130, 96
+    w = bf16_round(rng.standard_normal((n, k)).astype(np.float32))
+    plain = panels_model(w, w_type)
+    rounded = panels_model(w, w_type, attrs={"weight_layout": "panels64", "out_features": n,
+                                             "in_features": k, "round_output": 1})
+    try:
+        sessions = [session_for(m, isa) for m in (plain, rounded)]
+    except Errors as e:
+        assert "does not support it" in str(e)
+        pytest.skip(f"this CPU has no {isa} path")
+    for m in (1, 7, 100):
+        x = bf16_round(rng.standard_normal((m, k)).astype(np.float32))
+        x[0, :3] = [np.inf, 0.0, 1.0] if m > 1 else x[0, :3]  # inf and NaN outputs too
+        x[-1, 5] = np.nan if m > 1 else x[-1, 5]
+        unrounded, got = (s.run(None, {"X": x})[0] for s in sessions)
+        assert not np.array_equal(bits(unrounded), bits(cast_pair(unrounded)))
+        np.testing.assert_array_equal(bits(got), bits(cast_pair(unrounded)),
+                                      err_msg=f"{isa} {w_type} M={m}")
+
+
+def test_round_output_must_be_0_or_1() -> None:
+    w = np.ones((4, 8), np.float32)
+    model = panels_model(w, "f32", attrs={"weight_layout": "panels64", "out_features": 4,
+                                          "in_features": 8, "round_output": 2})
+    with pytest.raises(Errors, match="round_output must be 0 or 1, got 2"):
+        session_for(model)

@@ -37,6 +37,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "ort_cast.h"
 #include "packed_quant.h"
 #include "simd.h"
 #include "sparse_attention_tiled.h"
@@ -68,19 +69,7 @@ struct Problem {
 };
 
 // ---------------------------------------------------------------- scalar definition
-// onnxruntime's Cast float -> bfloat16 -> float.
-inline float cast_bf16(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) {
-    u = (u & 0x80000000u) | 0x7fc00000u;
-  } else {
-    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-  }
-  float y;
-  std::memcpy(&y, &u, sizeof y);
-  return y;
-}
+using ort_cast::cast_bf16;  // onnxruntime's Cast float -> bfloat16 -> float
 
 inline float relu(float x) { return x < 0.0f ? 0.0f : x; }
 
@@ -181,17 +170,7 @@ struct Ops<tv::VAvx512> {
     const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
     return _mm512_mask_mov_ps(x, neg, _mm512_setzero_ps());
   }
-  CSA_TARGET_AVX512 static inline T cast_bf16(T x) {
-    const __m512i u = _mm512_castps_si512(x);
-    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    const __m512i odd =
-        _mm512_and_si512(_mm512_maskz_srli_epi32(0xffff, u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
-    r = _mm512_and_si512(r, _mm512_set1_epi32(~0xffff));
-    const __m512i quiet = _mm512_or_si512(_mm512_and_si512(u, _mm512_set1_epi32(INT32_MIN)),
-                                          _mm512_set1_epi32(0x7fc00000));
-    return _mm512_castsi512_ps(_mm512_mask_mov_epi32(r, nan, quiet));
-  }
+  CSA_TARGET_AVX512 static inline T cast_bf16(T x) { return ort_cast::cast_bf16(x); }
 };
 
 template <>
@@ -201,16 +180,7 @@ struct Ops<tv::VAvx2> {
     const __m256 neg = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
     return _mm256_andnot_ps(neg, x);
   }
-  CSA_TARGET_AVX2 static inline T cast_bf16(T x) {
-    const __m256i u = _mm256_castps_si256(x);
-    const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
-    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
-    r = _mm256_and_si256(r, _mm256_set1_epi32(~0xffff));
-    const __m256i quiet = _mm256_or_si256(_mm256_and_si256(u, _mm256_set1_epi32(INT32_MIN)),
-                                          _mm256_set1_epi32(0x7fc00000));
-    return _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(quiet), nan);
-  }
+  CSA_TARGET_AVX2 static inline T cast_bf16(T x) { return ort_cast::cast_bf16(x); }
 };
 #endif
 

@@ -2,7 +2,8 @@
 // 2.13 CPU's F.linear uses (torch_linear.h), so that Y matches the reference bit for bit
 // where MLAS's MatMul would differ in the last bit of ~0.01% of the outputs.
 // Inputs X (float, [..., K], rank >= 1) and W (float or bfloat16); output Y (float,
-// [..., N]); no rounding to bf16 inside (the graph rounds where the reference does).
+// [..., N]). Attribute round_output (int, default 0): 1 rounds Y through bfloat16 as the
+// graph's Cast pair would (ort_cast.h), where the reference rounds the linear's output.
 //
 // The kernels read W in panels of 64 columns: float W as [K][64], bf16 W as [ceil(K/2)][64]
 // k-pairs (w[k] | w[k+1] << 16, the layout vdpbf16ps reads; the fmaf tiles widen a pair
@@ -54,6 +55,7 @@
 #endif
 
 #include "kernel_support.h"
+#include "ort_cast.h"
 #include "torch_linear.h"
 #include "torch_linear_op.h"
 #include "simd.h"
@@ -309,6 +311,7 @@ struct Job {
   float* y;
   int64_t M, N, K, pairs;
   int64_t rows_per_task, row_blocks, n_panels;
+  bool round_output;  // Y through bfloat16 (the graph's Cast pair, fused)
 };
 
 // A task's panel and rows; its tile writes them to a buffer that goes to Y at the end.
@@ -325,9 +328,15 @@ CSA_INLINE TaskRows task_rows(const Job& j, size_t task) {
 CSA_INLINE void store_rows(const Job& j, const TaskRows& tr, const float* buf) {
   const int64_t n0 = tr.panel * kPanel;
   const int64_t cols = j.N - n0 < kPanel ? j.N - n0 : kPanel;
-  for (int64_t r = 0; r < tr.rows; ++r)
-    std::memcpy(j.y + (tr.m0 + r) * j.N + n0, buf + r * kPanel,
-                static_cast<size_t>(cols) * sizeof(float));
+  for (int64_t r = 0; r < tr.rows; ++r) {
+    float* y = j.y + (tr.m0 + r) * j.N + n0;
+    const float* b = buf + r * kPanel;
+    if (j.round_output) {
+      for (int64_t c = 0; c < cols; ++c) y[c] = ort_cast::cast_bf16(b[c]);
+    } else {
+      std::memcpy(y, b, static_cast<size_t>(cols) * sizeof(float));
+    }
+  }
 }
 
 template <bool kPairs, int MR, int NT>
@@ -586,6 +595,7 @@ Isa select_isa() {
 struct LinearAttributes {
   Layout layout = Layout::kPlain;
   int64_t n = 0, k = 0;  // panels64: out_features (N) and in_features (K)
+  bool round_output = false;
 
   explicit LinearAttributes(const OrtKernelInfo* info) {
     const std::string name =
@@ -594,6 +604,10 @@ struct LinearAttributes {
         optional_attribute<int64_t>(info, kOp, "out_features", "an int");
     const std::optional<int64_t> in_features =
         optional_attribute<int64_t>(info, kOp, "in_features", "an int");
+    const int64_t round = optional_attribute<int64_t>(info, kOp, "round_output", "an int").value_or(0);
+    if (round != 0 && round != 1)
+      fail(kOp, "round_output must be 0 or 1, got " + std::to_string(round));
+    round_output = round == 1;
     const bool has_n = out_features.has_value(), has_k = in_features.has_value();
     n = out_features.value_or(0);
     k = in_features.value_or(0);
@@ -725,8 +739,10 @@ struct TorchLinearKernel {
           unpack_column(wd, n, K, column.data());
           wn = column.data();
         }
-        for (int64_t m = 0; m < M; ++m)
-          out[m * N + n] = torch_linear::reference_dot(plan, xd + m * K, wn, K);
+        for (int64_t m = 0; m < M; ++m) {
+          const float v = torch_linear::reference_dot(plan, xd + m * K, wn, K);
+          out[m * N + n] = attrs.round_output ? ort_cast::cast_bf16(v) : v;
+        }
       }
       return;
     }
@@ -742,7 +758,8 @@ struct TorchLinearKernel {
     }
     const void* panels = in_panels ? static_cast<const void*>(wd) : packed->data.data();
     Job job{plan, xd, nullptr, panels, out, M, N, K, (K + 1) / 2,
-            kMaxRows, (M + kMaxRows - 1) / kMaxRows, (N + kPanel - 1) / kPanel};
+            kMaxRows, (M + kMaxRows - 1) / kMaxRows, (N + kPanel - 1) / kPanel,
+            attrs.round_output};
     struct Call {
       const Job* job;
       void (*task)(const Job&, size_t, bool);
