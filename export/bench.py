@@ -274,8 +274,10 @@ def outside_slots(runtime: AttentionRuntime, config: AttentionConfig,
     return {"index_k": np.zeros((batch, 0, row_bytes), np.uint8)}
 
 
-def run_bench(opts: BenchOptions,
-              progress: Callable[[str], None] | None = None) -> BenchResult:
+def run_bench(opts: BenchOptions, progress: Callable[[str], None] | None = None,
+              weights: dict[int, LayerWeights] | None = None) -> BenchResult:
+    """One benchmark; `weights` (the layers' tensors, as bench_weights gives them) lets a
+    caller that runs several reuse one set."""
     config = bench_config(opts)
     first, last = opts.layers or (0, config.n_layers - 1)
     plan = plan_stack(config, first, last)
@@ -288,8 +290,9 @@ def run_bench(opts: BenchOptions,
                          f"max_seq_len {config.max_seq_len}")
     layers = [p.layer for p in plan.layers]
     say = progress or (lambda text: None)
-    say("weights")
-    weights = bench_weights(opts, config, plan)
+    if weights is None:
+        say("weights")
+        weights = bench_weights(opts, config, plan)
     weight_bytes = sum(a.nbytes for w in weights.values() for a in w.values())
     with tempfile.TemporaryDirectory(prefix="csa2onnx-bench-") as tmp:
         say("export")

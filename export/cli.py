@@ -95,6 +95,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from csa2onnx.export.bench import BenchOptions, run_bench, to_json
+    from csa2onnx.export.bench_matrix import run_matrix
     from csa2onnx.export.bench_sweep import run_sweep
 
     source = args.source
@@ -104,11 +105,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                else f"random-{config.weight_format}")
     n_layers = config.n_layers
     lengths = args.max_seq_len or []
+    contexts = args.context or []
+    matrix = max(len(args.prefill), len(args.batch), len(args.threads), len(contexts)) > 1
+    if matrix and len(lengths) > 1:
+        raise ValueError("bench takes several values of --prefill/--batch/--threads/--context "
+                         "(a matrix) or of --max-seq-len (a sweep), not both")
     opts = BenchOptions(source=source, layers=_layer_range(args.layers, n_layers) if args.layers
-                        else None, weights=weights, prefill=args.prefill, context=args.context,
+                        else None, weights=weights, prefill=args.prefill[0],
+                        context=None if matrix or not contexts else contexts[0],
                         decode=args.decode,
-                        batch=args.batch, max_seq_len=lengths[0] if lengths else None,
-                        threads=args.threads,
+                        batch=args.batch[0], max_seq_len=lengths[0] if lengths else None,
+                        threads=args.threads[0],
                         seed=args.seed, baseline=args.baseline, upstream=args.upstream,
                         state=args.state, share_weights=not args.separate_weights,
                         prefill_arena=args.prefill_arena)
@@ -118,6 +125,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if live:
             print(f"\r\033[K  bench: {stage}", end="", file=sys.stderr, flush=True)
 
+    if matrix:
+        table = run_matrix(opts, args.prefill, args.batch, args.threads, contexts, progress)
+        if live:
+            print("\r\033[K", end="", file=sys.stderr)
+        print(table.to_json() if args.json else table.table())
+        return 0
     if len(lengths) > 1:
         sweep = run_sweep(opts, lengths, progress)
         if live:
@@ -132,7 +145,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _lengths(text: str) -> list[int]:
-    """--max-seq-len: one length, or several separated by commas (a sweep)."""
+    """One positive integer, or several separated by commas (a sweep or a matrix)."""
     try:
         lengths = [int(part) for part in text.split(",")]
     except ValueError:
@@ -199,17 +212,20 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--weights", help="random-bf16 | random-fp8 | a model folder (default: the "
                                      "folder's own weights, or random weights in the "
                                      "config's precision)")
-    b.add_argument("--prefill", type=int, default=256,
-                   help="prefill tokens, per call when --context is larger (default 256)")
-    b.add_argument("--context", type=int,
+    b.add_argument("--prefill", type=_lengths, default=[256],
+                   help="prefill tokens, per call when --context is larger (default 256); "
+                        "several separated by commas: a matrix of scenarios (README)")
+    b.add_argument("--context", type=_lengths,
                    help="tokens before decoding, reached by chunked prefill in calls of "
-                        "--prefill tokens (default: --prefill)")
+                        "--prefill tokens (default: --prefill); in a matrix, extra decode "
+                        "scenarios at these contexts")
     b.add_argument("--decode", type=int, default=16, help="decode steps (default 16)")
-    b.add_argument("--batch", type=int, default=1)
+    b.add_argument("--batch", type=_lengths, default=[1], help="batch size(s)")
     b.add_argument("--max-seq-len", type=_lengths,
                    help="the config's max_seq_len, or several separated by commas: decode "
                         "steps at each taken in turn, to compare them")
-    b.add_argument("--threads", type=int, default=2, help="intra-op threads, both sides")
+    b.add_argument("--threads", type=_lengths, default=[2],
+                   help="intra-op threads, both sides (several: a matrix)")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--baseline", choices=["upstream"],
                    help="also run the upstream PyTorch reference on the same weights/inputs")

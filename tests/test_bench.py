@@ -78,3 +78,30 @@ def test_bench_rejects_a_malformed_max_seq_len(capsys) -> None:
     with pytest.raises(SystemExit):
         main(["bench", str(GOLDENS / "case1_r2_r1.json"), "--max-seq-len", "8k"])
     assert "integers separated by commas" in capsys.readouterr().err
+
+
+def test_bench_matrix_runs_every_scenario(capsys) -> None:
+    """Several --prefill/--batch/--threads and a long --context: one row per scenario."""
+    assert main(["bench", str(GOLDENS / "case1_r2_r1.json"), "--layers", "0-3", "--prefill",
+                 "8,12", "--batch", "1,2", "--threads", "1", "--context", "30",
+                 "--decode", "2"]) == 0
+    table = capsys.readouterr().out
+    rows = [line.split() for line in table.splitlines() if line[:7].strip() == "1"]
+    assert [(int(r[1]), int(r[2])) for r in rows] == [(1, 8), (1, 12), (2, 8), (2, 12),
+                                                       (1, 30), (2, 30)]
+    assert "(3 calls)" in table and "read bandwidth: 1 threads" in table
+    assert "upstream" not in table.splitlines()[4]  # no baseline asked: no upstream columns
+
+
+def test_bench_matrix_json_and_errors(capsys) -> None:
+    assert main(["bench", str(GOLDENS / "case1_r2_r1.json"), "--layers", "0-3", "--prefill",
+                 "8", "--threads", "1,2", "--decode", "1", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [r["scenario"]["threads"] for r in data["rows"]] == [1, 2]
+    assert all(r["result"]["ours"]["decode_median_ms"] > 0 for r in data["rows"])
+    assert main(["bench", str(GOLDENS / "case1_r2_r1.json"), "--prefill", "8,16",
+                 "--context", "12"]) == 2
+    assert "longer than every --prefill (the largest is 16), got 12" in capsys.readouterr().err
+    assert main(["bench", str(GOLDENS / "case1_r2_r1.json"), "--batch", "1,2",
+                 "--max-seq-len", "64,128"]) == 2
+    assert "not both" in capsys.readouterr().err

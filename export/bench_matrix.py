@@ -1,0 +1,133 @@
+"""`csa2onnx bench` with several values of --prefill, --batch, --threads or --context: every
+scenario in one run and one table, on one set of weights.
+
+Scenarios: each prefill length with each batch and thread count (decoding right after it),
+then each --context longer than every prefill length, reached by chunked prefill in calls of
+the largest one (a decode step at a long context). Each scenario is one `run_bench`: a fresh
+export and session, and, with --baseline upstream, upstream's layers on the same weights and
+inputs in the same process, run right after ours.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from itertools import product
+
+from csa2onnx.export.bench import (
+    BenchError,
+    BenchOptions,
+    BenchResult,
+    bench_config,
+    bench_weights,
+    machine_info,
+    run_bench,
+    to_json,
+)
+from csa2onnx.export.plan import plan_stack
+
+
+@dataclass(frozen=True)
+class Scenario:
+    threads: int
+    batch: int
+    prefill: int  # tokens per prefill call
+    context: int  # tokens before decoding
+
+    @property
+    def label(self) -> str:
+        calls = -(-self.context // self.prefill)
+        chunked = f" ({calls} calls)" if self.context > self.prefill else ""
+        return f"{self.threads:>7}{self.batch:>6}{self.context:>8}{chunked:<13}"
+
+
+def scenarios(prefills: list[int], batches: list[int], threads: list[int],
+              contexts: list[int]) -> list[Scenario]:
+    longest = max(prefills)
+    for c in contexts:
+        if c <= longest:
+            raise BenchError(f"a --context of a bench matrix must be longer than every "
+                             f"--prefill (the largest is {longest}), got {c}")
+    out = [Scenario(t, b, p, p) for t, b, p in product(threads, batches, prefills)]
+    out += [Scenario(t, b, longest, c) for t, b, c in product(threads, batches, contexts)]
+    return out
+
+
+@dataclass
+class MatrixResult:
+    options: dict
+    machine: dict
+    rows: list[tuple[Scenario, BenchResult]]
+
+    def table(self) -> str:
+        first = self.rows[0][1]
+        upstream = first.upstream is not None
+        bandwidth = {s.threads: r.read_bandwidth for s, r in self.rows}
+        lines = [f"csa2onnx bench matrix: layers {first.layers[0]}..{first.layers[-1]}, "
+                 f"{first.weight_format} weights ({first.weight_bytes / 2**20:.1f} MiB), "
+                 f"{self.options['decode']} decode steps per scenario"
+                 + (", upstream beside (same process, same weights and inputs)"
+                    if upstream else ""),
+                 f"machine: {self.machine['cpu']} ({', '.join(self.machine['isa'])}), "
+                 f"{self.machine['cores']} cores; onnxruntime {self.machine['onnxruntime']}"
+                 + (f", torch {self.machine['torch']}" if "torch" in self.machine else ""),
+                 "read bandwidth: " + ", ".join(f"{t} threads {bw / 1e9:.1f} GB/s"
+                                                for t, bw in sorted(bandwidth.items())),
+                 "", f"{'threads':>7}{'batch':>6}{'context':>8}{'':<13}"
+                 f"{'prefill s':>10}" + (f"{'upstream':>10}{'x up':>7}" if upstream else "")
+                 + f"{'decode ms':>10}" + (f"{'upstream':>10}{'x up':>7}" if upstream else "")
+                 + f"{'limit ms':>9}{'x limit':>8}{'held MiB':>9}"
+                 + (f"{'upstream':>9}" if upstream else "")]
+        for s, r in self.rows:
+            o, u = r.ours, r.upstream
+            line = s.label + f"{o.prefill_s:>10.3f}"
+            if u is not None:  # upstream prefills one call (the first chunk) of a context
+                line += (f"{u.prefill_s:>10.3f}{o.prefill_s / u.prefill_s:>7.2f}"
+                         if s.context == s.prefill else f"{'':>10}{'':>7}")
+            decode = o.decode_median_ms
+            line += f"{decode:>10.1f}"
+            if u is not None:
+                line += f"{u.decode_median_ms:>10.1f}{decode / u.decode_median_ms:>7.2f}"
+            limit = r.weight_read_limit_ms
+            line += f"{limit:>9.1f}{decode / limit:>8.2f}{o.held_mib:>9.0f}"
+            if u is not None:
+                line += f"{u.held_mib:>9.0f}"
+            lines.append(line)
+        lines.append("x up: csa2onnx's time / upstream's (below 1: csa2onnx is faster); x limit: "
+                     "decode median / (weight bytes / read bandwidth at that thread count); "
+                     "held: resident memory a side added from its setup to the end of its run; "
+                     "a chunked context's prefill s is all its calls (upstream's column then "
+                     "blank: it prefills one call and decodes past it)")
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        return json.dumps({"options": self.options, "machine": self.machine,
+                           "rows": [{"scenario": asdict(s), "result": json.loads(to_json(r))}
+                                    for s, r in self.rows]}, indent=1)
+
+
+def run_matrix(opts: BenchOptions, prefills: list[int], batches: list[int],
+               threads: list[int], contexts: list[int],
+               progress: Callable[[str], None] | None = None) -> MatrixResult:
+    say = progress or (lambda text: None)
+    todo = scenarios(prefills, batches, threads, contexts)
+    config = bench_config(opts)
+    first, last = opts.layers or (0, config.n_layers - 1)
+    say("weights")
+    weights = bench_weights(opts, config, plan_stack(config, first, last))  # no batch in them
+    rows = []
+    machine = machine_info()
+    for i, s in enumerate(todo):
+        def step(text: str, i: int = i) -> None:
+            say(f"scenario {i + 1}/{len(todo)}: {text}")
+
+        result = run_bench(replace(opts, threads=s.threads, batch=s.batch, prefill=s.prefill,
+                                   context=s.context), step, weights)
+        machine |= result.machine
+        rows.append((s, result))
+    return MatrixResult(options=asdict(opts) | {"source": str(opts.source),
+                                                "upstream": str(opts.upstream),
+                                                "prefills": prefills, "batches": batches,
+                                                "threads": threads, "contexts": contexts},
+                        machine=machine, rows=rows)
