@@ -70,7 +70,7 @@ class SideResult:
 
     prefill_s: float
     decode_ms: list[float]
-    peak_rss_mib: float  # the process's high-water mark when this side finished
+    peak_rss_mib: float  # the process's high-water mark during this side (reset before it)
     held_mib: float = 0.0  # resident memory this side added (setup to end of its run)
     loaded_mib: float = 0.0  # resident memory its setup added (sessions / layers built)
     setup_s: float = 0.0  # csa2onnx: session creation; upstream: building the layers
@@ -100,6 +100,7 @@ class BenchResult:
     read_bandwidth: float = 0.0  # bytes/s this machine reads at the bench's thread count
     upstream: SideResult | None = None
     agreement: dict[str, float] = field(default_factory=dict)
+    separate_peaks: bool = False  # each side's peak RSS is its own (reset before it)
 
     @property
     def context(self) -> int:
@@ -168,7 +169,9 @@ class BenchResult:
         if u:
             lines.append("ratio > 1: csa2onnx is faster (or smaller). memory held: resident "
                          "memory a side added from its setup to the end of its run; peak RSS "
-                         "is the process's (upstream's includes csa2onnx's run before it)")
+                         + ("is the process's high-water mark during each side (both hold "
+                            "the bench's copy of the weights)" if self.separate_peaks else
+                            "is the process's (upstream's includes csa2onnx's run before it)"))
         if self.agreement:
             lines.append("out agreement with upstream (bf16-identical fraction, max |diff|): "
                          + ", ".join(f"{k} {v:.4g}" for k, v in self.agreement.items()))
@@ -216,7 +219,23 @@ def read_bandwidth(threads: int, mib: int = 512, repeat: int = 5) -> float:
     return x.nbytes / best
 
 
+def reset_peak_rss() -> bool:
+    """Starts a new high-water mark (Linux: clear_refs 5 resets VmHWM), so that each side's
+    peak is its own; False where the system does not allow it (peaks then accumulate)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
 def peak_rss_mib() -> float:
+    """The process's resident high-water mark since the last reset_peak_rss (VmHWM), MiB."""
+    status = Path("/proc/self/status")
+    if status.is_file():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
@@ -300,6 +319,7 @@ def run_bench(opts: BenchOptions, progress: Callable[[str], None] | None = None,
         export_stack(plan, weights, Path(tmp))
         export_s = time.perf_counter() - t0
         say("sessions")
+        peaks_reset = reset_peak_rss()
         rss_before = rss_mib()
         t0 = time.perf_counter()
         if opts.state not in ("grow", "full", "copy"):
@@ -324,7 +344,8 @@ def run_bench(opts: BenchOptions, progress: Callable[[str], None] | None = None,
                          machine=machine, layers=layers, weight_format=config.weight_format,
                          weight_bytes=weight_bytes, state_bytes=state_bytes,
                          export_s=export_s, ours=ours,
-                         read_bandwidth=read_bandwidth(opts.threads))
+                         read_bandwidth=read_bandwidth(opts.threads),
+                         separate_peaks=peaks_reset)
     if opts.baseline == "upstream":
         say("upstream")
         result.upstream, out_theirs, torch_version = _run_upstream(opts, config, layers,
@@ -400,6 +421,7 @@ def _torch_tensor(array: np.ndarray):
 def _run_upstream(opts: BenchOptions, config: AttentionConfig, layers: list[int],
                   weights: dict[int, LayerWeights], say: Callable[[str], None]
                   ) -> tuple[SideResult, dict[str, np.ndarray], str]:
+    reset_peak_rss()
     rss_before = rss_mib()
     mod = load_upstream(opts.upstream)
     import torch

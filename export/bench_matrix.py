@@ -77,7 +77,7 @@ class MatrixResult:
                  "", f"{'threads':>7}{'batch':>6}{'context':>8}{'':<13}"
                  f"{'prefill s':>10}" + (f"{'upstream':>10}{'x up':>7}" if upstream else "")
                  + f"{'decode ms':>10}" + (f"{'upstream':>10}{'x up':>7}" if upstream else "")
-                 + f"{'limit ms':>9}{'x limit':>8}{'held MiB':>9}"
+                 + f"{'limit ms':>9}{'x limit':>8}{'peak MiB':>9}"
                  + (f"{'upstream':>9}" if upstream else "")]
         for s, r in self.rows:
             o, u = r.ours, r.upstream
@@ -90,13 +90,16 @@ class MatrixResult:
             if u is not None:
                 line += f"{u.decode_median_ms:>10.1f}{decode / u.decode_median_ms:>7.2f}"
             limit = r.weight_read_limit_ms
-            line += f"{limit:>9.1f}{decode / limit:>8.2f}{o.held_mib:>9.0f}"
+            line += f"{limit:>9.1f}{decode / limit:>8.2f}{o.peak_rss_mib:>9.0f}"
             if u is not None:
-                line += f"{u.held_mib:>9.0f}"
+                line += f"{u.peak_rss_mib:>9.0f}"
             lines.append(line)
         lines.append("x up: csa2onnx's time / upstream's (below 1: csa2onnx is faster); x limit: "
                      "decode median / (weight bytes / read bandwidth at that thread count); "
-                     "held: resident memory a side added from its setup to the end of its run; "
+                     "peak: the process's resident high-water mark during each side's run "
+                     "(each holds the bench's copy of the weights"
+                     + ("" if first.separate_peaks else "; not reset between sides here")
+                     + "); "
                      "a chunked context's prefill s is all its calls (upstream's column then "
                      "blank: it prefills one call and decodes past it)")
         return "\n".join(lines)
