@@ -544,7 +544,8 @@ struct Scratch {
   std::vector<float> g, out, f;
   std::vector<uint8_t> flags;
   std::vector<uint64_t> masks;
-  std::vector<int32_t> sums;
+  std::vector<int32_t> sums, tsum;
+  std::vector<int16_t> xp;
   Overrides ov;
 
   template <typename T>
@@ -562,9 +563,9 @@ void run_task(const Call& c, int64_t task) {
   const int64_t rows = xc.rows - r0 < kTaskRows ? xc.rows - r0 : kTaskRows;
   const int64_t rows16 = (rows + kLanes - 1) / kLanes * kLanes;
   thread_local Scratch scratch;
-  int16_t* pw = Scratch::at_least(scratch.pw, static_cast<size_t>(kPanelInts));
   const bool small = rows <= kSmallRows && c.kern.dot_small != nullptr;
   const int64_t chunk = small ? kSmallChunkKb : kChunkKb;  // K blocks a step
+  int16_t* pw = Scratch::at_least(scratch.pw, static_cast<size_t>(chunk * kPairs * kPanel * 2));
   float* g = Scratch::at_least(scratch.g, static_cast<size_t>(chunk * kPanel));
   float* out = Scratch::at_least(scratch.out, static_cast<size_t>(rows * kPanel));
   float* f = Scratch::at_least(scratch.f, static_cast<size_t>(rows16));
@@ -573,6 +574,10 @@ void run_task(const Call& c, int64_t task) {
   int32_t* sums =
       small ? Scratch::at_least(scratch.sums, static_cast<size_t>(chunk * kGroups * rows * kLanes))
             : nullptr;
+  int16_t* xp = small ? Scratch::at_least(scratch.xp, static_cast<size_t>(rows * kMaxChunkKb * kBlock))
+                      : nullptr;
+  int32_t* tsum =
+      small ? Scratch::at_least(scratch.tsum, static_cast<size_t>(rows * kPanel * kTsumLd)) : nullptr;
   Overrides& ov = scratch.ov;
   uint64_t lane_sums = 0, row_sums = 0, wide_sums = 0;
   std::memset(out, 0, static_cast<size_t>(rows * kPanel) * sizeof(float));
@@ -608,7 +613,7 @@ void run_task(const Call& c, int64_t task) {
       uint8_t keep_pw[kMaxChunkKb * kGroups];
       for (int64_t kbi = 0; kbi < kMaxChunkKb; ++kbi)
         for (int64_t gi = 0; gi < kGroups; ++gi) keep_pw[kbi * kGroups + gi] = (any[kbi] >> gi) & 1u;
-      c.kern.dot_small({wv, panel, kb0, kbs, xc.xi.data() + r0 * c.K, c.K, rows, keep_pw, pw, g, sums});
+      c.kern.dot_small({wv, panel, kb0, kbs, xc.xi.data() + r0 * c.K, c.K, rows, keep_pw, pw, g, sums, xp, tsum});
     } else {
       c.kern.pack({wv, panel, kb0, kbs, pw, g});
     }
