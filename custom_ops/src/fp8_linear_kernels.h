@@ -56,6 +56,7 @@ struct WView {
   int64_t groups;          // ceil(N / 16)
   const uint8_t* shift;    // [KB][groups * 16]: t of each (column, block)
   const uint16_t* bad;     // [groups][KB]: lanes whose block is not int16
+  const uint8_t* shift_rows;  // [N][KB + 16]: t of each (column, block), a column in a row
 };
 
 struct PackJob {
@@ -65,9 +66,10 @@ struct PackJob {
   float* g;      // [kbs][kPanel]
 };
 
-// Few rows (decode): the pairs go straight from the conversion into vpdpwssd, and the int32
-// sums are stored for the epilogue (after the slots are filled); a group's pairs are stored
-// too where a flagged row needs them (row_patch).
+// Few rows (decode): the pairs go straight from the conversion into vpdpwssd (one row of X:
+// W's rows in order, lanes over k; more: 16 columns at a time), and the int32 sums are
+// stored for the epilogue (after the slots are filled); a group's pairs are stored too
+// where a flagged row needs them (row_patch).
 struct SmallJob {
   WView w;
   int64_t panel, kb0, kbs;
@@ -77,8 +79,8 @@ struct SmallJob {
   int16_t* pw;
   float* g;
   int32_t* sums;              // [kbs][kGroups][rows][16]
-  int16_t* xp;                // scratch: [rows][kMaxChunkKb * 32] (X's pairs in unpack order)
-  int32_t* tsum;              // scratch: [rows][kPanel][kMaxChunkKb] (sums, lanes over k)
+  int16_t* xp;                // one row: scratch [kMaxChunkKb * 32] (X's pairs in unpack order)
+  int32_t* tsum;              // one row: scratch [kPanel][kTsumLd] (sums, lanes over k)
 };
 constexpr int64_t kSmallRows = 4;
 constexpr int64_t kPrefetchBytes = 16384;  // dot_small asks for W's codes this far ahead (L2)
@@ -690,6 +692,28 @@ struct StorePairs {
   }
 };
 
+// x's pair p of row m is read by the vpdpwssd itself, broadcast from memory ({1to16}): a
+// broadcast from a general register costs a shuffle, which this loop is short of.
+using Int16Pair = int32_t __attribute__((may_alias));  // two int16 of xi read as one
+
+template <int MR, bool kVnni, bool kStore>
+struct DotPairs {
+  __m512i (&acc)[MR];
+  const Int16Pair* x;  // row m's pairs at x + m * ldx
+  int64_t ldx;
+  int16_t* out;      // kStore: the pairs are stored here too
+  CSA_TARGET_AVX512 CSA_INLINE void operator()(int p, __m512i v) const {
+    for (int m = 0; m < MR; ++m) {
+      if (kVnni) {
+        asm("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc[m]) : "v"(v), "m"(x[m * ldx + p]));
+      } else {
+        acc[m] = _mm512_add_epi32(acc[m], _mm512_madd_epi16(_mm512_set1_epi32(x[m * ldx + p]), v));
+      }
+    }
+    if (kStore) _mm512_storeu_si512(out + p * kPanel * 2, v);
+  }
+};
+
 CSA_TARGET_AVX512_VBMI CSA_INLINE void pack_vbmi_body(const PackJob& j) {
   const GroupConverter conv{kPackTables, j.w};
   for (int64_t c = 0; c < kGroups; ++c) {  // as dot_small: a group's rows, then the next
@@ -703,7 +727,7 @@ CSA_TARGET_AVX512_VBMI CSA_INLINE void pack_vbmi_body(const PackJob& j) {
   }
 }
 
-// Few rows (decode), lanes over k: each W row's codes are read in order (one sequential
+// One row of X (decode), lanes over k: each W row's codes are read in order (one sequential
 // stream: the panel's rows follow each other), 64 codes (two K blocks) a zmm, converted to
 // int16 units >> t with the tables of the packing (no transpose), and multiplied with X's
 // row block by vpdpwssd, each int32 lane a partial sum of one block. Per row and 16 blocks,
@@ -782,7 +806,36 @@ CSA_TARGET_AVX512 CSA_INLINE __m512i block_sums16(const __m512i (&a)[8]) {
 }
 
 template <int MR, bool kVnni>
-CSA_TARGET_AVX512_VBMI __attribute__((noinline)) void dot_small_vbmi(const SmallJob& j) {
+CSA_TARGET_AVX512_VBMI __attribute__((noinline)) void dot_groups_vbmi(const SmallJob& j) {
+  const GroupConverter conv{kPackTables, j.w};
+  // one group's 16 rows through the chunk's blocks, then the next group: 16 sequential
+  // streams at a time for the prefetchers (not 64). Two or more rows of X: measured faster
+  // than dot_row_vbmi, whose per-row block sums (a tree per row) cost more than the
+  // transposes saved
+  for (int64_t c = 0; c < kGroups; ++c) {
+    for (int64_t kbi = 0; kbi < j.kbs; ++kbi) {
+      const int64_t kb = j.kb0 + kbi;
+      __m512i acc[MR];
+      for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_si512();
+      // X's int16 pairs (xi rows are K int16 values: K / 2 pairs)
+      const Int16Pair* x = reinterpret_cast<const Int16Pair*>(j.xi + kb * kBlock);
+      int16_t* out = j.pw + (kbi * kPairs * kPanel + c * kLanes) * 2;
+      const bool store = j.keep_pw[kbi * kGroups + c] != 0;
+      const int64_t n0 = j.panel * kPanel + c * kLanes;
+      float* g = j.g + kbi * kPanel + c * kLanes;
+      const bool any = store ? conv.run(n0, kb, g, DotPairs<MR, kVnni, true>{acc, x, j.K / 2, out})
+                             : conv.run(n0, kb, g, DotPairs<MR, kVnni, false>{acc, x, j.K / 2, nullptr});
+      if (!any && store)
+        for (int64_t p = 0; p < kPairs; ++p) _mm512_storeu_si512(out + p * kPanel * 2, _mm512_setzero_si512());
+      for (int m = 0; m < MR; ++m)
+        _mm512_storeu_si512(j.sums + ((kbi * kGroups + c) * j.rows + m) * kLanes, acc[m]);
+    }
+  }
+}
+
+template <bool kVnni>
+CSA_TARGET_AVX512_VBMI __attribute__((noinline)) void dot_row_vbmi(const SmallJob& j) {
+  constexpr int MR = 1;  // one row of X (more: dot_groups_vbmi)
   const PackTables& pt = kPackTables;
   const RowTables& rt = kRowTables;
   const int64_t pairs = (j.kbs + 1) / 2, ldx = kMaxChunkKb * kBlock;
@@ -814,20 +867,24 @@ CSA_TARGET_AVX512_VBMI __attribute__((noinline)) void dot_small_vbmi(const Small
     }
     const int64_t n = j.panel * kPanel + l;
     const uint8_t* row = j.w.w + n * j.w.K + j.kb0 * kBlock;
-    alignas(16) uint8_t base[kMaxChunkKb] = {};  // 11 + t of the row's blocks
-    for (int64_t kbi = 0; kbi < j.kbs; ++kbi)
-      base[kbi] = static_cast<uint8_t>(11 + j.w.shift[(j.kb0 + kbi) * g16 + n]);
+    const uint8_t* t_row = j.w.shift_rows + n * (j.w.KB + kLanes) + j.kb0;  // padded by 16
     const int64_t kbs = j.kbs;
     const int16_t* __restrict xp = j.xp;
     int32_t* __restrict tsm = ts;
     for (int64_t s = 0; s * 16 < kbs; ++s) {
-      const __m512i tv = _mm512_castsi128_si512(_mm_load_si128(reinterpret_cast<const __m128i*>(base + 16 * s)));
+      // 11 + t of the slice's blocks (past the chunk: any value, their codes are zero)
+      const __m512i tv = _mm512_castsi128_si512(_mm_add_epi8(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(t_row + 16 * s)), _mm_set1_epi8(11)));
       __m512i acc[MR][8];
 #pragma GCC unroll 8
       for (int p = 0; p < 8; ++p) {
         const int64_t q = 8 * s + p;
-        // past the chunk: zero codes (and X), so zero sums; the last pair may hold one block
-        const __mmask64 live = 2 * q + 2 <= kbs ? ~__mmask64{0} : (2 * q < kbs ? __mmask64{0xFFFFFFFFu} : 0);
+        if (q >= pairs) {  // past the chunk
+          for (int m = 0; m < MR; ++m) acc[m][p] = zero;
+          continue;
+        }
+        // the last pair may hold one block (the other: zero codes and X, zero sums)
+        const __mmask64 live = 2 * q + 2 <= kbs ? ~__mmask64{0} : __mmask64{0xFFFFFFFFu};
         _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchBytes + 64 * q), _MM_HINT_T1);
         const __m512i codes = _mm512_maskz_loadu_epi8(live, row + 64 * q);
         __m512i mv = _mm512_permutex2var_epi8(mant_lo, codes, mant_hi);
@@ -840,7 +897,7 @@ CSA_TARGET_AVX512_VBMI __attribute__((noinline)) void dot_small_vbmi(const Small
         const __m512i v1 = _mm512_srav_epi16(w1, _mm512_and_si512(w1, low4));
 #pragma GCC unroll 4
         for (int m = 0; m < MR; ++m) {
-          const int16_t* x = xp + m * ldx + 64 * (q < pairs ? q : 0);
+          const int16_t* x = xp + m * ldx + 64 * q;
           acc[m][p] = _mm512_madd_epi16(v0, _mm512_loadu_si512(x));
           CSA_DP16(kVnni, acc[m][p], v1, _mm512_loadu_si512(x + 32));
         }
@@ -892,10 +949,10 @@ CSA_TARGET_AVX512_VBMI __attribute__((noinline)) void dot_small_vbmi(const Small
 template <bool kVnni>
 CSA_TARGET_AVX512_VBMI CSA_INLINE void dot_small_body(const SmallJob& j) {
   switch (j.rows) {
-    case 1: dot_small_vbmi<1, kVnni>(j); break;
-    case 2: dot_small_vbmi<2, kVnni>(j); break;
-    case 3: dot_small_vbmi<3, kVnni>(j); break;
-    default: dot_small_vbmi<4, kVnni>(j); break;
+    case 1: dot_row_vbmi<kVnni>(j); break;
+    case 2: dot_groups_vbmi<2, kVnni>(j); break;
+    case 3: dot_groups_vbmi<3, kVnni>(j); break;
+    default: dot_groups_vbmi<4, kVnni>(j); break;
   }
 }
 
