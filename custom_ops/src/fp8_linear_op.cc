@@ -596,12 +596,14 @@ void run_task(const Call& c, int64_t task) {
     const int64_t kbs = c.KB - kb0 < chunk ? c.KB - kb0 : chunk;
 
     // the groups' figures and the flags of (row, block, group) whose int32 sums may overflow
-    uint32_t l1m[kMaxChunkKb * kGroups] = {}, amx[kMaxChunkKb * kGroups] = {};
+    // (the chunk's entries only: a chunk of few rows spans up to 256 blocks)
+    uint32_t l1m[kMaxChunkKb * kGroups], amx[kMaxChunkKb * kGroups];
     for (int64_t kbi = 0; kbi < kbs; ++kbi) {
       for (int64_t gi = 0; gi < kGroups; ++gi) {
         const int64_t grp = panel * kGroups + gi;
         const size_t at = static_cast<size_t>(kbi * kGroups + gi);
         ov.bad[at] = 0;
+        l1m[at] = amx[at] = 0;
         if (grp >= meta.groups) continue;
         const size_t m = static_cast<size_t>(grp * c.KB + kb0 + kbi);
         ov.bad[at] = meta.bad[m];
@@ -619,7 +621,7 @@ void run_task(const Call& c, int64_t task) {
     // need them)
     if (small) {
       uint8_t keep_pw[kMaxChunkKb * kGroups];
-      for (int64_t kbi = 0; kbi < kMaxChunkKb; ++kbi)
+      for (int64_t kbi = 0; kbi < kbs; ++kbi)
         for (int64_t gi = 0; gi < kGroups; ++gi) keep_pw[kbi * kGroups + gi] = (any[kbi] >> gi) & 1u;
       c.kern.dot_small({wv, panel, kb0, kbs, xc.xi.data() + r0 * c.K, c.K, rows, keep_pw, pw, g, sums, xp, tsum});
     } else {
@@ -634,10 +636,10 @@ void run_task(const Call& c, int64_t task) {
     // slot 0 is the dummy the others share (the tiles read it under an all-zero mask)
     Scratch::at_least(ov.pool, (slots + 1) * static_cast<size_t>(rows * kLanes));
     slots = 0;
-    for (int64_t kbi = 0; kbi < kMaxChunkKb; ++kbi) {
+    for (int64_t kbi = 0; kbi < kbs; ++kbi) {
       for (int64_t gi = 0; gi < kGroups; ++gi) {
         const size_t at = static_cast<size_t>(kbi * kGroups + gi);
-        const bool need = kbi < kbs && (ov.bad[at] != 0 || ((any[kbi] >> gi) & 1u));
+        const bool need = (ov.bad[at] != 0 || ((any[kbi] >> gi) & 1u));
         ov.slot[at] = ov.pool.data() + (need ? ++slots : 0) * static_cast<size_t>(rows * kLanes);
       }
     }
