@@ -21,8 +21,6 @@
 //   out = out + d * (xs * ws)  (as the definition: one rounding for the product, one for +).
 #pragma once
 
-
-
 #include <cstdint>
 #include <cstring>
 
@@ -727,20 +725,6 @@ CSA_TARGET_AVX512_VBMI CSA_INLINE void pack_vbmi_body(const PackJob& j) {
   }
 }
 
-// One row of X (decode), lanes over k: each W row's codes are read in order (one sequential
-// stream: the panel's rows follow each other), 64 codes (two K blocks) a zmm, converted to
-// int16 units >> t with the tables of the packing (no transpose), and multiplied with X's
-// row block by vpdpwssd, each int32 lane a partial sum of one block. Per row and 16 blocks,
-// an add/shuffle tree sums the 8 lanes of each block (exact: any order of an int32 sum whose
-// |terms| add up below 2^31, which the flags decide as for the tiles) into one zmm of 16
-// block sums; the sums are then stored per block with lanes over columns for the epilogue.
-// A zmm of codes c: bytes m = |mantissa| << 3 with the sign, count = (11 + t) - E saturated
-// at 0 (E is 255 for zero codes), then vpunpck{l,h}bw makes words w = (m << 8) | count with
-// count <= 14 (fp8_int_blocks.h), and w >> (w & 15) = units >> t exactly: (m << 8) is a
-// multiple of 2^count where units >> t is an integer, and count < 2^count adds nothing.
-// The unpacks take words 0-7 of each 128-bit lane into the first zmm, 8-15 into the second,
-// so X's pairs are stored in that order (xp). Lanes past N are 0; lanes that are not int16
-// (and NaN codes) give sums the epilogue does not read (their slot is taken).
 // tsum's row stride: not a power of two (the transposes' loads would share cache sets)
 constexpr int64_t kTsumLd = kMaxChunkKb + 16;
 
@@ -772,6 +756,7 @@ CSA_TARGET_AVX512 CSA_INLINE void transpose16(__m512i (&r)[16]) {
   }
 }
 
+// dot_row_vbmi's tables.
 struct RowTables {
   alignas(64) uint8_t expo[128];        // E of a nonzero code, 255 for zero (and NaN) codes
   alignas(64) uint8_t pair_base[8][64]; // vpermb index: block 2j's byte, then 2j + 1's
@@ -833,6 +818,21 @@ CSA_TARGET_AVX512_VBMI __attribute__((noinline)) void dot_groups_vbmi(const Smal
   }
 }
 
+// One row of X (decode), lanes over k: each W row's codes are read in order (one sequential
+// stream: the panel's rows follow each other), 64 codes (two K blocks) a zmm, converted to
+// int16 units >> t with the tables of the packing (no transpose), and multiplied with X's
+// row block by vpdpwssd, each int32 lane a partial sum of one block. Per row and 16 blocks,
+// an add/shuffle tree sums the 8 lanes of each block (exact: any order of an int32 sum whose
+// |terms| add up below 2^31, which the flags decide as for the tiles) into one zmm of 16
+// block sums; the sums are then stored per block with lanes over columns for the epilogue.
+// A zmm of codes c: bytes m = |mantissa| << 3 with the sign, count = (11 + t) - E saturated
+// at 0 (E is 255 for zero codes), then vpunpck{l,h}bw makes words w = (m << 8) | count with
+// count <= 14 (GroupConverter), and w >> (w & 15) = units >> t exactly: (m << 8) is a
+// multiple of 2^count where units >> t is an integer, and count < 2^count adds nothing.
+// The unpacks take words 0-7 of each 128-bit lane into the first zmm, 8-15 into the second,
+// so X's pairs are stored in that order (xp). Lanes past N are 0, NaN codes count 0 (their
+// columns are set to NaN at the end), and lanes that are not int16 give sums the epilogue
+// does not read (it takes their slot).
 template <bool kVnni>
 CSA_TARGET_AVX512_VBMI __attribute__((noinline)) void dot_row_vbmi(const SmallJob& j) {
   constexpr int MR = 1;  // one row of X (more: dot_groups_vbmi)
