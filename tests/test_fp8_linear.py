@@ -402,6 +402,52 @@ def test_each_exact_fallback_is_taken(fed_sessions, kind: str, count: str, m: in
         assert (grew["small_tasks"] > 0) == (m <= 4 and isa == "avx512" and HAS_VBMI), (isa, grew)
 
 
+# The few-rows kernel (AVX512-VBMI, M <= 4) reads each W row in order, two K blocks a zmm, and
+# sums lanes over k; these shapes reach its edges: an odd block count (a last zmm holding one
+# block), one block, K past one chunk of 256 blocks (a chunk of one block after it), N off
+# the 16-column groups, and W rows whose blocks need each fallback, with NaN codes.
+DECODE_SHAPES = [(1, 17, 96), (2, 65, 32), (3, 1, 800), (4, 130, 544), (1, 40, 32 * 257),
+                 (2, 33, 32 * 300)]
+
+
+def decode_case(rng: np.random.Generator, m: int, n: int, k: int
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Checkpoint-like W and activations with, in the last K block, a W row that is not
+    int16, an x block that is not int16 (row 0) and a pair past int32 (row m - 1), and NaN
+    codes in two columns."""
+    codes, w_scale = checkpoint_like(rng, n, k)
+    x = activations(rng, m, k)
+    w = values(codes)
+    wide = np.array([448.0] * 16 + [2.0**-9] + [-3.0] * 15, np.float32)
+    big = np.array([448.0] * 31 + [2.0**-6], np.float32)
+    w[n // 2, k - 32:] = wide
+    x[0, k - 32:] = wide
+    if n > 3:
+        w[n - 1, k - 32:] = big
+    if m > 1:
+        x[m - 1, k - 32:] = big
+    codes = codes_of(w)
+    codes[0, k // 2] = 0x7F
+    codes[n - 1, 5] = 0xFF
+    return x, codes, w_scale
+
+
+@pytest.mark.parametrize(("m", "n", "k"), DECODE_SHAPES)
+def test_few_rows_path_on_every_edge(fed_sessions, m: int, n: int, k: int) -> None:
+    rng = np.random.default_rng(m * 131 + n * 17 + k)
+    x, codes, w_scale = decode_case(rng, m, n, k)
+    want = fp8_linear(x, values(codes), w_scale)
+    assert np.isnan(want[:, 0]).all() and np.isfinite(want[:, 1:n - 1]).all()
+    for isa, session in fed_sessions.items():
+        grew = counts_after(lambda s=session, i=isa: assert_same(run(s, x, codes, w_scale), want,
+                                                                 f"isa={i}"))
+        assert (grew["small_tasks"] > 0) == (isa == "avx512" and HAS_VBMI), (isa, grew)
+        assert grew["lane_sums"] > 0 and grew["row_sums"] > 0, (isa, grew)
+    for threads in (1, 2):
+        session = session_for(fp8_model(codes, w_scale), threads=threads)
+        assert_same(run(session, x), want, f"constant W, threads={threads}")
+
+
 def test_int32_case_really_overflows_int32() -> None:
     """The "int32" case's block dot is past 2^31 in its units: a plain int32 sum would wrap."""
     x, codes, _ = fallback_case("int32", 1)

@@ -43,9 +43,9 @@ constexpr int64_t kLanes = 16;              // columns per group (one zmm of int
 constexpr int64_t kPanel = 64;              // columns per panel
 constexpr int64_t kGroups = kPanel / kLanes;
 constexpr int64_t kChunkKb = 8;             // K blocks packed at a time (tiles)
-constexpr int64_t kSmallChunkKb = 32;       // K blocks converted at a time (few rows)
+constexpr int64_t kSmallChunkKb = 256;      // K blocks converted at a time (few rows): whole
+                                            // rows up to K = 8192, one sequential stream
 constexpr int64_t kMaxChunkKb = kSmallChunkKb;
-constexpr int64_t kPanelInts = kMaxChunkKb * kPairs * kPanel * 2;  // int16 values per panel buffer
 
 // W's per-block figures, computed once for a constant W (else per call).
 struct WView {
@@ -54,6 +54,7 @@ struct WView {
   int64_t groups;          // ceil(N / 16)
   const uint8_t* shift;    // [KB][groups * 16]: t of each (column, block)
   const uint16_t* bad;     // [groups][KB]: lanes whose block is not int16
+  const uint8_t* shift_rows;  // [N][KB + 16]: t of each (column, block), a column in a row
 };
 
 struct PackJob {
@@ -63,9 +64,10 @@ struct PackJob {
   float* g;      // [kbs][kPanel]
 };
 
-// Few rows (decode): the pairs go straight from the conversion into vpdpwssd, and the int32
-// sums are stored for the epilogue (after the slots are filled); a group's pairs are stored
-// too where a flagged row needs them (row_patch).
+// Few rows (decode): the pairs go straight from the conversion into vpdpwssd (one row of X:
+// W's rows in order, lanes over k; more: 16 columns at a time), and the int32 sums are
+// stored for the epilogue (after the slots are filled); a group's pairs are stored too
+// where a flagged row needs them (row_patch).
 struct SmallJob {
   WView w;
   int64_t panel, kb0, kbs;
@@ -75,8 +77,11 @@ struct SmallJob {
   int16_t* pw;
   float* g;
   int32_t* sums;              // [kbs][kGroups][rows][16]
+  int16_t* xp;                // one row: scratch [kMaxChunkKb * 32] (X's pairs in unpack order)
+  int32_t* tsum;              // one row: scratch [kPanel][kTsumLd] (sums, lanes over k)
 };
 constexpr int64_t kSmallRows = 4;
+constexpr int64_t kPrefetchBytes = 16384;  // dot_small asks for W's codes this far ahead (L2)
 
 struct TaskView {
   const int16_t* xi;      // [rows][K], the task's first row
@@ -720,11 +725,78 @@ CSA_TARGET_AVX512_VBMI CSA_INLINE void pack_vbmi_body(const PackJob& j) {
   }
 }
 
+// tsum's row stride: not a power of two (the transposes' loads would share cache sets)
+constexpr int64_t kTsumLd = kMaxChunkKb + 16;
+
+// A 16 x 16 int32 transpose in registers.
+CSA_TARGET_AVX512 CSA_INLINE void transpose16(__m512i (&r)[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  // r[4a + b] holds rows 4a..4a+3, column b + 4 * lane128 in its 128-bit lanes
+  for (int b = 0; b < 4; ++b) {
+    for (int a = 0; a < 4; a += 2) {
+      t[4 * a + b] = _mm512_shuffle_i32x4(r[4 * a + b], r[4 * (a + 1) + b], 0x88);
+      t[4 * (a + 1) + b] = _mm512_shuffle_i32x4(r[4 * a + b], r[4 * (a + 1) + b], 0xDD);
+    }
+  }
+  for (int b = 0; b < 4; ++b) {
+    for (int a = 0; a < 2; ++a) {
+      r[b + 4 * a] = _mm512_shuffle_i32x4(t[4 * a + b], t[4 * (a + 2) + b], 0x88);
+      r[b + 4 * a + 8] = _mm512_shuffle_i32x4(t[4 * a + b], t[4 * (a + 2) + b], 0xDD);
+    }
+  }
+}
+
+// dot_row_vbmi's tables.
+struct RowTables {
+  alignas(64) uint8_t expo[128];        // E of a nonzero code, 255 for zero (and NaN) codes
+  alignas(64) uint8_t pair_base[8][64]; // vpermb index: block 2j's byte, then 2j + 1's
+  alignas(64) int32_t natural[16];      // the tree's lane of block q
+  alignas(64) int16_t x_order[32];      // xp's word i: X's word x_order[i] of the 64
+  RowTables() {
+    for (int c = 0; c < 128; ++c) {
+      const int e = c >> 3;
+      expo[c] = (c == 0 || c == 0x7F) ? 255 : static_cast<uint8_t>(e == 0 ? 0 : e - 1);
+    }
+    for (int j = 0; j < 8; ++j)
+      for (int b = 0; b < 64; ++b) pair_base[j][b] = static_cast<uint8_t>(2 * j + (b >= 32 ? 1 : 0));
+    // the tree leaves block q of pair j = q / 2 (half q % 2) in lane
+    // (q >= 8 ? 8 : 0) + (q % 2) * 4 + (q / 2) % 4
+    for (int q = 0; q < 16; ++q) natural[q] = (q >= 8 ? 8 : 0) + (q % 2) * 4 + (q / 2) % 4;
+    for (int i = 0; i < 32; ++i) x_order[i] = static_cast<int16_t>((i / 8) * 16 + i % 8);
+  }
+};
+inline const RowTables kRowTables;
+
+// 8 zmm of int32 partial sums (pair j: lanes 0-7 block 2j, 8-15 block 2j + 1) -> one zmm
+// of the 16 block sums in natural order.
+CSA_TARGET_AVX512 CSA_INLINE __m512i block_sums16(const __m512i (&a)[8]) {
+  __m512i b[4];
+  for (int i = 0; i < 4; ++i)
+    b[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(a[2 * i], a[2 * i + 1]),
+                            _mm512_unpackhi_epi32(a[2 * i], a[2 * i + 1]));
+  const __m512i c0 = _mm512_add_epi32(_mm512_unpacklo_epi64(b[0], b[1]), _mm512_unpackhi_epi64(b[0], b[1]));
+  const __m512i c1 = _mm512_add_epi32(_mm512_unpacklo_epi64(b[2], b[3]), _mm512_unpackhi_epi64(b[2], b[3]));
+  const __m512i d = _mm512_add_epi32(_mm512_shuffle_i64x2(c0, c1, 0x88), _mm512_shuffle_i64x2(c0, c1, 0xDD));
+  return _mm512_permutexvar_epi32(_mm512_load_si512(kRowTables.natural), d);
+}
+
 template <int MR, bool kVnni>
-CSA_TARGET_AVX512_VBMI __attribute__((noinline)) void dot_small_vbmi(const SmallJob& j) {
+CSA_TARGET_AVX512_VBMI __attribute__((noinline)) void dot_groups_vbmi(const SmallJob& j) {
   const GroupConverter conv{kPackTables, j.w};
   // one group's 16 rows through the chunk's blocks, then the next group: 16 sequential
-  // streams at a time for the prefetchers (not 64)
+  // streams at a time for the prefetchers (not 64). Two or more rows of X: measured faster
+  // than dot_row_vbmi, whose per-row block sums (a tree per row) cost more than the
+  // transposes saved
   for (int64_t c = 0; c < kGroups; ++c) {
     for (int64_t kbi = 0; kbi < j.kbs; ++kbi) {
       const int64_t kb = j.kb0 + kbi;
@@ -746,13 +818,141 @@ CSA_TARGET_AVX512_VBMI __attribute__((noinline)) void dot_small_vbmi(const Small
   }
 }
 
+// One row of X (decode), lanes over k: each W row's codes are read in order (one sequential
+// stream: the panel's rows follow each other), 64 codes (two K blocks) a zmm, converted to
+// int16 units >> t with the tables of the packing (no transpose), and multiplied with X's
+// row block by vpdpwssd, each int32 lane a partial sum of one block. Per row and 16 blocks,
+// an add/shuffle tree sums the 8 lanes of each block (exact: any order of an int32 sum whose
+// |terms| add up below 2^31, which the flags decide as for the tiles) into one zmm of 16
+// block sums; the sums are then stored per block with lanes over columns for the epilogue.
+// A zmm of codes c: bytes m = |mantissa| << 3 with the sign, count = (11 + t) - E saturated
+// at 0 (E is 255 for zero codes), then vpunpck{l,h}bw makes words w = (m << 8) | count with
+// count <= 14 (GroupConverter), and w >> (w & 15) = units >> t exactly: (m << 8) is a
+// multiple of 2^count where units >> t is an integer, and count < 2^count adds nothing.
+// The unpacks take words 0-7 of each 128-bit lane into the first zmm, 8-15 into the second,
+// so X's pairs are stored in that order (xp). Lanes past N are 0, NaN codes count 0 (their
+// columns are set to NaN at the end), and lanes that are not int16 give sums the epilogue
+// does not read (it takes their slot).
+template <bool kVnni>
+CSA_TARGET_AVX512_VBMI __attribute__((noinline)) void dot_row_vbmi(const SmallJob& j) {
+  constexpr int MR = 1;  // one row of X (more: dot_groups_vbmi)
+  const PackTables& pt = kPackTables;
+  const RowTables& rt = kRowTables;
+  const int64_t pairs = (j.kbs + 1) / 2, ldx = kMaxChunkKb * kBlock;
+  // X's chunk in unpack order, zero past the last block
+  for (int m = 0; m < MR; ++m) {
+    const int16_t* src = j.xi + m * j.K + j.kb0 * kBlock;
+    int16_t* dst = j.xp + m * ldx;
+    for (int64_t q = 0; q < pairs; ++q) {
+      const bool two = j.kbs - 2 * q >= 2;
+      const __m512i xa = _mm512_loadu_si512(src + 64 * q);
+      const __m512i xb = _mm512_maskz_loadu_epi16(two ? ~__mmask32{0} : __mmask32{0}, src + 64 * q + 32);
+      const __m512i idx = _mm512_load_si512(rt.x_order);
+      _mm512_storeu_si512(dst + 64 * q, _mm512_permutex2var_epi16(xa, idx, xb));
+      _mm512_storeu_si512(dst + 64 * q + 32,
+                          _mm512_permutex2var_epi16(xa, _mm512_add_epi16(idx, _mm512_set1_epi16(8)), xb));
+    }
+  }
+  const __m512i mant_lo = _mm512_load_si512(pt.mant), mant_hi = _mm512_load_si512(pt.mant + 64);
+  const __m512i expo_lo = _mm512_load_si512(rt.expo), expo_hi = _mm512_load_si512(rt.expo + 64);
+  const __m512i zero = _mm512_setzero_si512(), low4 = _mm512_set1_epi16(15);
+  const int64_t n_end = j.w.N - j.panel * kPanel < kPanel ? j.w.N - j.panel * kPanel : kPanel;
+  const int64_t g16 = j.w.groups * kLanes;
+  for (int64_t l = 0; l < kPanel; ++l) {
+    int32_t* ts = j.tsum + l * kTsumLd;
+    if (l >= n_end) {
+      for (int m = 0; m < MR; ++m)
+        std::memset(j.tsum + (m * kPanel + l) * kTsumLd, 0, sizeof(int32_t) * kTsumLd);
+      continue;
+    }
+    const int64_t n = j.panel * kPanel + l;
+    const uint8_t* row = j.w.w + n * j.w.K + j.kb0 * kBlock;
+    const uint8_t* t_row = j.w.shift_rows + n * (j.w.KB + kLanes) + j.kb0;  // padded by 16
+    const int64_t kbs = j.kbs;
+    const int16_t* __restrict xp = j.xp;
+    int32_t* __restrict tsm = ts;
+    for (int64_t s = 0; s * 16 < kbs; ++s) {
+      // 11 + t of the slice's blocks (past the chunk: any value, their codes are zero)
+      const __m512i tv = _mm512_castsi128_si512(_mm_add_epi8(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(t_row + 16 * s)), _mm_set1_epi8(11)));
+      __m512i acc[MR][8];
+#pragma GCC unroll 8
+      for (int p = 0; p < 8; ++p) {
+        const int64_t q = 8 * s + p;
+        if (q >= pairs) {  // past the chunk
+          for (int m = 0; m < MR; ++m) acc[m][p] = zero;
+          continue;
+        }
+        // the last pair may hold one block (the other: zero codes and X, zero sums)
+        const __mmask64 live = 2 * q + 2 <= kbs ? ~__mmask64{0} : __mmask64{0xFFFFFFFFu};
+        _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchBytes + 64 * q), _MM_HINT_T1);
+        const __m512i codes = _mm512_maskz_loadu_epi8(live, row + 64 * q);
+        __m512i mv = _mm512_permutex2var_epi8(mant_lo, codes, mant_hi);
+        mv = _mm512_mask_sub_epi8(mv, _mm512_movepi8_mask(codes), zero, mv);
+        const __m512i count = _mm512_subs_epu8(
+            _mm512_permutexvar_epi8(_mm512_load_si512(rt.pair_base[p]), tv),
+            _mm512_permutex2var_epi8(expo_lo, codes, expo_hi));
+        const __m512i w0 = _mm512_unpacklo_epi8(count, mv), w1 = _mm512_unpackhi_epi8(count, mv);
+        const __m512i v0 = _mm512_srav_epi16(w0, _mm512_and_si512(w0, low4));
+        const __m512i v1 = _mm512_srav_epi16(w1, _mm512_and_si512(w1, low4));
+#pragma GCC unroll 4
+        for (int m = 0; m < MR; ++m) {
+          const int16_t* x = xp + m * ldx + 64 * q;
+          acc[m][p] = _mm512_madd_epi16(v0, _mm512_loadu_si512(x));
+          CSA_DP16(kVnni, acc[m][p], v1, _mm512_loadu_si512(x + 32));
+        }
+      }
+#pragma GCC unroll 4
+      for (int m = 0; m < MR; ++m)
+        _mm512_storeu_si512(tsm + m * kPanel * kTsumLd + 16 * s, block_sums16(acc[m]));
+    }
+  }
+  // sums per block with lanes over columns, and 2^t per (block, column)
+  for (int64_t kbi = 0; kbi < j.kbs; ++kbi) {
+    const int64_t kb = j.kb0 + kbi;
+    for (int64_t c = 0; c < kGroups; ++c) {
+      const int64_t n0 = j.panel * kPanel + c * kLanes;
+      const __m128i t16 = n0 / kLanes < j.w.groups
+                              ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(j.w.shift + kb * g16 + n0))
+                              : _mm_setzero_si128();
+      _mm512_storeu_ps(j.g + kbi * kPanel + c * kLanes,
+                       _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(_mm512_cvtepu8_epi32(t16), 23),
+                                                            _mm512_set1_epi32(127 << 23))));
+    }
+  }
+  // 16 x 16 tiles of tsum (columns x blocks) transposed into sums (blocks x columns)
+  for (int m = 0; m < MR; ++m) {
+    for (int64_t c = 0; c < kGroups; ++c) {
+      for (int64_t s = 0; s * 16 < j.kbs; ++s) {
+        __m512i t[16];
+        const int32_t* src = j.tsum + (m * kPanel + c * kLanes) * kTsumLd + 16 * s;
+        for (int i = 0; i < 16; ++i) t[i] = _mm512_loadu_si512(src + i * kTsumLd);
+        transpose16(t);
+        const int64_t n = j.kbs - 16 * s < 16 ? j.kbs - 16 * s : 16;
+        for (int64_t q = 0; q < n; ++q)
+          _mm512_storeu_si512(j.sums + (((16 * s + q) * kGroups + c) * j.rows + m) * kLanes, t[q]);
+      }
+    }
+  }
+  // the pairs of the groups a flagged row needs (row_patch reads them)
+  const GroupConverter conv{kPackTables, j.w};
+  for (int64_t kbi = 0; kbi < j.kbs; ++kbi) {
+    for (int64_t c = 0; c < kGroups; ++c) {
+      if (j.keep_pw[kbi * kGroups + c] == 0) continue;
+      int16_t* out = j.pw + (kbi * kPairs * kPanel + c * kLanes) * 2;
+      if (!conv.run(j.panel * kPanel + c * kLanes, j.kb0 + kbi, j.g + kbi * kPanel + c * kLanes, StorePairs{out}))
+        for (int64_t p = 0; p < kPairs; ++p) _mm512_storeu_si512(out + p * kPanel * 2, _mm512_setzero_si512());
+    }
+  }
+}
+
 template <bool kVnni>
 CSA_TARGET_AVX512_VBMI CSA_INLINE void dot_small_body(const SmallJob& j) {
   switch (j.rows) {
-    case 1: dot_small_vbmi<1, kVnni>(j); break;
-    case 2: dot_small_vbmi<2, kVnni>(j); break;
-    case 3: dot_small_vbmi<3, kVnni>(j); break;
-    default: dot_small_vbmi<4, kVnni>(j); break;
+    case 1: dot_row_vbmi<kVnni>(j); break;
+    case 2: dot_groups_vbmi<2, kVnni>(j); break;
+    case 3: dot_groups_vbmi<3, kVnni>(j); break;
+    default: dot_groups_vbmi<4, kVnni>(j); break;
   }
 }
 

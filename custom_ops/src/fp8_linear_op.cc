@@ -9,7 +9,8 @@
 // every value of the block is a multiple of (1 byte), and per (16 columns, K block) the
 // lanes whose block does not fit int16 and the largest sum and max of |w >> t| (10 bytes):
 // 1/32 + 10/512 ~ 0.05 bytes a weight. A W fed as a graph input gets the same figures on
-// every call.
+// every call. For the one-row kernel t is kept a second time, per column (row of W) over
+// its blocks, padded by 16: 1/32 + 10/512 + 1/32 ~ 0.08 bytes a weight in all.
 //
 // The block dots are integer sums (fp8_int_blocks.h): act_quant(X) and W become int16
 // units >> t per block, and every int32 lane of a vpdpwssd accumulation (AVX512-VNNI; else
@@ -19,7 +20,10 @@
 // time (AVX512-VBMI: a 16x16 transpose by word permutes, table lookups, variable shifts)
 // into a thread-local panel and multiplies them in tiles of 6 rows x 64 columns, one K block
 // at a time; with at most 4 rows (decode) the pairs go straight from the conversion into
-// vpdpwssd, 32 K blocks a step, 16 columns' rows at a time (the next 16 prefetched). The blocks where the precondition fails are summed exactly first, into override
+// vpdpwssd, 256 K blocks a step: for one row of X each W row in order, 64 codes a zmm
+// (lanes over k, block sums by an add/shuffle tree; a panel is one sequential stream,
+// prefetched 16 KiB ahead), for 2 to 4 rows 16 columns' rows at a time (the next 16
+// prefetched). The blocks where the precondition fails are summed exactly first, into override
 // slots the tiles read by masked loads: a W block that is not int16 as two int16 digits
 // (v = h * 2^8 + l) against every row at once (16 rows a zmm, from X transposed; up to 4
 // rows: each row's block against the digits, lanes over k), a flagged
@@ -117,6 +121,7 @@ Dims check_shapes(const std::vector<int64_t>& x, const std::vector<int64_t>& w,
 struct WMeta {
   int64_t n = -1, k = -1, kb = 0, groups = 0;
   std::vector<uint8_t> shift;     // [KB][groups * 16]
+  std::vector<uint8_t> shift_rows;  // [N][KB + 16]: the same, a column's blocks in a row
   std::vector<uint16_t> bad;      // [groups][KB]
   std::vector<uint32_t> l1max;    // [groups][KB]
   std::vector<uint32_t> absmax;   // [groups][KB]
@@ -130,6 +135,7 @@ struct WMeta {
     kb = K / kBlock;
     groups = (N + kLanes - 1) / kLanes;
     shift.assign(static_cast<size_t>(kb * groups * kLanes), 0);
+    shift_rows.assign(static_cast<size_t>(N * (kb + kLanes)), 0);
     bad.assign(static_cast<size_t>(groups * kb), 0);
     l1max.assign(static_cast<size_t>(groups * kb), 0);
     absmax.assign(static_cast<size_t>(groups * kb), 0);
@@ -154,6 +160,7 @@ struct WMeta {
           }
           const BlockInts bi = fp8_int::analyse_block(u);
           shift[b * groups * kLanes + col] = static_cast<uint8_t>(bi.shift);
+          shift_rows[col * (kb + kLanes) + b] = static_cast<uint8_t>(bi.shift);
           const size_t at = static_cast<size_t>(g * kb + b);
           if (!bi.fits()) {
             bad[at] = static_cast<uint16_t>(bad[at] | (1u << lane));
@@ -174,7 +181,7 @@ struct WMeta {
   }
 
   WView view(const uint8_t* w) const {
-    return {w, n, k, kb, groups, shift.data(), bad.data()};
+    return {w, n, k, kb, groups, shift.data(), bad.data(), shift_rows.data()};
   }
 };
 
@@ -544,7 +551,8 @@ struct Scratch {
   std::vector<float> g, out, f;
   std::vector<uint8_t> flags;
   std::vector<uint64_t> masks;
-  std::vector<int32_t> sums;
+  std::vector<int32_t> sums, tsum;
+  std::vector<int16_t> xp;
   Overrides ov;
 
   template <typename T>
@@ -562,9 +570,9 @@ void run_task(const Call& c, int64_t task) {
   const int64_t rows = xc.rows - r0 < kTaskRows ? xc.rows - r0 : kTaskRows;
   const int64_t rows16 = (rows + kLanes - 1) / kLanes * kLanes;
   thread_local Scratch scratch;
-  int16_t* pw = Scratch::at_least(scratch.pw, static_cast<size_t>(kPanelInts));
   const bool small = rows <= kSmallRows && c.kern.dot_small != nullptr;
   const int64_t chunk = small ? kSmallChunkKb : kChunkKb;  // K blocks a step
+  int16_t* pw = Scratch::at_least(scratch.pw, static_cast<size_t>(chunk * kPairs * kPanel * 2));
   float* g = Scratch::at_least(scratch.g, static_cast<size_t>(chunk * kPanel));
   float* out = Scratch::at_least(scratch.out, static_cast<size_t>(rows * kPanel));
   float* f = Scratch::at_least(scratch.f, static_cast<size_t>(rows16));
@@ -573,6 +581,11 @@ void run_task(const Call& c, int64_t task) {
   int32_t* sums =
       small ? Scratch::at_least(scratch.sums, static_cast<size_t>(chunk * kGroups * rows * kLanes))
             : nullptr;
+  // one row: dot_row_vbmi's scratch
+  int16_t* xp = small && rows == 1 ? Scratch::at_least(scratch.xp, static_cast<size_t>(kMaxChunkKb * kBlock))
+                                   : nullptr;
+  int32_t* tsum = small && rows == 1 ? Scratch::at_least(scratch.tsum, static_cast<size_t>(kPanel * kTsumLd))
+                                     : nullptr;
   Overrides& ov = scratch.ov;
   uint64_t lane_sums = 0, row_sums = 0, wide_sums = 0;
   std::memset(out, 0, static_cast<size_t>(rows * kPanel) * sizeof(float));
@@ -583,12 +596,14 @@ void run_task(const Call& c, int64_t task) {
     const int64_t kbs = c.KB - kb0 < chunk ? c.KB - kb0 : chunk;
 
     // the groups' figures and the flags of (row, block, group) whose int32 sums may overflow
-    uint32_t l1m[kMaxChunkKb * kGroups] = {}, amx[kMaxChunkKb * kGroups] = {};
+    // (the chunk's entries only: a chunk of few rows spans up to 256 blocks)
+    uint32_t l1m[kMaxChunkKb * kGroups], amx[kMaxChunkKb * kGroups];
     for (int64_t kbi = 0; kbi < kbs; ++kbi) {
       for (int64_t gi = 0; gi < kGroups; ++gi) {
         const int64_t grp = panel * kGroups + gi;
         const size_t at = static_cast<size_t>(kbi * kGroups + gi);
         ov.bad[at] = 0;
+        l1m[at] = amx[at] = 0;
         if (grp >= meta.groups) continue;
         const size_t m = static_cast<size_t>(grp * c.KB + kb0 + kbi);
         ov.bad[at] = meta.bad[m];
@@ -606,9 +621,9 @@ void run_task(const Call& c, int64_t task) {
     // need them)
     if (small) {
       uint8_t keep_pw[kMaxChunkKb * kGroups];
-      for (int64_t kbi = 0; kbi < kMaxChunkKb; ++kbi)
+      for (int64_t kbi = 0; kbi < kbs; ++kbi)
         for (int64_t gi = 0; gi < kGroups; ++gi) keep_pw[kbi * kGroups + gi] = (any[kbi] >> gi) & 1u;
-      c.kern.dot_small({wv, panel, kb0, kbs, xc.xi.data() + r0 * c.K, c.K, rows, keep_pw, pw, g, sums});
+      c.kern.dot_small({wv, panel, kb0, kbs, xc.xi.data() + r0 * c.K, c.K, rows, keep_pw, pw, g, sums, xp, tsum});
     } else {
       c.kern.pack({wv, panel, kb0, kbs, pw, g});
     }
@@ -621,10 +636,10 @@ void run_task(const Call& c, int64_t task) {
     // slot 0 is the dummy the others share (the tiles read it under an all-zero mask)
     Scratch::at_least(ov.pool, (slots + 1) * static_cast<size_t>(rows * kLanes));
     slots = 0;
-    for (int64_t kbi = 0; kbi < kMaxChunkKb; ++kbi) {
+    for (int64_t kbi = 0; kbi < kbs; ++kbi) {
       for (int64_t gi = 0; gi < kGroups; ++gi) {
         const size_t at = static_cast<size_t>(kbi * kGroups + gi);
-        const bool need = kbi < kbs && (ov.bad[at] != 0 || ((any[kbi] >> gi) & 1u));
+        const bool need = (ov.bad[at] != 0 || ((any[kbi] >> gi) & 1u));
         ov.slot[at] = ov.pool.data() + (need ? ++slots : 0) * static_cast<size_t>(rows * kLanes);
       }
     }
