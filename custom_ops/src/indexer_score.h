@@ -54,6 +54,10 @@ namespace csa::indexer_score {
 constexpr int64_t kMaxDim = 128;  // MLAS's SGEMM K panel: one fma chain per dot
 constexpr int64_t kTileT = 256;   // key rows per task: kT is D x 256 floats (128 KiB at 128)
 constexpr int64_t kTileS = 16;    // queries per task
+// Batch entries with fewer query rows than this (decode) take the few-query kernel: a
+// key tile is not shared by enough queries to pay for its transpose.
+constexpr int64_t kFewQueries = 8;
+constexpr int64_t kFewTileT = 64;  // key rows per few-query task (T = 256 still spreads)
 
 // How onnxruntime sums the heads (see above).
 enum class SumOrder { kGroups4, kInOrder };
@@ -66,6 +70,8 @@ struct Problem {
   SumOrder sum_order() const { return b * s >= 2 ? SumOrder::kGroups4 : SumOrder::kInOrder; }
   // The tiled kernel's shapes: every dot one fma chain.
   bool tiled() const { return gemm_rows() >= 2 && t >= 2; }
+  // Of those, the ones the few-query kernel takes (decode).
+  bool few_queries() const { return tiled() && s < kFewQueries; }
 };
 
 // ---------------------------------------------------------------- scalar definition
@@ -279,18 +285,22 @@ __attribute__((always_inline)) inline void score_tile(const Tile& tile) {
 template <typename V>
 struct Cfg;
 #ifdef CSA_X86
+// kFewHeadVecs x kFewKeys: the few-query kernel's accumulators (head vectors x key rows).
 template <>
 struct Cfg<tv::VAvx512> : tv::CfgAvx512 {
   static constexpr int kVecs = 4;  // 4 heads x 4 zmm of dots, 4 zmm of sums
+  static constexpr int kFewHeadVecs = 2, kFewKeys = 8;
 };
 template <>
 struct Cfg<tv::VAvx2> : tv::CfgAvx2 {
   static constexpr int kVecs = 2;  // 4 heads x 2 ymm of dots, 2 ymm of sums
+  static constexpr int kFewHeadVecs = 2, kFewKeys = 4;
 };
 #endif
 template <>
 struct Cfg<tv::VScalar> : tv::CfgScalar {
   static constexpr int kVecs = 4;
+  static constexpr int kFewHeadVecs = 4, kFewKeys = 4;
 };
 
 template <typename V>
@@ -313,6 +323,70 @@ __attribute__((always_inline)) inline void transpose_keys(const float* keys, con
   }
   for (int64_t i = 0; i < d; ++i)
     for (int64_t j = cols; j < ldk; ++j) kt[i * ldk + j] = 0.0f;
+}
+
+
+// ---------------------------------------------------------------- few queries (decode)
+// The entry's query rows (s < kFewQueries: decode) against a tile of kFewTileT key rows,
+// heads in lanes: no key transpose. qt is each query row transposed once per call,
+// [D][hp] with H padded to hp (a multiple of the vector width) by zero heads; keys come in
+// blocks of kFewKeys rows, row-major. Per head vector and key row the dot is one fma chain
+// over d in order from +0 (fma(q, k, acc) is fma(k, q, acc) bit for bit), the epilogue is
+// the tiles' lane by lane, and each key's H terms are then added in the ReduceSum order
+// (sum_heads). Padding heads and padding key rows are computed and never read.
+struct FewTile {
+  const Problem* pr;
+  const float* qt;     // [rows][D][hp]: the entry's query rows, transposed
+  const float* w;      // [rows][hp]: their weights, zeros past H
+  int64_t hp;          // H rounded up to the vector width
+  float* out;          // score[entry's first query][tile's first key]
+};
+
+// Head vectors [v0, v0 + kHv) of query row r against kKeys key rows keys [kKeys][D]:
+// the weighted terms into terms [kKeys][hp].
+template <typename V, int kHv, int kKeys>
+__attribute__((always_inline)) inline void few_heads(const FewTile& ft, int64_t r, int64_t v0,
+                                                     const float* keys, float* terms) {
+  using T = typename V::T;
+  const int64_t d = ft.pr->d, hp = ft.hp;
+  T acc[kHv][kKeys];
+  for (int v = 0; v < kHv; ++v)
+    for (int j = 0; j < kKeys; ++j) acc[v][j] = V::zero();
+  const float* qt = ft.qt + r * d * hp + v0 * V::W;
+  for (int64_t i = 0; i < d; ++i, qt += hp) {
+    T qv[kHv];
+    for (int v = 0; v < kHv; ++v) qv[v] = V::load(qt + v * V::W);
+    for (int j = 0; j < kKeys; ++j) {
+      const T kb = V::bcast(keys[j * d + i]);
+      for (int v = 0; v < kHv; ++v) acc[v][j] = V::fma(qv[v], kb, acc[v][j]);
+    }
+  }
+  const float* w = ft.w + r * hp + v0 * V::W;
+  for (int v = 0; v < kHv; ++v) {
+    const T wv = V::load(w + v * V::W);
+    for (int j = 0; j < kKeys; ++j) {
+      const T x = Ops<V>::cast_bf16(V::mul(Ops<V>::relu(Ops<V>::cast_bf16(acc[v][j])), wv));
+      V::store(terms + j * hp + (v0 + v) * V::W, x);
+    }
+  }
+}
+
+// Every query row of the tile against one block of key rows keys [kFewKeys][D] (rows past
+// n are padding): score columns [c, c + n) of the tile.
+template <typename V>
+__attribute__((always_inline)) inline void few_block(const FewTile& ft, const float* keys,
+                                                     int64_t c, int64_t n, float* terms) {
+  constexpr int kHv = Cfg<V>::kFewHeadVecs, kKeys = Cfg<V>::kFewKeys;
+  const Problem& pr = *ft.pr;
+  const int64_t vecs = ft.hp / V::W;
+  const SumOrder order = pr.sum_order();
+  for (int64_t r = 0; r < pr.s; ++r) {
+    int64_t v0 = 0;
+    for (; v0 + kHv <= vecs; v0 += kHv) few_heads<V, kHv, kKeys>(ft, r, v0, keys, terms);
+    for (; v0 < vecs; ++v0) few_heads<V, 1, kKeys>(ft, r, v0, keys, terms);
+    float* out = ft.out + r * pr.t + c;
+    for (int64_t j = 0; j < n; ++j) out[j] = cast_bf16(sum_heads(order, terms + j * ft.hp, pr.h));
+  }
 }
 
 }  // namespace csa::indexer_score

@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -44,6 +45,11 @@ struct Job {
   int64_t row_bytes = 0;
   float* out = nullptr;
   int64_t s_blocks = 0, t_blocks = 0;
+  // The few-query kernel's query rows, transposed once per call (see FewTile), and its tiles.
+  const float* qt = nullptr;
+  const float* wt = nullptr;
+  int64_t hp = 0;
+  int64_t few_blocks = 0;
   std::atomic<bool> out_of_memory{false};
 };
 
@@ -72,6 +78,72 @@ __attribute__((always_inline)) inline void tiled_task(const Job& j, size_t task,
   const is::Tile tile{&pr, j.q + first_query * pr.h * pr.d, j.w + first_query * pr.h, kt, ldk,
                       rows, cols, j.out + first_query * pr.t + t0, pr.t};
   is::score_tile<V, is::Cfg<V>::kVecs>(tile);
+}
+
+// Few-query task t = (batch entry, key tile): blocks of kFewKeys key rows, read in place
+// (float keys) or unpacked (packed keys, and the tile's last partial block, padded with zero
+// rows) into row-major scratch, each shared by the entry's query rows.
+template <typename V>
+__attribute__((always_inline)) inline void few_task(const Job& j, size_t task,
+                                                    std::vector<float>& scratch) {
+  constexpr int64_t kKeys = is::Cfg<V>::kFewKeys;
+  const is::Problem& pr = j.pr;
+  const int64_t tb = static_cast<int64_t>(task) % j.few_blocks;
+  const int64_t bi = static_cast<int64_t>(task) / j.few_blocks;
+  const int64_t t0 = tb * is::kFewTileT;
+  const int64_t cols = std::min(is::kFewTileT, pr.t - t0);
+  const size_t need = static_cast<size_t>(kKeys * (pr.d + j.hp));
+  if (scratch.size() < need) scratch.resize(need);
+  float* block = scratch.data();
+  float* terms = block + kKeys * pr.d;
+  const int64_t first_row = bi * pr.s;
+  const is::FewTile ft{&pr, j.qt + first_row * pr.d * j.hp, j.wt + first_row * j.hp, j.hp,
+                       j.out + first_row * pr.t + t0};
+  for (int64_t c = 0; c < cols; c += kKeys) {
+    const int64_t n = std::min(kKeys, cols - c);
+    const int64_t first_key = bi * j.r + t0 + c;
+    const float* keys = j.keys != nullptr ? j.keys + first_key * pr.d : nullptr;
+    if (keys == nullptr || n < kKeys) {
+      for (int64_t k = 0; k < n; ++k) {
+        if (keys != nullptr)
+          std::memcpy(block + k * pr.d, keys + k * pr.d, static_cast<size_t>(pr.d) * 4);
+        else
+          is::Cfg<V>::unpack(j.format, j.packed + (first_key + k) * j.row_bytes, pr.d,
+                             block + k * pr.d);
+      }
+      std::fill(block + n * pr.d, block + kKeys * pr.d, 0.0f);
+      keys = block;
+    }
+    is::few_block<V>(ft, keys, c, n, terms);
+  }
+}
+
+__attribute__((flatten)) void few_scalar(const Job& j, size_t t, std::vector<float>& s) {
+  few_task<is::tv::VScalar>(j, t, s);
+}
+#ifdef CSA_X86
+CSA_TARGET_AVX512 __attribute__((flatten)) void few_avx512(const Job& j, size_t t,
+                                                           std::vector<float>& s) {
+  few_task<is::tv::VAvx512>(j, t, s);
+}
+CSA_TARGET_AVX2 __attribute__((flatten)) void few_avx2(const Job& j, size_t t,
+                                                       std::vector<float>& s) {
+  few_task<is::tv::VAvx2>(j, t, s);
+}
+#endif
+
+// Q [rows][H][D] and W [rows][H] as the few-query kernel reads them: qt [rows][D][hp] and
+// wt [rows][hp], zeros in the padding heads.
+void transpose_queries(const float* q, const float* w, int64_t rows, int64_t h, int64_t d,
+                       int64_t hp, std::vector<float>& qt, std::vector<float>& wt) {
+  qt.assign(static_cast<size_t>(rows * d * hp), 0.0f);
+  wt.assign(static_cast<size_t>(rows * hp), 0.0f);
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t hh = 0; hh < h; ++hh) {
+      wt[i * hp + hh] = w[i * h + hh];
+      for (int64_t k = 0; k < d; ++k) qt[(i * d + k) * hp + hh] = q[(i * h + hh) * d + k];
+    }
+  }
 }
 
 __attribute__((flatten)) void tiled_scalar(const Job& j, size_t t, std::vector<float>& s) {
@@ -197,9 +269,29 @@ struct IndexerScoreKernel {
     if (isa == Isa::kAvx2) fn = tiled_avx2;
 #endif
     int64_t tasks = b * job.s_blocks * job.t_blocks;
+    std::vector<float> qt, wt;
     if (isa == Isa::kReference || !job.pr.tiled()) {
       fn = row_task;
       tasks = b * s;
+    } else if (job.pr.few_queries()) {
+      fn = few_scalar;
+      int64_t width = 1;
+#ifdef CSA_X86
+      if (isa == Isa::kAvx512) {
+        fn = few_avx512;
+        width = is::tv::VAvx512::W;
+      }
+      if (isa == Isa::kAvx2) {
+        fn = few_avx2;
+        width = is::tv::VAvx2::W;
+      }
+#endif
+      job.hp = (h + width - 1) / width * width;
+      transpose_queries(job.q, job.w, b * s, h, d, job.hp, qt, wt);
+      job.qt = qt.data();
+      job.wt = wt.data();
+      job.few_blocks = (t + is::kFewTileT - 1) / is::kFewTileT;
+      tasks = b * job.few_blocks;
     }
     run_tasks_with_scratch(ctx, b * s * h * t * d, serial_below::kMultiplyAdds,
                            static_cast<size_t>(tasks), fn, job);
