@@ -329,17 +329,20 @@ __attribute__((always_inline)) inline void transpose_keys(const float* keys, con
 // ---------------------------------------------------------------- few queries (decode)
 // The entry's query rows (s < kFewQueries: decode) against a tile of kFewTileT key rows,
 // heads in lanes: no key transpose. qt is each query row transposed once per call,
-// [D][hp] with H padded to hp (a multiple of the vector width) by zero heads; keys come in
-// blocks of kFewKeys rows, row-major. Per head vector and key row the dot is one fma chain
-// over d in order from +0 (fma(q, k, acc) is fma(k, q, acc) bit for bit), the epilogue is
-// the tiles' lane by lane, and each key's H terms are then added in the ReduceSum order
-// (sum_heads). Padding heads and padding key rows are computed and never read.
+// [D][hp] with H padded to hp (a multiple of the vector width) by zero heads; the tile's
+// keys come in blocks of kFewKeys rows, row-major (read in place or unpacked once per task).
+// Per head vector and key row the dot is one fma chain over d in order from +0
+// (fma(q, k, acc) is fma(k, q, acc) bit for bit), the epilogue is the tiles' lane by lane,
+// and each key's H terms are then added in the ReduceSum order (sum_heads). Padding heads
+// and padding key rows (zeros past the tile) are computed and never read.
 struct FewTile {
   const Problem* pr;
-  const float* qt;     // [rows][D][hp]: the entry's query rows, transposed
-  const float* w;      // [rows][hp]: their weights, zeros past H
-  int64_t hp;          // H rounded up to the vector width
-  float* out;          // score[entry's first query][tile's first key]
+  const float* qt;             // [rows][D][hp]: the entry's query rows, transposed
+  const float* w;              // [rows][hp]: their weights, zeros past H
+  int64_t hp;                  // H rounded up to the vector width
+  const float* const* blocks;  // per block of kFewKeys key rows: [kFewKeys][D]
+  int64_t cols;                // key rows in the tile
+  float* out;                  // score[entry's first query][tile's first key]
 };
 
 // Head vectors [v0, v0 + kHv) of query row r against kKeys key rows keys [kKeys][D]:
@@ -371,21 +374,23 @@ __attribute__((always_inline)) inline void few_heads(const FewTile& ft, int64_t 
   }
 }
 
-// Every query row of the tile against one block of key rows keys [kFewKeys][D] (rows past
-// n are padding): score columns [c, c + n) of the tile.
+// Query row r against the tile's key blocks, one block at a time (the row's qt stays in
+// cache): the row's scores of the tile. terms: scratch [kFewKeys][hp].
 template <typename V>
-__attribute__((always_inline)) inline void few_block(const FewTile& ft, const float* keys,
-                                                     int64_t c, int64_t n, float* terms) {
+__attribute__((always_inline)) inline void few_row(const FewTile& ft, int64_t r, float* terms) {
   constexpr int kHv = Cfg<V>::kFewHeadVecs, kKeys = Cfg<V>::kFewKeys;
   const Problem& pr = *ft.pr;
   const int64_t vecs = ft.hp / V::W;
   const SumOrder order = pr.sum_order();
-  for (int64_t r = 0; r < pr.s; ++r) {
+  float* out = ft.out + r * pr.t;
+  for (int64_t c = 0; c < ft.cols; c += kKeys) {
+    const float* keys = ft.blocks[c / kKeys];
     int64_t v0 = 0;
     for (; v0 + kHv <= vecs; v0 += kHv) few_heads<V, kHv, kKeys>(ft, r, v0, keys, terms);
     for (; v0 < vecs; ++v0) few_heads<V, 1, kKeys>(ft, r, v0, keys, terms);
-    float* out = ft.out + r * pr.t + c;
-    for (int64_t j = 0; j < n; ++j) out[j] = cast_bf16(sum_heads(order, terms + j * ft.hp, pr.h));
+    const int64_t n = ft.cols - c < kKeys ? ft.cols - c : kKeys;
+    for (int64_t j = 0; j < n; ++j)
+      out[c + j] = cast_bf16(sum_heads(order, terms + j * ft.hp, pr.h));
   }
 }
 

@@ -80,29 +80,31 @@ __attribute__((always_inline)) inline void tiled_task(const Job& j, size_t task,
   is::score_tile<V, is::Cfg<V>::kVecs>(tile);
 }
 
-// Few-query task t = (batch entry, key tile): blocks of kFewKeys key rows, read in place
-// (float keys) or unpacked (packed keys, and the tile's last partial block, padded with zero
-// rows) into row-major scratch, each shared by the entry's query rows.
+// Few-query task t = (batch entry, query block, key tile): the tile's blocks of kFewKeys key rows are
+// read in place (float keys) or unpacked once (packed keys, and a last partial block, padded
+// with zero rows) into row-major scratch, then each query row of the block runs over them.
 template <typename V>
 __attribute__((always_inline)) inline void few_task(const Job& j, size_t task,
                                                     std::vector<float>& scratch) {
   constexpr int64_t kKeys = is::Cfg<V>::kFewKeys;
+  static_assert(is::kFewTileT % kKeys == 0, "a few-query tile is whole key blocks");
   const is::Problem& pr = j.pr;
   const int64_t tb = static_cast<int64_t>(task) % j.few_blocks;
-  const int64_t bi = static_cast<int64_t>(task) / j.few_blocks;
-  const int64_t t0 = tb * is::kFewTileT;
+  const int64_t sb = static_cast<int64_t>(task) / j.few_blocks % j.s_blocks;
+  const int64_t bi = static_cast<int64_t>(task) / j.few_blocks / j.s_blocks;
+  const int64_t t0 = tb * is::kFewTileT, s0 = sb * is::kTileS;
   const int64_t cols = std::min(is::kFewTileT, pr.t - t0);
-  const size_t need = static_cast<size_t>(kKeys * (pr.d + j.hp));
+  const int64_t rows = std::min(is::kTileS, pr.s - s0);
+  const size_t need = static_cast<size_t>(is::kFewTileT * pr.d + kKeys * j.hp);
   if (scratch.size() < need) scratch.resize(need);
-  float* block = scratch.data();
-  float* terms = block + kKeys * pr.d;
-  const int64_t first_row = bi * pr.s;
-  const is::FewTile ft{&pr, j.qt + first_row * pr.d * j.hp, j.wt + first_row * j.hp, j.hp,
-                       j.out + first_row * pr.t + t0};
+  float* unpacked = scratch.data();
+  float* terms = unpacked + is::kFewTileT * pr.d;
+  const float* blocks[is::kFewTileT / kKeys];
   for (int64_t c = 0; c < cols; c += kKeys) {
     const int64_t n = std::min(kKeys, cols - c);
     const int64_t first_key = bi * j.r + t0 + c;
     const float* keys = j.keys != nullptr ? j.keys + first_key * pr.d : nullptr;
+    float* block = unpacked + c * pr.d;
     if (keys == nullptr || n < kKeys) {
       for (int64_t k = 0; k < n; ++k) {
         if (keys != nullptr)
@@ -114,8 +116,12 @@ __attribute__((always_inline)) inline void few_task(const Job& j, size_t task,
       std::fill(block + n * pr.d, block + kKeys * pr.d, 0.0f);
       keys = block;
     }
-    is::few_block<V>(ft, keys, c, n, terms);
+    blocks[c / kKeys] = keys;
   }
+  const int64_t first_row = bi * pr.s + s0;
+  const is::FewTile ft{&pr, j.qt + first_row * pr.d * j.hp, j.wt + first_row * j.hp, j.hp,
+                       blocks, cols, j.out + first_row * pr.t + t0};
+  for (int64_t r = 0; r < rows; ++r) is::few_row<V>(ft, r, terms);
 }
 
 __attribute__((flatten)) void few_scalar(const Job& j, size_t t, std::vector<float>& s) {
@@ -291,7 +297,7 @@ struct IndexerScoreKernel {
       job.qt = qt.data();
       job.wt = wt.data();
       job.few_blocks = (t + is::kFewTileT - 1) / is::kFewTileT;
-      tasks = b * job.few_blocks;
+      tasks = b * job.s_blocks * job.few_blocks;
     }
     run_tasks_with_scratch(ctx, b * s * h * t * d, serial_below::kMultiplyAdds,
                            static_cast<size_t>(tasks), fn, job);
