@@ -3,9 +3,10 @@ MatMul, Cast to bf16 and back, Relu, Mul, Cast, ReduceSum over heads, Cast), run
 onnxruntime on one thread, bit for bit: on every instruction-set path and thread count, with
 float keys and with the packed index-key cache read in place, on fp4-valued inputs and on
 adversarial ones built to make the summation orders show (dots that are not exact in float32,
-cancelling head sums, -0, the relu boundary, huge and tiny weights, NaN key blocks), over
+cancelling head sums, -0, the relu boundary, huge and tiny weights, NaN and inf keys), over
 shapes that take each of onnxruntime's orders (one GEMM row, T == 1, b == 1 folded or not,
-one query row). Also: the portable function body, and the errors."""
+one query row), decode (s = 1) among them. Also: the portable function body, and the
+errors."""
 
 from __future__ import annotations
 
@@ -151,20 +152,20 @@ SHAPES = [(1, 5, 32, 128, 300, 300), (1, 17, 4, 64, 600, 513), (2, 3, 7, 64, 70,
           (1, 2, 6, 32, 8, 2), (2, 4, 2, 64, 4, 0)]
 
 
-FEW_QUERIES = 8  # indexer_score.h kFewQueries: entries with fewer query rows take heads in lanes
-# The few-query (decode) kernel: s = 1 at b = 1 (heads summed in order) and b = 4 (in groups
-# of 4), H = 32 and odd H (one head vector, a pair plus one: 33, 48 on AVX-512), D = 128 and
-# small D, T past and short of the key blocks (8 / 4 rows) and task tiles (64 rows), the
-# largest s it takes; then the tiled kernel's smallest s, for contrast.
-FEW_SHAPES = [(1, 1, 32, 128, 3000, 2999), (4, 1, 32, 128, 1100, 1025), (1, 1, 33, 128, 300, 129),
-              (4, 1, 17, 64, 200, 190), (1, 1, 3, 32, 70, 67), (4, 1, 3, 128, 10, 2),
-              (1, 1, 17, 128, 520, 515), (1, 1, 48, 64, 65, 64), (4, 1, 64, 128, 70, 63),
-              (1, 1, 1, 64, 20, 20), (4, 1, 1, 32, 9, 9), (1, 1, 32, 128, 8, 3),
-              (2, FEW_QUERIES - 1, 5, 64, 100, 97), (1, FEW_QUERIES - 1, 32, 128, 80, 71),
-              (1, FEW_QUERIES, 5, 64, 100, 99), (2, FEW_QUERIES + 1, 32, 128, 300, 290)]
+TILE_S = 16  # indexer_score.h kTileS: query rows per task
+# Decode (s = 1) at b = 1 (heads summed in order) and b = 4 (in groups of 4), H = 32 and odd
+# H (heads padded to the vector width: one head vector, a pair plus one: 33, 48 on AVX-512),
+# D = 128 and small D, T past and short of the key blocks (8 / 4 rows) and the tasks' key
+# tiles (64 rows); query rows around the tasks' blocks of TILE_S.
+DECODE_SHAPES = [(1, 1, 32, 128, 3000, 2999), (4, 1, 32, 128, 1100, 1025),
+                 (1, 1, 33, 128, 300, 129), (4, 1, 17, 64, 200, 190), (1, 1, 3, 32, 70, 67),
+                 (4, 1, 3, 128, 10, 2), (1, 1, 17, 128, 520, 515), (1, 1, 48, 64, 65, 64),
+                 (4, 1, 64, 128, 70, 63), (1, 1, 1, 64, 20, 20), (4, 1, 1, 32, 9, 9),
+                 (1, 1, 32, 128, 8, 3), (2, 7, 5, 64, 100, 97), (1, TILE_S, 32, 128, 80, 71),
+                 (1, TILE_S + 1, 5, 64, 100, 99), (2, 2 * TILE_S + 3, 32, 128, 300, 290)]
 
 
-@pytest.mark.parametrize("shape", SHAPES + FEW_SHAPES,
+@pytest.mark.parametrize("shape", SHAPES + DECODE_SHAPES,
                          ids=lambda s: "b{}s{}H{}D{}R{}T{}".format(*s))
 @pytest.mark.parametrize("adversarial", [False, True], ids=["fp4", "adversarial"])
 def test_matches_standard_ops(monkeypatch, shape, adversarial):
@@ -208,19 +209,19 @@ def test_orders_decide_ties(monkeypatch):
     want1 = expected(q1, w1, keys1, 3)
     assert want1[0, 0, 1] == 1.0  # one query row: heads in order, the tie to even
     check(monkeypatch, q1, w1, keys1, packed1, 3)
-    for b, s in ((4, 1), (1, FEW_QUERIES + 1)):  # decode at batch 4; the tiled kernel's s
+    for b, s in ((4, 1), (1, TILE_S + 1)):  # decode at batch 4; two blocks of query rows
         qb, wb, keysb, packedb = tie_case(s, b)
         assert (expected(qb, wb, keysb, 3)[..., :2] == want[0, 0, :2]).all()  # groups of 4
         check(monkeypatch, qb, wb, keysb, packedb, 3)
 
 
-@pytest.mark.parametrize("b,s,h", [(2, 3, 6), (1, 1, 6), (4, 1, 17), (2, FEW_QUERIES + 1, 6)],
+@pytest.mark.parametrize("b,s,h", [(2, 3, 6), (1, 1, 6), (4, 1, 17), (2, TILE_S + 1, 6)],
                          ids=lambda v: str(v))
 def test_relu_boundary_signed_zeros_and_nan_keys(monkeypatch, b, s, h):
     """Dots of exactly +0 and -0 (zero queries), tiny negative dots, weights of both signs
     (relu's +0 times a negative weight is -0), all-(-0) head sums, a NaN key block (scale
     byte 0xFF), a key block of infs and huge finite values (scale 2^127), an inf query head
-    and an inf weight; decode shapes (s = 1), a few queries and the tiled kernel's."""
+    and an inf weight; decode shapes (s = 1), a few queries, two blocks of query rows."""
     d, r = 64, 40
     q, w, keys, packed = case(11 + s, b, s, h, d, r, adversarial=False)
     q[0, 0, :h // 2] = 0.0
