@@ -56,7 +56,7 @@
 namespace csa::indexer_score {
 
 constexpr int64_t kMaxDim = 128;  // MLAS's SGEMM K panel: one fma chain per dot
-constexpr int64_t kTileT = 64;    // key rows per task (T = 256, 1K tokens, still spreads)
+constexpr int64_t kTileT = 64;    // key rows per task (T = 256, 1K tokens at ratio 4: 4 tasks)
 constexpr int64_t kTileS = 16;    // query rows per task
 
 // How onnxruntime sums the heads (see above).

@@ -8,9 +8,9 @@
 // the key rows scored); output Score (float [b, s, T], bf16 values).
 // In parallel over (batch entry, block of 16 queries, tile of 64 key rows), heads in vector
 // lanes: each query row is transposed once per call, each task unpacks its key tile once
-// (row-major) for its queries. CSA_INDEXER_SCORE_ISA (or CSA2ONNX_ISA; read when a session creates the kernel)
-// forces a path: "avx512", "avx2", "scalar" (the tiles without SIMD) or "reference" (the
-// scalar definition, one query row per task); all give the same bits.
+// (row-major) for its queries. CSA_INDEXER_SCORE_ISA (or CSA2ONNX_ISA; read when a session
+// creates the kernel) forces a path: "avx512", "avx2", "scalar" (the tiles without SIMD) or
+// "reference" (the scalar definition, one query row per task); all give the same bits.
 // Compiled with -ffp-contract=off: the orders keep multiplies and adds apart.
 #include "ort_api.h"
 
@@ -53,8 +53,9 @@ struct Job {
 };
 
 // Tiled task t = (batch entry, query block, key tile): the tile's blocks of kKeys key rows
-// are read in place (float keys) or unpacked once (packed keys, and a last partial block, padded
-// with zero rows) into row-major scratch, then each query row of the block runs over them.
+// are read in place (float keys) or unpacked once (packed keys, and a last partial block,
+// padded with zero rows) into row-major scratch; then each query row of the block runs over
+// them.
 template <typename V>
 __attribute__((always_inline)) inline void tiled_task(const Job& j, size_t task,
                                                       std::vector<float>& scratch) {
