@@ -3,9 +3,10 @@ MatMul, Cast to bf16 and back, Relu, Mul, Cast, ReduceSum over heads, Cast), run
 onnxruntime on one thread, bit for bit: on every instruction-set path and thread count, with
 float keys and with the packed index-key cache read in place, on fp4-valued inputs and on
 adversarial ones built to make the summation orders show (dots that are not exact in float32,
-cancelling head sums, -0, the relu boundary, huge and tiny weights, NaN key blocks), over
+cancelling head sums, -0, the relu boundary, huge and tiny weights, NaN and inf keys), over
 shapes that take each of onnxruntime's orders (one GEMM row, T == 1, b == 1 folded or not,
-one query row). Also: the portable function body, and the errors."""
+one query row), decode (s = 1) among them. Also: the portable function body, and the
+errors."""
 
 from __future__ import annotations
 
@@ -151,7 +152,21 @@ SHAPES = [(1, 5, 32, 128, 300, 300), (1, 17, 4, 64, 600, 513), (2, 3, 7, 64, 70,
           (1, 2, 6, 32, 8, 2), (2, 4, 2, 64, 4, 0)]
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}s{}H{}D{}R{}T{}".format(*s))
+TILE_S = 16  # indexer_score.h kTileS: query rows per task
+# Decode (s = 1) at b = 1 (heads summed in order) and b = 4 (in groups of 4), H = 32 and odd
+# H (heads padded to the vector width: one head vector, a pair plus one: 33, 48 on AVX-512),
+# D = 128 and small D, T past and short of the key blocks (8 / 4 rows) and the tasks' key
+# tiles (64 rows); query rows around the tasks' blocks of TILE_S.
+DECODE_SHAPES = [(1, 1, 32, 128, 3000, 2999), (4, 1, 32, 128, 1100, 1025),
+                 (1, 1, 33, 128, 300, 129), (4, 1, 17, 64, 200, 190), (1, 1, 3, 32, 70, 67),
+                 (4, 1, 3, 128, 10, 2), (1, 1, 17, 128, 520, 515), (1, 1, 48, 64, 65, 64),
+                 (4, 1, 64, 128, 70, 63), (1, 1, 1, 64, 20, 20), (4, 1, 1, 32, 9, 9),
+                 (1, 1, 32, 128, 8, 3), (2, 7, 5, 64, 100, 97), (1, TILE_S, 32, 128, 80, 71),
+                 (1, TILE_S + 1, 5, 64, 100, 99), (2, 2 * TILE_S + 3, 32, 128, 300, 290)]
+
+
+@pytest.mark.parametrize("shape", SHAPES + DECODE_SHAPES,
+                         ids=lambda s: "b{}s{}H{}D{}R{}T{}".format(*s))
 @pytest.mark.parametrize("adversarial", [False, True], ids=["fp4", "adversarial"])
 def test_matches_standard_ops(monkeypatch, shape, adversarial):
     b, s, h, d, r, t = shape
@@ -159,7 +174,7 @@ def test_matches_standard_ops(monkeypatch, shape, adversarial):
     check(monkeypatch, q, w, keys, packed, t)
 
 
-def tie_case(s: int) -> tuple:
+def tie_case(s: int, b: int = 1) -> tuple:
     """Scores that sit on a bf16 tie unless a tiny part is summed in the right order.
 
     Key row 0's dot with every query and head: 32 products 2^-28 (block 0), then 1, then
@@ -170,15 +185,15 @@ def tie_case(s: int) -> tuple:
     in groups of 4 (b*s >= 2) gives 1 + 2^-8 + 2^-23 (rounds up), the in-order sum (b*s == 1)
     loses each 2^-25 and rounds the tie to 1."""
     h, d = 8, 128
-    q = np.zeros((1, s, h, d), np.float32)
-    keys = np.zeros((1, 3, d), np.float32)
-    q[..., :32] = keys[0, 0, :32] = 2.0 ** -14
-    q[..., 32] = keys[0, 0, 32] = 1.0
+    q = np.zeros((b, s, h, d), np.float32)
+    keys = np.zeros((b, 3, d), np.float32)
+    q[..., :32] = keys[:, 0, :32] = 2.0 ** -14
+    q[..., 32] = keys[:, 0, 32] = 1.0
     q[..., 64] = 2.0 ** -8
-    keys[0, 0, 64] = 1.0
-    keys[0, 1, 127] = 1.0
+    keys[:, 0, 64] = 1.0
+    keys[:, 1, 127] = 1.0
     q[..., 127] = np.array([1, 2 ** -8, 0, 0] + [2 ** -25] * 4, np.float32)
-    return q, np.ones((1, s, h), np.float32), keys, pack_quantized(keys, FORMAT)
+    return q, np.ones((b, s, h), np.float32), keys, pack_quantized(keys, FORMAT)
 
 
 def test_orders_decide_ties(monkeypatch):
@@ -194,23 +209,36 @@ def test_orders_decide_ties(monkeypatch):
     want1 = expected(q1, w1, keys1, 3)
     assert want1[0, 0, 1] == 1.0  # one query row: heads in order, the tie to even
     check(monkeypatch, q1, w1, keys1, packed1, 3)
+    for b, s in ((4, 1), (1, TILE_S + 1)):  # decode at batch 4; two blocks of query rows
+        qb, wb, keysb, packedb = tie_case(s, b)
+        assert (expected(qb, wb, keysb, 3)[..., :2] == want[0, 0, :2]).all()  # groups of 4
+        check(monkeypatch, qb, wb, keysb, packedb, 3)
 
 
-def test_relu_boundary_signed_zeros_and_nan_keys(monkeypatch):
+@pytest.mark.parametrize("b,s,h", [(2, 3, 6), (1, 1, 6), (4, 1, 17), (2, TILE_S + 1, 6)],
+                         ids=lambda v: str(v))
+def test_relu_boundary_signed_zeros_and_nan_keys(monkeypatch, b, s, h):
     """Dots of exactly +0 and -0 (zero queries), tiny negative dots, weights of both signs
-    (relu's +0 times a negative weight is -0), all-(-0) head sums, and a NaN key block (scale
-    byte 0xFF)."""
-    b, s, h, d, r = 2, 3, 6, 64, 40
-    q, w, keys, packed = case(11, b, s, h, d, r, adversarial=False)
-    q[0, 0] = 0.0
-    q[0, 1, :, :32] = -0.0
-    q[0, 1, :, 32:] = 0.0
-    w[0, :2] = -np.abs(w[0, :2])  # relu's zeros times negative weights: -0 terms
-    keys[1, 3] *= np.float32(2.0 ** -120)  # tiny dots: bf16 subnormals, relu boundary
+    (relu's +0 times a negative weight is -0), all-(-0) head sums, a NaN key block (scale
+    byte 0xFF), a key block of infs and huge finite values (scale 2^127), an inf query head
+    and an inf weight; decode shapes (s = 1), a few queries, two blocks of query rows."""
+    d, r = 64, 40
+    q, w, keys, packed = case(11 + s, b, s, h, d, r, adversarial=False)
+    q[0, 0, :h // 2] = 0.0
+    q[-1, -1, :h // 2, :32] = -0.0
+    q[-1, -1, :h // 2, 32:] = 0.0
+    w[0, :, :2] = -np.abs(w[0, :, :2])  # relu's zeros times negative weights: -0 terms
+    q[b - 1, 0, h - 1, 40] = np.inf  # +-inf dots, NaN with the inf key block
+    w[b - 1, 0, h - 1] = 1.0
+    w[b - 1, 0, h // 2] = np.inf  # relu's zeros times inf: NaN
+    keys[b - 1, 3] *= np.float32(2.0 ** -120)  # tiny dots: bf16 subnormals, relu boundary
     packed = pack_quantized(keys, FORMAT)
-    packed[1, 5, d // 2] = 0xFF  # block 0 of key row 5: NaN
+    packed[b - 1, 5, d // 2] = 0xFF  # block 0 of key row 5: NaN
+    packed[0, 7, d // 2 + 1] = 0xFE  # block 1 of key row 7: values times 2^127, inf from 2
     keys = unpack_quantized(packed, FORMAT, d)
-    assert np.isnan(keys[1, 5, :32]).all()
+    assert np.isnan(keys[b - 1, 5, :32]).all() and np.isinf(keys[0, 7, 32:]).any()
+    want = expected(q, w, keys, r)
+    assert np.isnan(want).any() and np.isinf(want).any()
     check(monkeypatch, q, w, keys, packed, r)
 
 

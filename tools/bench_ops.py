@@ -45,12 +45,13 @@ PackQuantized / UnpackQuantized (--only packed): values/s on [4096, d] rows of e
 the graph's act_quant), which the packed pair replaces, and the NumPy definitions.
 
 IndexerScore (--only indexer): milliseconds per call at the released indexer's dims (H = 32,
-D = 128, b = 1) for decode (s = 1) and a 1024-token prefill chunk, T = 8192 and 32768 keys of
-the packed index-key cache (fp4_e8m0_32, read in place), against what the layer ran before
-the op: UnpackQuantized(Slice(cache)) and the standard ops (MatMul, Casts, Relu, Mul,
-ReduceSum), which materialise [s, H, T] float32 several times; the baseline is left out where
-one such intermediate would pass --indexer-baseline-max-gib (default 1.5). Outputs checked
-bit for bit; the two run interleaved; "scores/s" counts s*T outputs.
+D = 128) for decode (s = 1; b = 1, and b = 4 at T = 8192) and a 1024-token prefill chunk
+(b = 1), T = 8192 and 32768 keys of the packed index-key cache (fp4_e8m0_32, read in place),
+against what the layer ran before the op: UnpackQuantized(Slice(cache)) and the standard ops
+(MatMul, Casts, Relu, Mul, ReduceSum), which materialise [b, s, H, T] float32 several times;
+the baseline is left out where one such intermediate would pass --indexer-baseline-max-gib
+(default 1.5). Outputs checked bit for bit; the two run interleaved; "scores/s" counts b*s*T
+outputs.
 
 Fp8Linear: milliseconds per call against the bf16 TorchLinear on the same [N, K] (the same
 values: e4m3 is exact in bf16), both with W a constant initializer, at the released
@@ -580,7 +581,8 @@ def bench_packed_format(args: argparse.Namespace, options: ort.SessionOptions, f
              "values/s") for impl, seconds in impls.items()]
 
 
-INDEXER_SHAPES = [(1, 8192), (1, 32768), (1024, 8192), (1024, 32768)]  # s, T (H 32, D 128)
+INDEXER_SHAPES = [(1, 1, 8192), (4, 1, 8192), (1, 1, 32768), (1, 1024, 8192),
+                  (1, 1024, 32768)]  # b, s, T (H 32, D 128)
 
 
 def indexer_models(d: int) -> tuple[bytes, bytes]:
@@ -621,20 +623,20 @@ def bench_indexer_score(args: argparse.Namespace, threads: int,
     options.enable_cpu_mem_arena = False  # as the runtime's prefill session
     fused, standard = (make_session(m, options=options) for m in indexer_models(d))
     rows = []
-    for s, t in INDEXER_SHAPES:
-        q = fp4_round_trip(rng.standard_normal((1, s, h, d)).astype(np.float32), 32, "e8m0")[0]
-        w = (rng.standard_normal((1, s, h)) * 0.02).astype(np.float32)
-        cache = pack_quantized(rng.standard_normal((1, t, d)).astype(np.float32), "fp4_e8m0_32")
+    for b, s, t in INDEXER_SHAPES:
+        q = fp4_round_trip(rng.standard_normal((b, s, h, d)).astype(np.float32), 32, "e8m0")[0]
+        w = (rng.standard_normal((b, s, h)) * 0.02).astype(np.float32)
+        cache = pack_quantized(rng.standard_normal((b, t, d)).astype(np.float32), "fp4_e8m0_32")
         feeds = {"Q": q, "W": w, "K": cache, "T": np.array([t], np.int64)}
         fns = {"onnxruntime kernel": lambda f=feeds: fused.run(None, f)}
-        if s * h * t * 4 <= args.indexer_baseline_max_gib * 2**30:
+        if b * s * h * t * 4 <= args.indexer_baseline_max_gib * 2**30:
             fns["standard ops"] = lambda f=feeds: standard.run(None, f)
             if not same_bits(fused.run(None, feeds)[0], standard.run(None, feeds)[0]):
-                print(f"warning: IndexerScore s={s} T={t} differs from the standard ops",
+                print(f"warning: IndexerScore b={b} s={s} T={t} differs from the standard ops",
                       file=sys.stderr)
         for impl, seconds in interleaved_medians(fns, args.repeat).items():
-            rows.append(("IndexerScore H32 D128", f"s={s} T={t}", impl, seconds,
-                         s * t / seconds, "scores/s"))
+            rows.append(("IndexerScore H32 D128", f"b={b} s={s} T={t}", impl, seconds,
+                         b * s * t / seconds, "scores/s"))
     return rows
 
 

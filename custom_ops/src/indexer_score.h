@@ -25,17 +25,21 @@
 // the T == 1 tree (both seen with 3 threads).
 //
 // The tiled kernel (M >= 2 and T >= 2, the shapes every prefill and decode step of a real
-// context has): per task, a tile of kTileT key rows is unpacked (or copied) ONCE into a
-// transposed float buffer kT[D][kTileT] and reused by a block of kTileS queries and all
-// their heads; a register tile of kHeads heads x kVecs vectors of columns runs the fma
-// chains, then the epilogue rounds, applies relu and the weight, and adds the heads in the
-// ReduceSum order above. No [s, H, T] intermediate exists. The other shapes (and
+// context has) keeps heads in vector lanes, so no key is ever transposed (decode has one
+// query row per batch entry: nothing to share a transposed tile with). Per call each query
+// row is transposed once to qt[D][hp] (H padded by zero heads to hp, a multiple of the
+// vector width); per task (batch entry, kTileS query rows, kTileT key rows) the key rows
+// are read in place (float keys) or unpacked once into row-major scratch, in blocks of
+// kKeys rows; a register tile of kHeadVecs head vectors x kKeys key rows runs the fma chains
+// (fma(q, k, acc) is fma(k, q, acc) bit for bit), the epilogue rounds, applies relu and the
+// weight lane by lane, and each key's H terms are then added in the ReduceSum order above
+// (sum_heads). Padding heads and padding key rows (zeros past the tile) are computed and
+// never read. No [s, H, T] intermediate exists. The other shapes (and
 // CSA_INDEXER_SCORE_ISA=reference) run the scalar definition below.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 
 #include "ort_cast.h"
 #include "packed_quant.h"
@@ -52,8 +56,8 @@
 namespace csa::indexer_score {
 
 constexpr int64_t kMaxDim = 128;  // MLAS's SGEMM K panel: one fma chain per dot
-constexpr int64_t kTileT = 256;   // key rows per task: kT is D x 256 floats (128 KiB at 128)
-constexpr int64_t kTileS = 16;    // queries per task
+constexpr int64_t kTileT = 64;    // key rows per task (T = 256, 1K tokens at ratio 4: 4 tasks)
+constexpr int64_t kTileS = 16;    // query rows per task
 
 // How onnxruntime sums the heads (see above).
 enum class SumOrder { kGroups4, kInOrder };
@@ -190,129 +194,83 @@ struct Ops<tv::VScalar> {
   static inline float cast_bf16(float x) { return indexer_score::cast_bf16(x); }
 };
 
-// One task's inputs: a block of queries of one batch entry against a tile of key rows.
-struct Tile {
-  const Problem* pr;
-  const float* q;    // [rows][H][D]: the block's first query
-  const float* w;    // [rows][H]
-  const float* kt;   // [D][ldk]: the key tile transposed (columns past `cols` are zeros)
-  int64_t ldk;       // kt's row length: cols rounded up to the kernel's column chunk
-  int64_t rows;      // queries in the block
-  int64_t cols;      // key rows in the tile
-  float* out;        // [rows][out_stride]: score[block's first query][tile's first key]
-  int64_t out_stride;
-};
-
-// Adds group's kHeads (or fewer) weighted terms x[g][v] into the sum `acc` in `order`.
-template <typename V, int kVecs>
-__attribute__((always_inline)) inline void add_heads(SumOrder order, typename V::T (*x)[kVecs],
-                                                     int heads, typename V::T* acc) {
-  for (int v = 0; v < kVecs; ++v) {
-    if (order == SumOrder::kInOrder) {
-      for (int g = 0; g < heads; ++g) acc[v] = V::add(acc[v], x[g][v]);
-    } else if (heads == 4) {
-      acc[v] = V::add(V::add(V::add(V::add(x[0][v], x[1][v]), x[2][v]), x[3][v]), acc[v]);
-    } else if (heads == 2) {
-      acc[v] = V::add(V::add(x[0][v], x[1][v]), acc[v]);
-    } else {
-      acc[v] = V::add(x[0][v], acc[v]);
-    }
-  }
-}
-
-// A group of `heads` (<= 4) heads of query row r against one chunk of kVecs vectors of
-// columns starting at c: the fma chains, then the epilogue into `acc`.
-template <typename V, int kVecs, int kHeads>
-__attribute__((always_inline)) inline void head_group(const Tile& tile, int64_t r, int64_t h0,
-                                                      int64_t c, typename V::T* acc) {
-  using T = typename V::T;
-  const int64_t d = tile.pr->d;
-  const float* q = tile.q + (r * tile.pr->h + h0) * d;
-  T dots[4][kVecs];
-  for (int g = 0; g < kHeads; ++g)
-    for (int v = 0; v < kVecs; ++v) dots[g][v] = V::zero();
-  const float* kt = tile.kt + c;
-  for (int64_t i = 0; i < d; ++i, kt += tile.ldk) {
-    T k[kVecs];
-    for (int v = 0; v < kVecs; ++v) k[v] = V::load(kt + v * V::W);
-    for (int g = 0; g < kHeads; ++g) {
-      const T qb = V::bcast(q[g * d + i]);
-      for (int v = 0; v < kVecs; ++v) dots[g][v] = V::fma(qb, k[v], dots[g][v]);
-    }
-  }
-  const float* w = tile.w + r * tile.pr->h + h0;
-  for (int g = 0; g < kHeads; ++g) {
-    const T wg = V::bcast(w[g]);
-    for (int v = 0; v < kVecs; ++v) {
-      dots[g][v] = Ops<V>::cast_bf16(V::mul(Ops<V>::relu(Ops<V>::cast_bf16(dots[g][v])), wg));
-    }
-  }
-  add_heads<V, kVecs>(tile.pr->sum_order(), dots, kHeads, acc);
-}
-
-template <typename V, int kVecs>
-__attribute__((always_inline)) inline void score_tile(const Tile& tile) {
-  using T = typename V::T;
-  constexpr int64_t kChunk = kVecs * V::W;
-  const int64_t h = tile.pr->h;
-  for (int64_t r = 0; r < tile.rows; ++r) {
-    for (int64_t c = 0; c < tile.cols; c += kChunk) {
-      T acc[kVecs];
-      for (int v = 0; v < kVecs; ++v) acc[v] = V::zero();
-      int64_t h0 = 0;
-      for (; h0 + 4 <= h; h0 += 4) head_group<V, kVecs, 4>(tile, r, h0, c, acc);
-      if (h - h0 >= 2) {
-        head_group<V, kVecs, 2>(tile, r, h0, c, acc);
-        h0 += 2;
-      }
-      if (h - h0 == 1) head_group<V, kVecs, 1>(tile, r, h0, c, acc);
-      alignas(64) float sums[kChunk];
-      for (int v = 0; v < kVecs; ++v) V::store(sums + v * V::W, Ops<V>::cast_bf16(acc[v]));
-      const int64_t n = tile.cols - c < kChunk ? tile.cols - c : kChunk;
-      std::memcpy(tile.out + r * tile.out_stride + c, sums, static_cast<size_t>(n) * sizeof(float));
-    }
-  }
-}
-
-// Column chunk per instruction set (the tile's ldk is a multiple of it); the packed rows'
-// unpacking is SparseAttention's tile configuration's.
+// Accumulators per instruction set: kHeadVecs head vectors x kKeys key rows; the packed
+// rows' unpacking is SparseAttention's tile configuration's.
 template <typename V>
 struct Cfg;
 #ifdef CSA_X86
 template <>
 struct Cfg<tv::VAvx512> : tv::CfgAvx512 {
-  static constexpr int kVecs = 4;  // 4 heads x 4 zmm of dots, 4 zmm of sums
+  static constexpr int kHeadVecs = 2, kKeys = 8;  // 16 zmm of dots
 };
 template <>
 struct Cfg<tv::VAvx2> : tv::CfgAvx2 {
-  static constexpr int kVecs = 2;  // 4 heads x 2 ymm of dots, 2 ymm of sums
+  static constexpr int kHeadVecs = 2, kKeys = 4;  // 8 ymm of dots
 };
 #endif
 template <>
 struct Cfg<tv::VScalar> : tv::CfgScalar {
-  static constexpr int kVecs = 4;
+  static constexpr int kHeadVecs = 4, kKeys = 4;
 };
 
-template <typename V>
-constexpr int64_t chunk_of() {
-  return Cfg<V>::kVecs * V::W;
+// A task's inputs: a block of query rows of one batch entry against a tile of key rows.
+struct Tile {
+  const Problem* pr;
+  const float* qt;             // [rows][D][hp]: the block's query rows, transposed
+  const float* w;              // [rows][hp]: their weights, zeros past H
+  int64_t hp;                  // H rounded up to the vector width
+  const float* const* blocks;  // per block of kKeys key rows: [kKeys][D]
+  int64_t cols;                // key rows in the tile
+  float* out;                  // score[block's first query][tile's first key]
+};
+
+// Head vectors [v0, v0 + kHv) of query row r against kKeys key rows keys [kKeys][D]:
+// the weighted terms into terms [kKeys][hp].
+template <typename V, int kHv, int kKeys>
+__attribute__((always_inline)) inline void tile_heads(const Tile& tile, int64_t r, int64_t v0,
+                                                      const float* keys, float* terms) {
+  using T = typename V::T;
+  const int64_t d = tile.pr->d, hp = tile.hp;
+  T acc[kHv][kKeys];
+  for (int v = 0; v < kHv; ++v)
+    for (int j = 0; j < kKeys; ++j) acc[v][j] = V::zero();
+  const float* qt = tile.qt + r * d * hp + v0 * V::W;
+  for (int64_t i = 0; i < d; ++i, qt += hp) {
+    T qv[kHv];
+    for (int v = 0; v < kHv; ++v) qv[v] = V::load(qt + v * V::W);
+    for (int j = 0; j < kKeys; ++j) {
+      const T kb = V::bcast(keys[j * d + i]);
+      for (int v = 0; v < kHv; ++v) acc[v][j] = V::fma(qv[v], kb, acc[v][j]);
+    }
+  }
+  const float* w = tile.w + r * hp + v0 * V::W;
+  for (int v = 0; v < kHv; ++v) {
+    const T wv = V::load(w + v * V::W);
+    for (int j = 0; j < kKeys; ++j) {
+      const T x = Ops<V>::cast_bf16(V::mul(Ops<V>::relu(Ops<V>::cast_bf16(acc[v][j])), wv));
+      V::store(terms + j * hp + (v0 + v) * V::W, x);
+    }
+  }
 }
 
-// Key rows [cols] (float rows of `d`, or packed rows of `row_bytes` in `format`) into
-// kt[D][ldk], zeros past cols; `row` is scratch [D].
+// Query row r against the tile's key blocks, one block at a time (the row's qt stays in
+// L1): the row's scores of the tile. terms: scratch [kKeys][hp].
 template <typename V>
-__attribute__((always_inline)) inline void transpose_keys(const float* keys, const uint8_t* packed,
-                                                          packed::Format format,
-                                                          int64_t row_bytes, int64_t d,
-                                                          int64_t cols, int64_t ldk, float* kt,
-                                                          float* row) {
-  for (int64_t j = 0; j < cols; ++j) {
-    const float* src = keys != nullptr ? keys + j * d : row;
-    if (keys == nullptr) Cfg<V>::unpack(format, packed + j * row_bytes, d, row);
-    for (int64_t i = 0; i < d; ++i) kt[i * ldk + j] = src[i];
+__attribute__((always_inline)) inline void tile_row(const Tile& tile, int64_t r, float* terms) {
+  constexpr int kHv = Cfg<V>::kHeadVecs, kKeys = Cfg<V>::kKeys;
+  const Problem& pr = *tile.pr;
+  const int64_t vecs = tile.hp / V::W;
+  const SumOrder order = pr.sum_order();
+  float* out = tile.out + r * pr.t;
+  for (int64_t c = 0; c < tile.cols; c += kKeys) {
+    const float* keys = tile.blocks[c / kKeys];
+    int64_t v0 = 0;
+    for (; v0 + kHv <= vecs; v0 += kHv) tile_heads<V, kHv, kKeys>(tile, r, v0, keys, terms);
+    for (; v0 < vecs; ++v0) tile_heads<V, 1, kKeys>(tile, r, v0, keys, terms);
+    const int64_t n = tile.cols - c < kKeys ? tile.cols - c : kKeys;
+    for (int64_t j = 0; j < n; ++j)
+      out[c + j] = cast_bf16(sum_heads(order, terms + j * tile.hp, pr.h));
   }
-  for (int64_t i = 0; i < d; ++i)
-    for (int64_t j = cols; j < ldk; ++j) kt[i * ldk + j] = 0.0f;
 }
 
 }  // namespace csa::indexer_score

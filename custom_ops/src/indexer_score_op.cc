@@ -6,16 +6,17 @@
 // uint8 [b, R, row_bytes]: the packed index-key cache read in place, in the format named by
 // the attribute keys_format, e.g. "fp4_e8m0_32"), Width (int64, one element: T, 0 <= T <= R,
 // the key rows scored); output Score (float [b, s, T], bf16 values).
-// In parallel over (batch entry, block of 16 queries, tile of 256 key rows); each task
-// unpacks its key tile once into a transposed float buffer (D x 256) that its queries' heads
-// share. CSA_INDEXER_SCORE_ISA (or CSA2ONNX_ISA; read when a session creates the kernel)
-// forces a path: "avx512", "avx2", "scalar" (the tiles without SIMD) or "reference" (the
-// scalar definition, one query row per task); all give the same bits.
+// In parallel over (batch entry, block of 16 queries, tile of 64 key rows), heads in vector
+// lanes: each query row is transposed once per call, each task unpacks its key tile once
+// (row-major) for its queries. CSA_INDEXER_SCORE_ISA (or CSA2ONNX_ISA; read when a session
+// creates the kernel) forces a path: "avx512", "avx2", "scalar" (the tiles without SIMD) or
+// "reference" (the scalar definition, one query row per task); all give the same bits.
 // Compiled with -ffp-contract=off: the orders keep multiplies and adds apart.
 #include "ort_api.h"
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -44,13 +45,22 @@ struct Job {
   int64_t row_bytes = 0;
   float* out = nullptr;
   int64_t s_blocks = 0, t_blocks = 0;
+  // The tiles' query rows and weights, transposed once per call (see indexer_score::Tile).
+  const float* qt = nullptr;
+  const float* wt = nullptr;
+  int64_t hp = 0;
   std::atomic<bool> out_of_memory{false};
 };
 
-// Tiled task t = (batch entry, query block, key tile).
+// Tiled task t = (batch entry, query block, key tile): the tile's blocks of kKeys key rows
+// are read in place (float keys) or unpacked once (packed keys, and a last partial block,
+// padded with zero rows) into row-major scratch; then each query row of the block runs over
+// them.
 template <typename V>
 __attribute__((always_inline)) inline void tiled_task(const Job& j, size_t task,
                                                       std::vector<float>& scratch) {
+  constexpr int64_t kKeys = is::Cfg<V>::kKeys;
+  static_assert(is::kTileT % kKeys == 0, "a tile is whole key blocks");
   const is::Problem& pr = j.pr;
   const int64_t tb = static_cast<int64_t>(task) % j.t_blocks;
   const int64_t sb = static_cast<int64_t>(task) / j.t_blocks % j.s_blocks;
@@ -58,20 +68,33 @@ __attribute__((always_inline)) inline void tiled_task(const Job& j, size_t task,
   const int64_t t0 = tb * is::kTileT, s0 = sb * is::kTileS;
   const int64_t cols = std::min(is::kTileT, pr.t - t0);
   const int64_t rows = std::min(is::kTileS, pr.s - s0);
-  constexpr int64_t kChunk = is::chunk_of<V>();
-  const int64_t ldk = (cols + kChunk - 1) / kChunk * kChunk;
-  const size_t need = static_cast<size_t>(pr.d * (ldk + 1));
+  const size_t need = static_cast<size_t>(is::kTileT * pr.d + kKeys * j.hp);
   if (scratch.size() < need) scratch.resize(need);
-  float* kt = scratch.data();
-  float* row = kt + pr.d * ldk;
-  const int64_t first_key = bi * j.r + t0;
-  is::transpose_keys<V>(j.keys != nullptr ? j.keys + first_key * pr.d : nullptr,
-                        j.packed != nullptr ? j.packed + first_key * j.row_bytes : nullptr,
-                        j.format, j.row_bytes, pr.d, cols, ldk, kt, row);
-  const int64_t first_query = bi * pr.s + s0;
-  const is::Tile tile{&pr, j.q + first_query * pr.h * pr.d, j.w + first_query * pr.h, kt, ldk,
-                      rows, cols, j.out + first_query * pr.t + t0, pr.t};
-  is::score_tile<V, is::Cfg<V>::kVecs>(tile);
+  float* unpacked = scratch.data();
+  float* terms = unpacked + is::kTileT * pr.d;
+  const float* blocks[is::kTileT / kKeys];
+  for (int64_t c = 0; c < cols; c += kKeys) {
+    const int64_t n = std::min(kKeys, cols - c);
+    const int64_t first_key = bi * j.r + t0 + c;
+    const float* keys = j.keys != nullptr ? j.keys + first_key * pr.d : nullptr;
+    float* block = unpacked + c * pr.d;
+    if (keys == nullptr || n < kKeys) {
+      for (int64_t k = 0; k < n; ++k) {
+        if (keys != nullptr)
+          std::memcpy(block + k * pr.d, keys + k * pr.d, static_cast<size_t>(pr.d) * 4);
+        else
+          is::Cfg<V>::unpack(j.format, j.packed + (first_key + k) * j.row_bytes, pr.d,
+                             block + k * pr.d);
+      }
+      std::fill(block + n * pr.d, block + kKeys * pr.d, 0.0f);
+      keys = block;
+    }
+    blocks[c / kKeys] = keys;
+  }
+  const int64_t first_row = bi * pr.s + s0;
+  const is::Tile tile{&pr, j.qt + first_row * pr.d * j.hp, j.wt + first_row * j.hp, j.hp,
+                      blocks, cols, j.out + first_row * pr.t + t0};
+  for (int64_t r = 0; r < rows; ++r) is::tile_row<V>(tile, r, terms);
 }
 
 __attribute__((flatten)) void tiled_scalar(const Job& j, size_t t, std::vector<float>& s) {
@@ -87,6 +110,20 @@ CSA_TARGET_AVX2 __attribute__((flatten)) void tiled_avx2(const Job& j, size_t t,
   tiled_task<is::tv::VAvx2>(j, t, s);
 }
 #endif
+
+// Q [rows][H][D] and W [rows][H] as the tiles read them: qt [rows][D][hp] and
+// wt [rows][hp], zeros in the padding heads.
+void transpose_queries(const float* q, const float* w, int64_t rows, int64_t h, int64_t d,
+                       int64_t hp, std::vector<float>& qt, std::vector<float>& wt) {
+  qt.assign(static_cast<size_t>(rows * d * hp), 0.0f);
+  wt.assign(static_cast<size_t>(rows * hp), 0.0f);
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t hh = 0; hh < h; ++hh) {
+      wt[i * hp + hh] = w[i * h + hh];
+      for (int64_t k = 0; k < d; ++k) qt[(i * d + k) * hp + hh] = q[(i * h + hh) * d + k];
+    }
+  }
+}
 
 // The definition for query row `task` (the reference path and the shapes the tiles do not
 // take: one GEMM row, or T == 1); packed keys are unpacked row by row first.
@@ -191,15 +228,27 @@ struct IndexerScoreKernel {
     job.t_blocks = (t + is::kTileT - 1) / is::kTileT;
 
     using Fn = void (*)(const Job&, size_t, std::vector<float>&);
-    Fn fn = tiled_scalar;
+    Fn fn = row_task;
+    int64_t tasks = b * s;
+    std::vector<float> qt, wt;
+    if (isa != Isa::kReference && job.pr.tiled()) {
+      fn = tiled_scalar;
+      int64_t width = 1;  // heads are padded to a multiple of the vector width
 #ifdef CSA_X86
-    if (isa == Isa::kAvx512) fn = tiled_avx512;
-    if (isa == Isa::kAvx2) fn = tiled_avx2;
+      if (isa == Isa::kAvx512) {
+        fn = tiled_avx512;
+        width = is::tv::VAvx512::W;
+      }
+      if (isa == Isa::kAvx2) {
+        fn = tiled_avx2;
+        width = is::tv::VAvx2::W;
+      }
 #endif
-    int64_t tasks = b * job.s_blocks * job.t_blocks;
-    if (isa == Isa::kReference || !job.pr.tiled()) {
-      fn = row_task;
-      tasks = b * s;
+      job.hp = (h + width - 1) / width * width;
+      transpose_queries(job.q, job.w, b * s, h, d, job.hp, qt, wt);
+      job.qt = qt.data();
+      job.wt = wt.data();
+      tasks = b * job.s_blocks * job.t_blocks;
     }
     run_tasks_with_scratch(ctx, b * s * h * t * d, serial_below::kMultiplyAdds,
                            static_cast<size_t>(tasks), fn, job);
