@@ -120,6 +120,18 @@ def rope_cos_sin(op: OpBuilder, positions: ir.Value, inverse_frequencies: Sequen
     return cos, sin
 
 
+def apply_rope(op: OpBuilder, x: ir.Value, cos: ir.Value, sin: ir.Value, rope_head_dim: int,
+               inverse: bool = False) -> ir.Value:
+    """The reference's apply_rotary_emb on the last `rope_head_dim` features of x ([b, s, d]
+    or [b, s, h, d]; adjacent pairs as complex numbers, conjugate rotation when `inverse`),
+    the rotated features rounded to bf16 (custom_ops/src/apply_rope_op.cc). cos/sin are
+    [s, rd/2] rows at the tokens' positions, or [b, s, rd/2] for per-batch positions."""
+    if rope_head_dim <= 0 or rope_head_dim % 2:
+        raise ValueError(f"rope_head_dim must be even and > 0, got {rope_head_dim}")
+    return _csa(op).ApplyRope(x, cos, sin, rope_head_dim=int(rope_head_dim),
+                              inverse=int(inverse))
+
+
 def torch_rms_norm(op: OpBuilder, x: ir.Value, w: ir.Value, eps: float) -> ir.Value:
     """w * (x * rsqrt(mean(x^2) + eps)) over the last axis in float32, the mean summed in
     torch CPU's order (custom_ops/src/torch_rms_norm.h; the portable body spells out the

@@ -36,6 +36,12 @@ each body computes against its kernel (tests/test_*: each "portable" test):
 - PackQuantized, UnpackQuantized: bit-exact (NaN payloads aside): the quantisers' own steps,
   then the codes by exact arithmetic and the values from tables.
 
+- ApplyRope: the standard ops it replaced (graphs/rope.py's apply_rotary_emb before the op:
+  Slices, Mul, Sub, Add, Concat, Cast to bf16 and back): bit-exact, NaN signs aside where
+  both operands of a Mul or of the Add are NaN (tests/test_apply_rope.py), but it copies X
+  about five times where the kernel reads it once (and, in place, writes only the rotated
+  features).
+
 RopeCosSin has none: ONNX Cos and Sin are not the C library's cosf and sinf, so a portable
 graph keeps the RoPE tables instead (graphs/rope.py).
 """
@@ -457,6 +463,35 @@ def UnpackQuantized(P, format: str, dim: int) -> FLOAT:
     return op.Reshape(y * op.Unsqueeze(scales, [-1]), op.Concat(lead, d, axis=0))
 
 
+@script(csa2onnx)
+def ApplyRope(X: FLOAT, Cos: FLOAT, Sin: FLOAT, rope_head_dim: int, inverse: int = 0) -> FLOAT:
+    # graphs/rope.py's apply_rotary_emb before the op, node for node.
+    rd = op.Reshape(op.Constant(value_int=rope_head_dim), [1])
+    shape = op.Shape(X)
+    nope = op.Slice(X, [0], op.Neg(rd), [-1])
+    rope = op.Slice(X, op.Neg(rd), [9223372036854775807], [-1])
+    pairs = op.Reshape(rope, op.Concat(op.Slice(shape, [0], [-1]), op.Div(rd, [2]), [2], axis=0))
+    re = op.Squeeze(op.Slice(pairs, [0], [1], [-1]), [-1])
+    im = op.Squeeze(op.Slice(pairs, [1], [2], [-1]), [-1])
+    # [..., s, rd/2] -> [..., s, 1, rd/2] when X has a heads axis: one size-1 axis per
+    # dimension of X beyond three.
+    ones = op.Expand(op.Constant(value_ints=[1]), op.Sub(op.Shape(shape), [3]))
+    rows_shape = op.Shape(Cos)
+    rows_shape = op.Concat(op.Slice(rows_shape, [0], [-1]), ones,
+                           op.Slice(rows_shape, [-1], [9223372036854775807]), axis=0)
+    cos = op.Reshape(Cos, rows_shape)
+    # Neg(Sin) when inverse, picked by index: Where would turn -0 into +0.
+    sin = op.Gather(op.Concat(op.Unsqueeze(Sin, [0]), op.Unsqueeze(op.Neg(Sin), [0]), axis=0),
+                    op.Constant(value_int=inverse), axis=0)
+    sin = op.Reshape(sin, rows_shape)
+    out_re = op.Sub(op.Mul(re, cos), op.Mul(im, sin))
+    out_im = op.Add(op.Mul(re, sin), op.Mul(im, cos))
+    rotated = op.Reshape(op.Concat(op.Unsqueeze(out_re, [-1]), op.Unsqueeze(out_im, [-1]),
+                                   axis=-1), op.Shape(rope))
+    rounded = op.Cast(op.Cast(rotated, to=onnx.TensorProto.BFLOAT16), to=onnx.TensorProto.FLOAT)
+    return op.Concat(nope, rounded, axis=-1)
+
+
 def fp4_function_proto() -> onnx.FunctionProto:
     """The Fp4QuantDequant function alone (see `portable_functions`)."""
     return Fp4QuantDequant.to_function_proto()
@@ -467,4 +502,4 @@ def portable_functions() -> list[onnx.FunctionProto]:
     return [f.to_function_proto() for f in (Fp4QuantDequant, TorchTopK, TorchLinear,
                                              TorchRMSNorm, SparseAttention, Fp8Linear,
                                              IndexerScore, WriteRows, PackQuantized,
-                                             UnpackQuantized)]
+                                             UnpackQuantized, ApplyRope)]

@@ -280,6 +280,12 @@ SIGNATURES: tuple[OpSignature, ...] = (
         attributes=(Attribute("inverse_frequencies", _Attr.FLOATS, required=True),
                     Attribute("max_positions", _Attr.INT, required=True))),
     OpSignature(
+        "ApplyRope", "RoPE on the last rope_head_dim features (adjacent pairs), then bf16.",
+        (Param("X", _FLOAT), Param("Cos", _FLOAT), Param("Sin", _FLOAT)), (Param("Y", _FLOAT),),
+        _infer_like_first(TensorProto.FLOAT),
+        attributes=(Attribute("rope_head_dim", _Attr.INT, required=True),
+                    Attribute("inverse", _Attr.INT, default=0))),
+    OpSignature(
         "WriteRows", "Cache with rows RowStart.. of its first entries replaced (in place).",
         (Param("Cache", "T"), Param("Rows", "T"), Param("RowStart", _INT64),
          Param("After", _INT64, optional=True)), (Param("CacheOut", "T"),),

@@ -14,8 +14,8 @@ import onnx_ir as ir
 from onnxscript import OpBuilder, nn
 
 from csa2onnx.custom_ops.library import libm_cos_sin
-from csa2onnx.custom_ops.ops import is_portable, rope_cos_sin
-from csa2onnx.graphs.numerics import FLOAT, INT64, round_bf16, weight
+from csa2onnx.custom_ops.ops import apply_rope, is_portable, rope_cos_sin
+from csa2onnx.graphs.numerics import FLOAT, INT64, weight
 
 
 @dataclass(frozen=True)
@@ -138,31 +138,7 @@ def apply_rotary_emb(op: OpBuilder, x: ir.Value, cos: ir.Value, sin: ir.Value,
     `cos`/`sin` are [s, rd/2] rows already gathered at the tokens' positions (or
     [b, s, rd/2] for per-batch positions); x's other features pass through unchanged.
     The product is float32 and the result is rounded to bf16, as the reference's copy_
-    back into a bf16 tensor does.
+    back into a bf16 tensor does. One ApplyRope node (a portable artifact runs its
+    standard-op body: custom_ops/portable.py).
     """
-    rd = rope_head_dim
-    shape = op.Shape(x)
-    nope = op.Slice(x, [0], [-rd], [-1])
-    pairs = op.Reshape(op.Slice(x, [-rd], [2**62], [-1]),
-                       op.Concat(op.Slice(shape, [0], [-1]), [rd // 2, 2], axis=0))
-    re = op.Squeeze(op.Slice(pairs, [0], [1], [-1]), [-1])
-    im = op.Squeeze(op.Slice(pairs, [1], [2], [-1]), [-1])
-    cos, sin = _broadcast_over_heads(op, cos, shape), _broadcast_over_heads(op, sin, shape)
-    if inverse:
-        sin = op.Neg(sin)
-    out_re = op.Sub(op.Mul(re, cos), op.Mul(im, sin))
-    out_im = op.Add(op.Mul(re, sin), op.Mul(im, cos))
-    rotated = op.Reshape(op.Concat(op.Unsqueeze(out_re, [-1]), op.Unsqueeze(out_im, [-1]),
-                                   axis=-1), op.Shape(op.Slice(x, [-rd], [2**62], [-1])))
-    return op.Concat(nope, round_bf16(op, rotated), axis=-1)
-
-
-def _broadcast_over_heads(op: OpBuilder, rows: ir.Value, x_shape: ir.Value) -> ir.Value:
-    """[..., s, rd/2] -> [..., s, 1, rd/2] when x has a heads axis ([b, s, h, d]): one size-1
-    axis per dimension of x beyond three, computed in the graph, so x's rank need not be
-    known when the graph is built."""
-    extra = op.Sub(op.Shape(x_shape), 3)  # x's rank - 3: 1 with heads, else 0
-    ones = op.ConstantOfShape(extra, value=ir.tensor(np.ones(1, np.int64)))
-    rows_shape = op.Shape(rows)
-    return op.Reshape(rows, op.Concat(op.Slice(rows_shape, [0], [-1]), ones,
-                                      op.Slice(rows_shape, [-1], [2**62]), axis=0))
+    return apply_rope(op, x, cos, sin, rope_head_dim, inverse)

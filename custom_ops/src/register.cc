@@ -6,6 +6,7 @@
 #include <memory>
 #include <vector>
 
+#include "apply_rope_op.h"
 #include "fp4_op.h"
 #include "fp8_linear_op.h"
 #include "indexer_score_op.h"
@@ -37,6 +38,7 @@ struct Library {
     csa::AppendPackedOps(ops);
     csa::AppendRopeCosSinOps(ops);
     csa::AppendIndexerScoreOps(ops);
+    csa::AppendApplyRopeOps(ops);
     for (auto& op : ops) {
       op->InferOutputShapeFn = csa::shape_inference_for(op->GetName(op.get()));
       domain.Add(op.get());

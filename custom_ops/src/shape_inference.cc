@@ -226,6 +226,7 @@ constexpr Entry kRules[] = {
     {"TorchRMSNorm", infer<like_first_input>},
     {"SparseAttention", infer<like_first_input>},
     {"RopeCosSin", infer<rope_cos_sin>},
+    {"ApplyRope", infer<like_first_input>},
     {"WriteRows", infer<like_first_input>},
     {"PackQuantized", infer<pack_quantized>},
     {"UnpackQuantized", infer<unpack_quantized>},
