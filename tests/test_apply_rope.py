@@ -90,17 +90,21 @@ def inputs(x_type: int = TensorProto.FLOAT) -> list:
 
 
 def op_model(rd: object, inverse: object = 0, *, portable: bool = False,
-             in_place: bool = False, x_type: int = TensorProto.FLOAT) -> bytes:
-    """One ApplyRope node; `in_place`: X comes from Neg(Neg(X)), an intermediate that the
-    runtime may give Y's buffer (exact: Neg flips only the sign bit)."""
+             in_place_rank: int | None = None, x_type: int = TensorProto.FLOAT) -> bytes:
+    """One ApplyRope node. `in_place_rank`: X (of that rank, symbolic dims) goes through
+    Neg(Neg(X)) (exact: Neg flips only the sign bit) into ApplyRope, whose output goes
+    through Neg again: the runtime gives Y X's buffer (it reuses a buffer only between
+    intermediates of statically equal shapes), so the kernel runs in place."""
     attrs = {k: v for k, v in (("rope_head_dim", rd), ("inverse", inverse)) if v is not None}
-    nodes = []
-    x = "X"
-    if in_place:
-        nodes = [_node("Neg", ["X"], ["nx"]), _node("Neg", ["nx"], ["xx"])]
-        x = "xx"
-    nodes.append(_node("ApplyRope", [x, "Cos", "Sin"], ["Y"], domain="csa2onnx", **attrs))
-    graph = helper.make_graph(nodes, "apply_rope", inputs(x_type),
+    graph_inputs = inputs(x_type)
+    if in_place_rank is None:
+        nodes = [_node("ApplyRope", ["X", "Cos", "Sin"], ["Y"], domain="csa2onnx", **attrs)]
+    else:
+        graph_inputs[0] = _vi("X", x_type, ["b", "s", "h", "d"][-in_place_rank:])
+        nodes = [_node("Neg", ["X"], ["nx"]), _node("Neg", ["nx"], ["xx"]),
+                 _node("ApplyRope", ["xx", "Cos", "Sin"], ["r"], domain="csa2onnx", **attrs),
+                 _node("Neg", ["r"], ["nr"]), _node("Neg", ["nr"], ["Y"])]
+    graph = helper.make_graph(nodes, "apply_rope", graph_inputs,
                               [_vi("Y", TensorProto.FLOAT, None)])
     return custom_op_model(graph, portable=portable)
 
@@ -153,14 +157,15 @@ def standard(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, rd: int, inverse: 
 
 
 def op_session(monkeypatch, rd: int, inverse: bool, isa: str, threads: int,
-               in_place: bool = False) -> ort.InferenceSession:
-    key = (rd, inverse, isa, threads, in_place)
+               in_place_rank: int | None = None) -> ort.InferenceSession:
+    key = (rd, inverse, isa, threads, in_place_rank)
     if key not in _sessions:
         monkeypatch.delenv("CSA2ONNX_ISA", raising=False)
         monkeypatch.setenv("CSA_APPLY_ROPE_ISA", isa)  # read when the kernel is created
         try:
-            _sessions[key] = make_session(op_model(rd, int(inverse), in_place=in_place),
-                                          options=session_options(threads))
+            _sessions[key] = make_session(
+                op_model(rd, int(inverse), in_place_rank=in_place_rank),
+                options=session_options(threads))
         finally:
             monkeypatch.delenv("CSA_APPLY_ROPE_ISA")
     return _sessions[key]
@@ -171,7 +176,7 @@ def ambiguous(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, rd: int,
     """Where onnxruntime's own NaN sign is not defined: a Mul or the Add of two NaNs."""
     def rows(t: np.ndarray) -> np.ndarray:  # [(b,) s, rd/2] -> X's rank, broadcast
         t = t.reshape((-1, x.shape[1]) + (1,) * (x.ndim - 3) + (rd // 2,))
-        return np.broadcast_to(t, x.shape[:-1] + (rd // 2,))
+        return np.broadcast_to(t, (*x.shape[:-1], rd // 2))
     c, s = rows(cos), rows(sin) * (-1 if inverse else 1)
     re, im = x[..., -rd::2], x[..., -rd + 1::2]
     with np.errstate(all="ignore"):
@@ -199,7 +204,8 @@ def check(monkeypatch, x, cos, sin, rd: int, inverse: bool, paths=PATHS,
     for isa in paths:
         for n in threads:
             for inplace in in_place:
-                got = op_session(monkeypatch, rd, inverse, isa, n, inplace).run(
+                got = op_session(monkeypatch, rd, inverse, isa, n,
+                                 x.ndim if inplace else None).run(
                     None, {"X": x, "Cos": cos, "Sin": sin})[0]
                 assert_same(got, want, skip, f"{isa} threads={n} in_place={inplace} "
                             f"x{x.shape} cos{cos.shape} rd={rd} inverse={inverse}")
