@@ -10,6 +10,8 @@ C++ kernels in `libcsa2onnx_ops.so` (README "The custom ops"):
 - `SparseAttention`: the reference's sparse_attn, optionally over a packed cache.
 - `IndexerScore`: the Indexer's scores, optionally over the packed index-key cache.
 - `RopeCosSin`: RoPE's freqs_cis rows at given positions, no table.
+- `ApplyRope`: apply_rotary_emb on the last rope_head_dim features, then bf16 (in place
+  when the runtime allows).
 - `WriteRows`: cache rows written in place when the runtime binds the cache's buffer.
 - `PackQuantized` / `UnpackQuantized`: state rows quantised and packed, and back.
 

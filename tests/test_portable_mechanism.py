@@ -54,7 +54,9 @@ def _wrapped(op, x, w, k, cache, rows, start):
     unpacked = ops.unpack_quantized(op, ops.pack_quantized(op, y, "fp8_e8m0_32"),
                                     "fp8_e8m0_32", 32)
     written = ops.write_rows(op, cache, rows, start)
-    return values, quantised, unpacked, written
+    rows_cs = op.Constant(value=ir.tensor(np.ones((4, 2), np.float32)))
+    rotated = ops.apply_rope(op, written, rows_cs, rows_cs, 4)
+    return values, quantised, unpacked, rotated
 
 
 @pytest.mark.parametrize("portable", [False, True], ids=["default", "portable"])
@@ -65,7 +67,7 @@ def test_wrappers_build_the_same_nodes_either_way(portable: bool) -> None:
     model = build_model("m", inputs, ["v", "q", "u", "c"], _wrapped, portable=portable)
     nodes = [n.op_type for n in model.graph.node if n.domain == "csa2onnx"]
     assert nodes == ["TorchLinear", "TorchRMSNorm", "TorchTopK", "Fp4QuantDequant",
-                     "PackQuantized", "UnpackQuantized", "WriteRows"]
+                     "PackQuantized", "UnpackQuantized", "WriteRows", "ApplyRope"]
     assert {f.name for f in model.functions} == (
         {f.name for f in portable_functions()} if portable else set())
 
