@@ -19,6 +19,7 @@ machine's load then hits them alike), and each time is the median over the round
     python tools/bench_ops.py --only sparse [--threads 2] [--sparse-decode]  # SparseAttention
     python tools/bench_ops.py --only packed                         # Pack/UnpackQuantized only
     python tools/bench_ops.py --only indexer [--indexer-baseline-max-gib 6]   # IndexerScore
+    python tools/bench_ops.py --only rope                                    # ApplyRope
 
 Fp4QuantDequant: values/s of the onnxruntime kernel, the NumPy definition
 (custom_ops/reference.py) and a compact torch version of the same round trip, on a float32
@@ -52,6 +53,12 @@ against what the layer ran before the op: UnpackQuantized(Slice(cache)) and the 
 the baseline is left out where one such intermediate would pass --indexer-baseline-max-gib
 (default 1.5). Outputs checked bit for bit; the two run interleaved; "scores/s" counts b*s*T
 outputs.
+
+ApplyRope (--only rope): milliseconds per call on the released q and o ([1, s, 64, 512], rd 64;
+s = 1, 256, 1024) against the standard ops it replaced, which are its portable body
+(custom_ops/portable.py, inlined by a session without the library). X is a graph input
+here, so the kernel copies the unchanged features too; inside a layer q and o are
+intermediates and it runs in place. Outputs checked bit for bit; the two run interleaved.
 
 Fp8Linear: milliseconds per call against the bf16 TorchLinear on the same [N, K] (the same
 values: e4m3 is exact in bf16), both with W a constant initializer, at the released
@@ -640,6 +647,50 @@ def bench_indexer_score(args: argparse.Namespace, threads: int,
     return rows
 
 
+ROPE_SEQUENCES = (1, 256, 1024)  # q and o: [1, s, 64, 512], rd 64
+
+
+def rope_model(inverse: int) -> bytes:
+    """One ApplyRope node, with the portable bodies (run as the standard ops without the
+    library)."""
+    from csa2onnx.custom_ops.portable import portable_functions
+
+    vi = helper.make_tensor_value_info
+    inputs = [vi("X", TensorProto.FLOAT, [1, "s", 64, 512]),
+              vi("Cos", TensorProto.FLOAT, ["s", 32]), vi("Sin", TensorProto.FLOAT, ["s", 32])]
+    node = helper.make_node("ApplyRope", ["X", "Cos", "Sin"], ["Y"], domain="csa2onnx",
+                            rope_head_dim=64, inverse=inverse)
+    graph = helper.make_graph([node], "rope", inputs,
+                              [vi("Y", TensorProto.FLOAT, [1, "s", 64, 512])])
+    model = helper.make_model(graph, opset_imports=OPSETS)
+    model.functions.extend(portable_functions())
+    return model.SerializeToString()
+
+
+def bench_apply_rope(args: argparse.Namespace, threads: int,
+                     rng: np.random.Generator) -> list[Row]:
+    standard_options = ort.SessionOptions()
+    standard_options.intra_op_num_threads = threads
+    rows = []
+    for inverse, name in ((0, "q"), (1, "o")):
+        model = rope_model(inverse)
+        fused = make_session(model, options=session_options(threads))
+        standard = ort.InferenceSession(model, standard_options,
+                                        providers=["CPUExecutionProvider"])
+        for s in ROPE_SEQUENCES:
+            angles = rng.uniform(0, 100, (s, 32)).astype(np.float32)
+            feeds = {"X": rng.standard_normal((1, s, 64, 512)).astype(np.float32),
+                     "Cos": np.cos(angles), "Sin": np.sin(angles)}
+            if not same_bits(fused.run(None, feeds)[0], standard.run(None, feeds)[0]):
+                print(f"warning: ApplyRope s={s} differs from the standard ops", file=sys.stderr)
+            fns = {"onnxruntime kernel": lambda f=feeds, k=fused: k.run(None, f),
+                   "standard ops": lambda f=feeds, k=standard: k.run(None, f)}
+            for impl, seconds in interleaved_medians(fns, args.repeat).items():
+                rows.append((f"ApplyRope {name} h64 d512 rd64", f"s={s}", impl, seconds,
+                             s * 64 * 512 / seconds, "values/s"))
+    return rows
+
+
 def median_time(fn: Callable[[], Any], repeat: int, min_time: float) -> float:
     """Median seconds per call, after one warm-up call; at least `repeat` calls and
     `min_time` seconds in all."""
@@ -669,7 +720,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--min-time", type=float, default=1.0, help="seconds per measurement")
     parser.add_argument("--only", choices=["linear", "fp8", "fp4", "topk", "sparse", "packed",
-                                           "indexer"],
+                                           "indexer", "rope"],
                         action="append",
                         help="run only these sections (repeatable; default: all)")
     parser.add_argument("--linear-m", type=int, nargs="+", default=[1, 256, 1024],
@@ -699,7 +750,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="IndexerScore: time the standard ops only where one [s, H, T] "
                              "float32 intermediate fits in this many GiB")
     args = parser.parse_args(argv)
-    sections = set(args.only or ["linear", "fp8", "fp4", "topk", "sparse", "packed", "indexer"])
+    sections = set(args.only or ["linear", "fp8", "fp4", "topk", "sparse", "packed", "indexer",
+                                 "rope"])
     if "fp8" in sections:
         shapes = None
         if args.fp8_shapes:
@@ -716,7 +768,7 @@ def main(argv: list[str] | None = None) -> int:
         bench_linear(args.linear_m, threads, args.repeat, args.min_time, args.baseline_library,
                      args.linear_layers)
         print()
-    if not sections & {"fp4", "topk", "sparse", "packed", "indexer"}:
+    if not sections & {"fp4", "topk", "sparse", "packed", "indexer", "rope"}:
         return 0
     options = session_options(threads)
     rng = np.random.default_rng(0)
@@ -777,6 +829,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if "indexer" in sections:
         rows += bench_indexer_score(args, threads, rng)
+
+    if "rope" in sections:
+        rows += bench_apply_rope(args, threads, rng)
 
     print(f"threads: onnxruntime intra_op_num_threads={threads} = torch threads, "
           f"numpy single-threaded; {os.cpu_count()} CPUs; onnxruntime {ort.__version__}, "
