@@ -32,7 +32,9 @@ inline float cast_bf16(float x) {
 CSA_TARGET_AVX512 inline __m512 cast_bf16(__m512 x) {
   const __m512i u = _mm512_castps_si512(x);
   const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  // the maskz form: GCC 12 warns about the plain one's _mm512_undefined placeholder
+  const __m512i odd =
+      _mm512_and_si512(_mm512_maskz_srli_epi32(0xffff, u, 16), _mm512_set1_epi32(1));
   __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
   r = _mm512_and_si512(r, _mm512_set1_epi32(~0xffff));
   const __m512i quiet = _mm512_or_si512(_mm512_and_si512(u, _mm512_set1_epi32(INT32_MIN)),
