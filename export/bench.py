@@ -10,6 +10,7 @@ checkout or $CSA2ONNX_UPSTREAM) only when `--baseline upstream` asks for it.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import platform
@@ -32,7 +33,7 @@ from csa2onnx.custom_ops.constants import packed_row_bytes
 from csa2onnx.export.checkpoint import open_checkpoint
 from csa2onnx.export.config import AttentionConfig
 from csa2onnx.export.plan import StackPlan, plan_stack
-from csa2onnx.export.runtime import AttentionRuntime
+from csa2onnx.export.runtime import AttentionRuntime, page_returner
 from csa2onnx.export.stack import export_stack
 from csa2onnx.export.synthetic import attention_tensors
 from csa2onnx.export.weights import LayerWeights
@@ -221,7 +222,11 @@ def read_bandwidth(threads: int, mib: int = 512, repeat: int = 5) -> float:
 
 def reset_peak_rss() -> bool:
     """Starts a new high-water mark (Linux: clear_refs 5 resets VmHWM), so that each side's
-    peak is its own; False where the system does not allow it (peaks then accumulate)."""
+    peak is its own; False where the system does not allow it (peaks then accumulate).
+    What earlier runs freed is handed back first (garbage, then glibc's free pages), or a
+    side's peak would include the memory the process kept from the one before."""
+    gc.collect()
+    page_returner()()
     try:
         Path("/proc/self/clear_refs").write_text("5")
         return True

@@ -63,7 +63,9 @@ class MatrixResult:
     def table(self) -> str:
         first = self.rows[0][1]
         upstream = first.upstream is not None
-        bandwidth = {s.threads: r.read_bandwidth for s, r in self.rows}
+        bandwidth: dict[int, list[float]] = {}
+        for s, r in self.rows:
+            bandwidth.setdefault(s.threads, []).append(r.read_bandwidth / 1e9)
         lines = [f"csa2onnx bench matrix: layers {first.layers[0]}..{first.layers[-1]}, "
                  f"{first.weight_format} weights ({first.weight_bytes / 2**20:.1f} MiB), "
                  f"{self.options['decode']} decode steps per scenario"
@@ -72,8 +74,9 @@ class MatrixResult:
                  f"machine: {self.machine['cpu']} ({', '.join(self.machine['isa'])}), "
                  f"{self.machine['cores']} cores; onnxruntime {self.machine['onnxruntime']}"
                  + (f", torch {self.machine['torch']}" if "torch" in self.machine else ""),
-                 "read bandwidth: " + ", ".join(f"{t} threads {bw / 1e9:.1f} GB/s"
-                                                for t, bw in sorted(bandwidth.items())),
+                 "read bandwidth, measured with each scenario (its limit uses its own): "
+                 + ", ".join(f"{t} threads {min(bw):.1f}-{max(bw):.1f} GB/s"
+                             for t, bw in sorted(bandwidth.items())),
                  "", f"{'threads':>7}{'batch':>6}{'context':>8}{'':<13}"
                  f"{'prefill s':>10}" + (f"{'upstream':>10}{'x up':>7}" if upstream else "")
                  + f"{'decode ms':>10}" + (f"{'upstream':>10}{'x up':>7}" if upstream else "")

@@ -56,7 +56,7 @@ class StepOutputs:
 MIN_CACHE_ROWS = 256  # a cache's first capacity (or all its rows, if fewer)
 
 
-def _page_returner() -> Callable[[], None]:
+def page_returner() -> Callable[[], None]:
     """glibc keeps the pages a prefill's activations were freed from (about 0.6 GiB after a
     1024-token prefill of three released layers) until something else reuses them;
     malloc_trim hands them back to the system. A no-op where the C library is not glibc."""
@@ -112,7 +112,7 @@ class AttentionRuntime:
         self.position = 0  # tokens seen so far (next start_pos)
         self.batch = 0
         self.started = False  # whether a prefill has run (decode needs one)
-        self._return_freed_pages = _page_returner()
+        self._return_freed_pages = page_returner()
 
     @property
     def layers(self) -> list[int]:
