@@ -39,6 +39,11 @@ PackedFormat = Literal["fp4_e4m3_16", "fp4_e8m0_32", "fp8_e8m0_32"]
 PORTABLE_KEY = "csa2onnx.portable"  # graph metadata: emit standard ONNX only
 
 
+def round_bf16(op: OpBuilder, x: ir.Value) -> ir.Value:
+    """bf16(x): round to bfloat16 (nearest even) and back to float32, as two Casts."""
+    return op.Cast(op.Cast(x, to=ir.DataType.BFLOAT16), to=ir.DataType.FLOAT)
+
+
 def is_portable(op: OpBuilder) -> bool:
     """Whether the graph being built is a portable (library-free) artifact."""
     return op.builder.root.graph.metadata_props.get(PORTABLE_KEY) == "true"
@@ -89,7 +94,7 @@ def torch_linear(op: OpBuilder, x: ir.Value, w: ir.Value, *,
             raise ValueError("a portable graph takes plain [N, K] TorchLinear weights (its "
                              "standard-op body is a MatMul), not panels64 ones")
         y = _csa(op).TorchLinear(x, w)
-        return op.Cast(op.Cast(y, to=ir.DataType.BFLOAT16), to=ir.DataType.FLOAT) if rounded else y
+        return round_bf16(op, y) if rounded else y
     attributes: dict[str, int | str] = {"round_output": 1} if rounded else {}
     if panels is not None:
         n, k = panels

@@ -13,17 +13,12 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript import OpBuilder, nn
 
-from csa2onnx.custom_ops.ops import fp8_linear, torch_linear, torch_rms_norm
+from csa2onnx.custom_ops.ops import fp8_linear, round_bf16, torch_linear, torch_rms_norm
 from csa2onnx.custom_ops.weight_layout import PackedWeight, PanelsLater
 
 FLOAT = ir.DataType.FLOAT
 BFLOAT16 = ir.DataType.BFLOAT16
 INT64 = ir.DataType.INT64
-
-
-def round_bf16(op: OpBuilder, x: ir.Value) -> ir.Value:
-    """bf16(x): round to bfloat16 (nearest even) and back to float32."""
-    return op.Cast(op.Cast(x, to=BFLOAT16), to=FLOAT)
 
 
 def weight(values: np.ndarray, dtype: ir.DataType) -> nn.Parameter:
