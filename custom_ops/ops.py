@@ -19,6 +19,11 @@ way, with two exceptions that a function body cannot express:
 
 TorchLinear's panels64 weights are not for portable graphs either (its body is a MatMul of a
 plain [N, K] W); that is an error here, not a different node.
+
+Numerics (NUMERICS_KEY in the graph's metadata): "exact" (the default) reproduces the
+reference's bits; "fast" lets the ops that have a fast kernel sum in their own order (an
+attribute numerics="fast" on those nodes only; an exact graph's nodes carry no such
+attribute). A portable graph is exact-or-runtime-order by construction: never fast.
 """
 
 from __future__ import annotations
@@ -37,6 +42,9 @@ ScaleFormat = Literal["e8m0", "e4m3"]
 PackedFormat = Literal["fp4_e4m3_16", "fp4_e8m0_32", "fp8_e8m0_32"]
 
 PORTABLE_KEY = "csa2onnx.portable"  # graph metadata: emit standard ONNX only
+NUMERICS_KEY = "csa2onnx.numerics"  # graph metadata: "fast" where the graph is built fast
+Numerics = Literal["exact", "fast"]
+NUMERICS: tuple[Numerics, ...] = ("exact", "fast")
 
 
 def round_bf16(op: OpBuilder, x: ir.Value) -> ir.Value:
@@ -47,6 +55,28 @@ def round_bf16(op: OpBuilder, x: ir.Value) -> ir.Value:
 def is_portable(op: OpBuilder) -> bool:
     """Whether the graph being built is a portable (library-free) artifact."""
     return op.builder.root.graph.metadata_props.get(PORTABLE_KEY) == "true"
+
+
+def check_numerics(numerics: str, *, portable: bool = False) -> Numerics:
+    """`numerics` if it is one csa2onnx knows (and a portable graph can have), else an error."""
+    if numerics not in NUMERICS:
+        raise ValueError(f"numerics must be one of {list(NUMERICS)}, got {numerics!r}")
+    if portable and numerics != "exact":
+        raise ValueError("a portable graph runs standard ONNX ops only: numerics must be "
+                         f"'exact', got {numerics!r}")
+    return numerics  # type: ignore[return-value]
+
+
+def graph_numerics(op: OpBuilder) -> Numerics:
+    """The numerics of the graph being built ("exact" unless its metadata says "fast")."""
+    return check_numerics(op.builder.root.graph.metadata_props.get(NUMERICS_KEY, "exact"))
+
+
+def _numerics_attribute(op: OpBuilder, numerics: str | None) -> dict[str, str]:
+    """The node attribute for `numerics` (None: the graph's); none at all when exact."""
+    numerics = graph_numerics(op) if numerics is None else check_numerics(
+        numerics, portable=is_portable(op))
+    return {"numerics": numerics} if numerics == "fast" else {}
 
 
 def _csa(op: OpBuilder) -> Any:

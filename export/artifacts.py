@@ -41,6 +41,8 @@ class Manifest:
     state_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
     # the one external-data file both models' large weights live in (None: inside them)
     weights_file: str | None = None
+    # "exact" (the reference's bits) or "fast" (custom_ops/ops.py); older manifests: exact
+    numerics: str = "exact"
     csa2onnx_version: str = field(default_factory=package_version)
     custom_op_domain: str = DOMAIN
     custom_op_version: int = DOMAIN_VERSION
@@ -66,7 +68,8 @@ class Manifest:
         return {k: v if isinstance(v, str) else json.dumps(v) for k, v in asdict(self).items()}
 
 
-def manifest_for(plan: StackPlan, portable: bool, weights_file: str | None = None) -> Manifest:
+def manifest_for(plan: StackPlan, portable: bool, weights_file: str | None = None,
+                 numerics: str = "exact") -> Manifest:
     return Manifest(
         config=plan.config.to_dict(),
         layers=[p.layer for p in plan.layers],
@@ -79,6 +82,7 @@ def manifest_for(plan: StackPlan, portable: bool, weights_file: str | None = Non
                         for p in plan.layers},
         state_bytes=state_bytes_per_layer(plan),
         weights_file=weights_file,
+        numerics=numerics,
     )
 
 

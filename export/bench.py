@@ -63,6 +63,7 @@ class BenchOptions:
     state: str = "grow"  # grow | full (in place, max_seq_len rows) | copy (no in-place binding)
     share_weights: bool = True
     prefill_arena: bool = False  # keep onnxruntime's CPU arena in the prefill session
+    numerics: str = "exact"  # exact | fast: the export's (custom_ops/ops.py)
 
 
 @dataclass
@@ -121,7 +122,8 @@ class BenchResult:
         lines = [f"csa2onnx bench: layers {self.layers[0]}..{self.layers[-1]}, "
                  f"{self.weight_format} weights, batch {self.options['batch']}, "
                  f"{prefill}, {self.options['decode']} decode steps, "
-                 f"max_seq_len {self.options['max_seq_len']}, {self.options['threads']} threads",
+                 f"max_seq_len {self.options['max_seq_len']}, {self.options['threads']} threads, "
+                 f"{self.options.get('numerics', 'exact')} numerics",
                  f"machine: {self.machine['cpu']} ({', '.join(self.machine['isa'])}); "
                  f"onnxruntime {self.machine['onnxruntime']}"
                  + (f", torch {self.machine['torch']}" if "torch" in self.machine else ""),
@@ -321,7 +323,7 @@ def run_bench(opts: BenchOptions, progress: Callable[[str], None] | None = None,
     with tempfile.TemporaryDirectory(prefix="csa2onnx-bench-") as tmp:
         say("export")
         t0 = time.perf_counter()
-        export_stack(plan, weights, Path(tmp))
+        export_stack(plan, weights, Path(tmp), numerics=opts.numerics)
         export_s = time.perf_counter() - t0
         say("sessions")
         peaks_reset = reset_peak_rss()

@@ -34,23 +34,31 @@ class Scenario:
     batch: int
     prefill: int  # tokens per prefill call
     context: int  # tokens before decoding
+    numerics: str = "exact"
 
     @property
     def label(self) -> str:
         calls = -(-self.context // self.prefill)
         chunked = f" ({calls} calls)" if self.context > self.prefill else ""
-        return f"{self.threads:>7}{self.batch:>6}{self.context:>8}{chunked:<13}"
+        return f"{self.threads:>7}{self.batch:>6}{self.context:>8}{chunked:<13}{self.numerics:>9}"
+
+    @property
+    def exact(self) -> Scenario:
+        """The same scenario in exact numerics (whose upstream run a fast row shares)."""
+        return replace(self, numerics="exact")
 
 
 def scenarios(prefills: list[int], batches: list[int], threads: list[int],
-              contexts: list[int]) -> list[Scenario]:
+              contexts: list[int], numerics: list[str] | None = None) -> list[Scenario]:
     longest = max(prefills)
     for c in contexts:
         if c <= longest:
             raise BenchError(f"a --context of a bench matrix must be longer than every "
                              f"--prefill (the largest is {longest}), got {c}")
-    out = [Scenario(t, b, p, p) for t, b, p in product(threads, batches, prefills)]
-    out += [Scenario(t, b, longest, c) for t, b, c in product(threads, batches, contexts)]
+    kinds = sorted(numerics or ["exact"], key=lambda n: n != "exact")  # exact first
+    out = [Scenario(t, b, p, p, n) for t, b, p, n in product(threads, batches, prefills, kinds)]
+    out += [Scenario(t, b, longest, c, n)
+            for t, b, c, n in product(threads, batches, contexts, kinds)]
     return out
 
 
@@ -63,6 +71,7 @@ class MatrixResult:
     def table(self) -> str:
         first = self.rows[0][1]
         upstream = first.upstream is not None
+        both = len({s.numerics for s, _ in self.rows}) > 1
         bandwidth: dict[int, list[float]] = {}
         for s, r in self.rows:
             bandwidth.setdefault(s.threads, []).append(r.read_bandwidth / 1e9)
@@ -77,21 +86,33 @@ class MatrixResult:
                  "read bandwidth, measured with each scenario (its limit uses its own): "
                  + ", ".join(f"{t} threads {min(bw):.1f}-{max(bw):.1f} GB/s"
                              for t, bw in sorted(bandwidth.items())),
-                 "", f"{'threads':>7}{'batch':>6}{'context':>8}{'':<13}"
+                 "", f"{'threads':>7}{'batch':>6}{'context':>8}{'':<13}{'numerics':>9}"
                  f"{'prefill s':>10}" + (f"{'upstream':>10}{'x up':>7}" if upstream else "")
+                 + (f"{'x exact':>8}" if both else "")
                  + f"{'decode ms':>10}" + (f"{'upstream':>10}{'x up':>7}" if upstream else "")
+                 + (f"{'x exact':>8}" if both else "")
                  + f"{'limit ms':>9}{'x limit':>8}{'peak MiB':>9}"
                  + (f"{'upstream':>9}" if upstream else "")]
+        exact = {s: r for s, r in self.rows if s.numerics == "exact"}
         for s, r in self.rows:
             o, u = r.ours, r.upstream
+            base = exact.get(s.exact)
+
+            def vs_exact(ours: float, theirs: float | None) -> str:
+                if not both:
+                    return ""
+                return f"{ours / theirs:>8.2f}" if theirs else f"{'':>8}"
+
             line = s.label + f"{o.prefill_s:>10.3f}"
             if u is not None:  # upstream prefills one call (the first chunk) of a context
                 line += (f"{u.prefill_s:>10.3f}{o.prefill_s / u.prefill_s:>7.2f}"
                          if s.context == s.prefill else f"{'':>10}{'':>7}")
+            line += vs_exact(o.prefill_s, base.ours.prefill_s if base else None)
             decode = o.decode_median_ms
             line += f"{decode:>10.1f}"
             if u is not None:
                 line += f"{u.decode_median_ms:>10.1f}{decode / u.decode_median_ms:>7.2f}"
+            line += vs_exact(decode, base.ours.decode_median_ms if base else None)
             limit = r.weight_read_limit_ms
             line += f"{limit:>9.1f}{decode / limit:>8.2f}{o.peak_rss_mib:>9.0f}"
             if u is not None:
@@ -104,7 +125,9 @@ class MatrixResult:
                      + ("" if first.separate_peaks else "; not reset between sides here")
                      + "); "
                      "a chunked context's prefill s is all its calls (upstream's column then "
-                     "blank: it prefills one call and decodes past it)")
+                     "blank: it prefills one call and decodes past it)"
+                     + ("; x exact: a fast row's time / the exact row's (upstream runs once "
+                        "per scenario, beside both)" if both else ""))
         return "\n".join(lines)
 
     def to_json(self) -> str:
@@ -115,9 +138,10 @@ class MatrixResult:
 
 def run_matrix(opts: BenchOptions, prefills: list[int], batches: list[int],
                threads: list[int], contexts: list[int],
-               progress: Callable[[str], None] | None = None) -> MatrixResult:
+               progress: Callable[[str], None] | None = None,
+               numerics: list[str] | None = None) -> MatrixResult:
     say = progress or (lambda text: None)
-    todo = scenarios(prefills, batches, threads, contexts)
+    todo = scenarios(prefills, batches, threads, contexts, numerics)
     config = bench_config(opts)
     first, last = opts.layers or (0, config.n_layers - 1)
     say("weights")
@@ -128,12 +152,17 @@ def run_matrix(opts: BenchOptions, prefills: list[int], batches: list[int],
         def step(text: str, i: int = i) -> None:
             say(f"scenario {i + 1}/{len(todo)}: {text}")
 
+        shared = next((r for e, r in rows if e == s.exact), None)  # its exact row's upstream
         result = run_bench(replace(opts, threads=s.threads, batch=s.batch, prefill=s.prefill,
-                                   context=s.context), step, weights)
+                                   context=s.context, numerics=s.numerics,
+                                   baseline=None if shared else opts.baseline), step, weights)
+        if shared is not None:
+            result.upstream, result.agreement = shared.upstream, {}
         machine |= result.machine
         rows.append((s, result))
     return MatrixResult(options=asdict(opts) | {"source": str(opts.source),
                                                 "upstream": str(opts.upstream),
                                                 "prefills": prefills, "batches": batches,
-                                                "threads": threads, "contexts": contexts},
+                                                "threads": threads, "contexts": contexts,
+                                                "numerics": numerics or ["exact"]},
                         machine=machine, rows=rows)

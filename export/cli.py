@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from csa2onnx.custom_ops.ops import NUMERICS
 from csa2onnx.export.checkpoint import open_checkpoint
 from csa2onnx.export.config import AttentionConfig, ConfigError
 from csa2onnx.export.goldens import load_case
@@ -16,6 +17,9 @@ from csa2onnx.export.plan import plan_stack
 from csa2onnx.export.runtime import AttentionRuntime, describe
 from csa2onnx.export.stack import export_stack
 from csa2onnx.export.weights import WeightsError, from_golden, from_safetensors
+
+NUMERICS_HELP = ("exact (default): the reference's bits on every CPU; fast: the ops that have "
+                 "a fast kernel sum in its own order (README, 'Exact or fast')")
 
 
 def _progress(message: str) -> None:
@@ -61,7 +65,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise WeightsError("--weights is required with a config file (safetensors files or a "
                            "golden case JSON); a model folder brings its own")
     start = time.perf_counter()
-    export_stack(plan, weights, args.out, portable=args.portable, progress=_progress)
+    export_stack(plan, weights, args.out, portable=args.portable, numerics=args.numerics,
+                 progress=_progress)
     print(f"exported layers {first}..{last} to {args.out} in {time.perf_counter() - start:.1f}s")
     return 0
 
@@ -85,9 +90,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from csa2onnx.export.verify import verify_case
 
     rule = None if args.rule == "auto" else args.rule.replace("-", "_")
-    report = verify_case(args.golden, portable=args.portable, index_keys=args.index_keys,
-                         provider=args.provider, threads=args.threads, rule=rule,
-                         prefill_chunk=args.prefill_chunk,
+    report = verify_case(args.golden, portable=args.portable, numerics=args.numerics,
+                         index_keys=args.index_keys, provider=args.provider,
+                         threads=args.threads, rule=rule, prefill_chunk=args.prefill_chunk,
                          progress=_progress if args.verbose else None)
     print(report.table())
     return 0 if report.ok else 1
@@ -106,7 +111,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     n_layers = config.n_layers
     lengths = args.max_seq_len or []
     contexts = args.context or []
-    matrix = max(len(args.prefill), len(args.batch), len(args.threads), len(contexts)) > 1
+    matrix = max(len(args.prefill), len(args.batch), len(args.threads), len(contexts),
+                 len(args.numerics)) > 1
     if matrix and len(lengths) > 1:
         raise ValueError("bench takes several values of --prefill/--batch/--threads/--context "
                          "(a matrix) or of --max-seq-len (a sweep), not both")
@@ -118,7 +124,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                         threads=args.threads[0],
                         seed=args.seed, baseline=args.baseline, upstream=args.upstream,
                         state=args.state, share_weights=not args.separate_weights,
-                        prefill_arena=args.prefill_arena)
+                        prefill_arena=args.prefill_arena, numerics=args.numerics[0])
     live = sys.stderr.isatty() and not args.json
 
     def progress(stage: str) -> None:
@@ -126,7 +132,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             print(f"\r\033[K  bench: {stage}", end="", file=sys.stderr, flush=True)
 
     if matrix:
-        table = run_matrix(opts, args.prefill, args.batch, args.threads, contexts, progress)
+        table = run_matrix(opts, args.prefill, args.batch, args.threads, contexts, progress,
+                           numerics=args.numerics)
         if live:
             print("\r\033[K", end="", file=sys.stderr)
         print(table.to_json() if args.json else table.table())
@@ -155,6 +162,15 @@ def _lengths(text: str) -> list[int]:
     return lengths
 
 
+def _numerics_list(text: str) -> list[str]:
+    """exact, fast, or both separated by a comma (each scenario run both ways)."""
+    names = text.split(",")
+    if any(n not in NUMERICS for n in names) or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"numerics: {', '.join(NUMERICS)} or both, separated "
+                                         f"by a comma, got {text!r}")
+    return names
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     print(describe(args.artifacts))
     return 0
@@ -178,6 +194,7 @@ def parser() -> argparse.ArgumentParser:
                         "their own keys")
     e.add_argument("--portable", action="store_true",
                    help="standard ONNX only (no custom-op library; ties broken lowest-index)")
+    e.add_argument("--numerics", choices=NUMERICS, default="exact", help=NUMERICS_HELP)
     e.add_argument("--max-seq-len", type=int)
     e.add_argument("--max-batch-size", type=int)
     e.set_defaults(fn=cmd_export)
@@ -192,6 +209,9 @@ def parser() -> argparse.ArgumentParser:
     v = sub.add_parser("verify", help="export, run and compare a golden case")
     v.add_argument("golden", type=Path, help="a golden case's NAME.json")
     v.add_argument("--portable", action="store_true")
+    v.add_argument("--numerics", choices=NUMERICS, default="exact",
+                   help=NUMERICS_HELP + "; fast is judged by the cross-CPU rule, selections "
+                        "exact except on rows the golden flags tie-decided")
     v.add_argument("--index-keys", choices=["shared", "own"],
                    help="default: from the case's behaviour_patch")
     v.add_argument("--provider", choices=["cpu", "cuda"], default="cpu")
@@ -236,6 +256,9 @@ def parser() -> argparse.ArgumentParser:
                         "place at max_seq_len rows, or copied whole every call (for comparison)")
     b.add_argument("--separate-weights", action="store_true",
                    help="let each session load its own copy of the weights (for comparison)")
+    b.add_argument("--numerics", type=_numerics_list, default=["exact"],
+                   help="exact, fast, or both (exact,fast: each scenario run both ways, "
+                        "upstream once, beside them)")
     b.add_argument("--prefill-arena", action="store_true",
                    help="keep onnxruntime's CPU arena in the prefill session: slightly faster "
                         "prefills whose activations stay resident (for comparison)")

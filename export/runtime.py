@@ -329,7 +329,8 @@ def describe(folder: str | Path) -> str:
     folder = Path(folder)
     manifest = read_manifest(folder)
     lines = [f"csa2onnx artifacts in {folder}", f"  layers: {list(manifest.layers)}",
-             f"  index_keys: {manifest.index_keys}, portable: {manifest.portable}"]
+             f"  index_keys: {manifest.index_keys}, portable: {manifest.portable}, "
+             f"numerics: {manifest.numerics}"]
     for role in manifest.roles:
         lines.append(f"  L{role['layer']}: ratio {role['ratio']}, {role['role']}")
         formats = manifest.linear_formats.get(str(role["layer"]))

@@ -18,7 +18,7 @@ from onnxscript import GraphBuilder
 
 from csa2onnx.custom_ops.constants import packed_row_bytes
 from csa2onnx.custom_ops.library import DOMAIN, DOMAIN_VERSION
-from csa2onnx.custom_ops.ops import PORTABLE_KEY
+from csa2onnx.custom_ops.ops import NUMERICS_KEY, PORTABLE_KEY, Numerics, check_numerics
 from csa2onnx.custom_ops.portable import portable_functions
 from csa2onnx.custom_ops.weight_layout import PANELS64, PackedWeight, packed_later
 from csa2onnx.export.artifacts import manifest_for, write_manifest
@@ -77,12 +77,15 @@ def stack_weights(plan: StackPlan, weights: dict[int, LayerWeights], *,
 
 
 def build_stack_model(plan: StackPlan, weights: dict[int, LayerWeights] | StackWeights,
-                      mode: Mode, *, portable: bool = False, debug_outputs: bool = False,
+                      mode: Mode, *, portable: bool = False, numerics: Numerics = "exact",
+                      debug_outputs: bool = False,
                       progress: Callable[[str], None] | None = None,
                       digests: ContentDigests | None = None) -> ir.Model:
     """Trace the stack's `mode` call into an ONNX IR model (`weights`: checked or raw
     per-layer weights, or the ones stack_weights prepared for the same `portable`);
-    `digests`: the export's content digests, shared by its models (else the model's own)."""
+    `numerics`: "exact" or "fast" (custom_ops/ops.py); `digests`: the export's content
+    digests, shared by its models (else the model's own)."""
+    check_numerics(numerics, portable=portable)
     if not isinstance(weights, StackWeights):
         weights = stack_weights(plan, weights, portable=portable)
     elif weights.portable != portable:
@@ -93,6 +96,8 @@ def build_stack_model(plan: StackPlan, weights: dict[int, LayerWeights] | StackW
                      opset_imports={"": OPSET, DOMAIN: DOMAIN_VERSION})
     if portable:  # read by the op wrappers that spell a custom op out in standard ONNX
         graph.metadata_props[PORTABLE_KEY] = "true"
+    if numerics != "exact":  # read by the wrappers of the ops that have a fast kernel
+        graph.metadata_props[NUMERICS_KEY] = numerics
     builder = GraphBuilder(graph)
     op = builder.op
     seq = "seq" if mode == "prefill" else 1
@@ -223,17 +228,18 @@ def _share_identical_initializers(graph: ir.Graph, digests: ContentDigests) -> N
 
 
 def to_proto(model: ir.Model, plan: StackPlan, portable: bool,
-             weights_file: str | None = None) -> onnx.ModelProto:
+             weights_file: str | None = None, numerics: Numerics = "exact") -> onnx.ModelProto:
     proto = ir.serde.serialize_model(model)
     if portable:  # the custom ops' standard-op bodies travel with the model
         proto.functions.extend(portable_functions())
-    for key, value in manifest_for(plan, portable, weights_file).metadata().items():
+    for key, value in manifest_for(plan, portable, weights_file, numerics).metadata().items():
         proto.metadata_props.add(key=key, value=value)
     return proto
 
 
 def export_stack(plan: StackPlan, weights: dict[int, LayerWeights], folder: str | Path, *,
-                 portable: bool = False, debug_outputs: bool = False,
+                 portable: bool = False, numerics: Numerics = "exact",
+                 debug_outputs: bool = False,
                  progress: Callable[[str], None] | None = None) -> Path:
     """Write prefill.onnx, decode.onnx and manifest.json for `plan` into `folder`; a large
     stack's weights go to one file both models reference (export/shared_weights.py)."""
@@ -249,7 +255,8 @@ def export_stack(plan: StackPlan, weights: dict[int, LayerWeights], folder: str 
         prepared = stack_weights(plan, weights, portable=portable)
         for mode in ("prefill", "decode"):
             model = build_stack_model(plan, prepared, mode, portable=portable,
-                                      debug_outputs=debug_outputs, progress=progress,
+                                      numerics=numerics, debug_outputs=debug_outputs,
+                                      progress=progress,
                                       digests=digests)
             weight_bytes = sum(v.const_value.nbytes for v in model.graph.initializers.values())
             if weight_bytes > EXTERNAL_DATA_BYTES:
@@ -258,7 +265,7 @@ def export_stack(plan: StackPlan, weights: dict[int, LayerWeights], folder: str 
             if weights_file is not None:  # before serialising: the proto then holds no weights
                 writer.externalize(model)
                 writer.flush()
-            proto = to_proto(model, plan, portable, weights_file)
+            proto = to_proto(model, plan, portable, weights_file, numerics)
             del model
             path = folder / f"{mode}.onnx"
             onnx.save_model(proto, str(path))
@@ -268,5 +275,5 @@ def export_stack(plan: StackPlan, weights: dict[int, LayerWeights], folder: str 
         writer.close()
         if weights_file is None:
             (folder / WEIGHTS_FILE).unlink(missing_ok=True)
-    write_manifest(folder, manifest_for(plan, portable, weights_file))
+    write_manifest(folder, manifest_for(plan, portable, weights_file, numerics))
     return folder

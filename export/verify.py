@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from csa2onnx.custom_ops.ops import Numerics, check_numerics
 from csa2onnx.export.chunked_prefill import as_positions, run_chunked_prefill, valid_topk
 from csa2onnx.export.config import AttentionConfig
 from csa2onnx.export.cross_cpu import MovedCounts, Rule, cpu_class, rule_for, step_group
@@ -40,6 +41,7 @@ class VerifyReport:
     index_keys: str
     portable: bool
     rule: Rule = "same_cpu"
+    numerics: str = "exact"
     rows: list[Row] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -59,7 +61,8 @@ class VerifyReport:
         rule = ("same CPU class: rtol 1.6e-2, atol 1e-3 max" if self.rule == "same_cpu"
                 else "cross-CPU rule (README)")
         lines = [f"{self.case}  (index_keys={self.index_keys}, "
-                 f"{'portable' if self.portable else 'custom ops'}; {rule})",
+                 f"{'portable' if self.portable else 'custom ops'}"
+                 f"{', fast numerics' if self.numerics == 'fast' else ''}; {rule})",
                  f"  {'array':<24}{'checks':>8}{'passed':>8}{'exact':>8}"
                  f"{'max|err|':>11}{'bf16-identical min/mean':>26}"]
         by_array: dict[str, list[Row]] = {}
@@ -86,56 +89,70 @@ class VerifyReport:
         return "\n".join(lines)
 
 
-def _compare_chunked(report: VerifyReport, case: GoldenCase, step: str, plan: StackPlan,
-                     result: StepOutputs) -> None:
-    """A chunked prefill (merged) against the one-shot golden prefill. A tie-decided row
-    whose chunk picked another valid top-k attends to other rows: its attn_o and out (in
-    the layers using that selection) are not comparable and are left out, counted."""
+def _compare_step(report: VerifyReport, case: GoldenCase, step: str, plan: StackPlan,
+                  result: StepOutputs, start_pos: int, *, chunked: bool = False,
+                  settle: bool = False) -> None:
+    """One step's outputs against the golden's. `chunked`: a chunked prefill (merged) against
+    the one-shot golden prefill (its selections come as positions; the window part of
+    attn_topk_idxs is laid out per chunk and not compared). `settle` (chunked and fast
+    numerics): on rows the golden flags tie-decided, a different pick counts as the golden's
+    when it is a valid top-k of the run's own scores; such a row attends to other rows, so
+    its attn_topk_idxs, attn_o and out (in the layers using that selection) are not
+    comparable and are left out, counted."""
     settled: dict[int, np.ndarray] = {}
     left_out = 0
     for p in plan.layers:
         layer = p.layer
         for name in (*DEBUG_OUTPUTS, "out"):
             key = f"L{layer}.{name}"
-            if not case.has(step, layer, name) or name == "attn_topk_idxs":
+            if not case.has(step, layer, name) or (chunked and name == "attn_topk_idxs"):
                 continue
             want = case.step(step, layer, name)
-            if name == "index_topk_idxs":
-                want = as_positions(want, want.shape[1])  # one-shot offset: s
-                got, settled[layer] = _settle_ties(
-                    result.extra[f"L{layer}.index_topk_positions"], want, case, step, layer,
-                    result.extra)
-            elif name == "out":
+            if name == "out":
                 got = result.out[layer]
+            elif chunked and name == "index_topk_idxs":
+                want = as_positions(want, want.shape[1])  # one-shot offset: s
+                got = result.extra[f"L{layer}.index_topk_positions"]
             elif key in result.extra:
                 got = result.extra[key]
             else:
                 continue
+            if settle and name == "index_topk_idxs":
+                score = result.extra[f"L{layer}.index_score"]
+                if chunked:
+                    k, offset = result.extra[f"L{layer}.index_topk_k"], 0
+                else:  # one call: its k, and its selections offset past its window rows
+                    k = np.full(got.shape[1], got.shape[-1])
+                    offset = min(start_pos, plan.config.window_size) + got.shape[1]
+                got, settled[layer] = _settle_ties(got, want, case, step, layer, score, k,
+                                                   offset)
             rows = settled.get(p.topk_from) if p.topk_from is not None else None
-            if name in ("attn_o", "out") and rows is not None and rows.any():
+            if (name in ("attn_topk_idxs", "attn_o", "out") and rows is not None
+                    and rows.any()):
                 got = np.where(rows.reshape(rows.shape + (1,) * (got.ndim - 2)), want, got)
-                left_out += int(rows.sum())
+                left_out += int(rows.sum()) if name != "attn_topk_idxs" else 0
             report.rows.append(Row(step, layer, name, compare(
                 got, want, exact=name in EXACT, name=name, rule=report.rule)))
     if left_out:
-        report.notes.append(f"{left_out // 2} (layer, row) pairs of attn_o/out left out: a "
-                            "tie-decided selection picked another valid top-k there")
+        report.notes.append(f"{step}: {left_out // 2} (layer, row) pairs of attn_o/out left "
+                            "out: a tie-decided selection picked another valid top-k there")
 
 
 def _settle_ties(got: np.ndarray, want: np.ndarray, case: GoldenCase, step: str, layer: int,
-                 extra: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """On rows the golden flags tie-decided, a chunk's different pick counts as the
-    golden's when it is a valid top-k of the chunk's own scores. Returns the selections
-    to compare and the rows [b, s] settled that way."""
+                 score: np.ndarray, k: np.ndarray, offset: int = 0
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """On rows the golden flags tie-decided, a different pick counts as the golden's when it
+    is a valid top-k of the run's own `score` (k[t] for query row t). `offset`: what turns
+    a row of `got` into compressed positions (as_positions; 0: it already holds them).
+    Returns the selections to compare and the rows [b, s] settled that way."""
     settled = np.zeros(want.shape[:2], bool)
     if got.shape[-1] != want.shape[-1] or not case.has(step, layer, "index_topk_ambiguous"):
         return got, settled
     ambiguous = case.step(step, layer, "index_topk_ambiguous")
-    score = extra[f"L{layer}.index_score"]
-    k = extra[f"L{layer}.index_topk_k"]
     got = got.copy()
     for b, t in zip(*np.nonzero(ambiguous & (got != want).any(-1)), strict=True):
-        if valid_topk(got[b, t], score[b, t], int(k[t])):
+        picked = as_positions(got[b, t], offset) if offset else got[b, t]
+        if valid_topk(picked, score[b, t], int(k[t])):
             got[b, t] = want[b, t]
             settled[b, t] = True
     return got, settled
@@ -147,26 +164,33 @@ def index_keys_of(case: GoldenCase) -> IndexKeys:
     return "own" if "owner_reads_own_index_k" in text else "shared"
 
 
-def verify_case(path: str | Path, *, portable: bool = False, index_keys: IndexKeys | None = None,
+def verify_case(path: str | Path, *, portable: bool = False, numerics: Numerics = "exact",
+                index_keys: IndexKeys | None = None,
                 provider: str = "cpu", threads: int = 0, out_dir: Path | None = None,
                 rule: Rule | None = None, prefill_chunk: int | None = None,
                 progress: Callable[[str], None] | None = None) -> VerifyReport:
     """`rule`: same_cpu or cross_cpu; by default from the golden's `machine`.
     `prefill_chunk`: run the prefill in chunks of this many tokens (export/chunked_prefill.py)
     and judge it against the one-shot golden: floats by the cross-CPU rule, selections
-    exact except on tie-decided rows, which must be a valid top-k of the scores."""
+    exact except on tie-decided rows, which must be a valid top-k of the scores.
+    `numerics` "fast": judged the same way (its kernels sum in their own order)."""
+    check_numerics(numerics, portable=portable)
     case = load_case(path)
     keys = index_keys or index_keys_of(case)
     config = AttentionConfig.from_model_args(case.model_args)
     plan = plan_stack(config, index_keys=keys)
     weights = from_golden(case.arrays, range(config.n_layers))
-    report = VerifyReport(case.name, keys, portable, rule or rule_for(case.meta))
+    report = VerifyReport(case.name, keys, portable, rule or rule_for(case.meta), numerics=numerics)
     machine = case.meta.get("machine") or {}
     made_on = f"made on {cpu_class(machine)} ({machine.get('cpu', 'AMD EPYC')})"
     if rule is None and report.rule == "cross_cpu":
         report.notes.append(f"{made_on}, not the class csa2onnx reproduces: cross-CPU rule")
     elif rule is not None and rule != rule_for(case.meta):
         report.notes.append(f"{made_on}; rule {rule} as asked")
+    if numerics == "fast":
+        report.rule = "cross_cpu"
+        report.notes.append("fast numerics: cross-CPU rule; selections exact except "
+                            "tie-decided rows (a valid top-k of the run's own scores instead)")
     if prefill_chunk is not None:
         report.rule = "cross_cpu"
         report.notes.append(f"prefill in chunks of {prefill_chunk} against the one-shot "
@@ -182,8 +206,8 @@ def verify_case(path: str | Path, *, portable: bool = False, index_keys: IndexKe
                             "follows torch's CPU topk, so tied rows may differ")
     with tempfile.TemporaryDirectory(prefix="csa2onnx-verify-") as tmp:
         folder = out_dir or Path(tmp)
-        export_stack(plan, weights, folder, portable=portable, debug_outputs=True,
-                     progress=progress)
+        export_stack(plan, weights, folder, portable=portable, numerics=numerics,
+                     debug_outputs=True, progress=progress)
         runtime = AttentionRuntime(folder, provider=provider, intra_op_num_threads=threads)
         layers = runtime.layers
         for entry in case.meta["schedule"]:
@@ -193,19 +217,11 @@ def verify_case(path: str | Path, *, portable: bool = False, index_keys: IndexKe
                 progress(f"{case.name}: {step}")
             if entry["start_pos"] == 0 and prefill_chunk is not None:
                 result, _ = run_chunked_prefill(runtime, xs, prefill_chunk)
-                _compare_chunked(report, case, step, plan, result)
+                _compare_step(report, case, step, plan, result, 0, chunked=True, settle=True)
                 continue
             result = runtime.prefill(xs) if entry["start_pos"] == 0 else runtime.decode(xs)
-            for layer in layers:
-                report.rows.append(Row(step, layer, "out", compare(
-                    result.out[layer], case.step(step, layer, "out"), name="out",
-                    rule=report.rule)))
-                for name in DEBUG_OUTPUTS:
-                    key = f"L{layer}.{name}"
-                    if key in result.extra and case.has(step, layer, name):
-                        report.rows.append(Row(step, layer, name, compare(
-                            result.extra[key], case.step(step, layer, name),
-                            exact=name in EXACT, name=name, rule=report.rule)))
+            _compare_step(report, case, step, plan, result, entry["start_pos"],
+                          settle=numerics == "fast")
         last = case.meta["schedule"][-1]["step"]
         for layer in layers:
             for golden_name, role in FINAL_STATE.items():
