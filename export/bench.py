@@ -405,7 +405,8 @@ def load_upstream(path: Path | None) -> ModuleType:
     if not (folder / "load.py").is_file():
         raise BenchError(f"--baseline upstream: no upstream reference at {folder} (load.py "
                          "missing); pass --upstream DIR")
-    sys.path.insert(0, str(folder))
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
     try:
         import load  # the reference folder's own loader
     except ImportError as e:
@@ -482,6 +483,9 @@ def _run_upstream(opts: BenchOptions, config: AttentionConfig, layers: list[int]
                 outputs.update({f"last decode.L{k}": v for k, v in out.items()})
     finally:
         torch.set_default_dtype(previous)
+        # Each load is a fresh module in sys.modules whose globals (shared_attn's slots)
+        # keep its caches alive: drop it, or every later run holds this one's memory.
+        sys.modules.pop(mod.__name__, None)
     side = SideResult(prefill_s, decode_ms, peak_rss_mib(), rss_mib() - rss_before, setup_s,
                       loaded_mib)
     return side, outputs, torch.__version__
