@@ -42,7 +42,8 @@ namespace csa::fp8_fast {
 
 bool cpu_supported() {
 #ifdef CSA_X86
-  return cpu_has_avx512bf16() && __builtin_cpu_supports("avx512vbmi");
+  return cpu_has_avx512bf16() && __builtin_cpu_supports("avx512vbmi") &&
+         __builtin_cpu_supports("gfni");
 #else
   return false;
 #endif
@@ -60,7 +61,7 @@ std::vector<int64_t> nan_columns(const uint8_t* w, int64_t N, int64_t K) {
 
 #ifdef CSA_X86
 #define CSA_TARGET_FAST \
-  __attribute__((target("arch=x86-64-v4,avx512bf16,avx512vbmi,prefer-vector-width=512")))
+  __attribute__((target("arch=x86-64-v4,avx512bf16,avx512vbmi,gfni,prefer-vector-width=512")))
 
 namespace {
 
@@ -73,7 +74,7 @@ constexpr int64_t kGroupRows = 32;      // rows of W per WScale row (a decode ta
 constexpr int64_t kPanel = dp_bf16::kPanel;
 constexpr int64_t kChunkK = 512;        // prefill: k per converted panel chunk (64 KiB)
 constexpr int64_t kMaxTaskRows = 480;   // prefill: rows per task at most
-constexpr int64_t kPrefetchBytes = 1024;  // decode: how far ahead in each W row
+constexpr int64_t kPrefetchBytes = 16384;  // decode: how far ahead W is fetched (L2)
 
 // Every WScale value a power of two in [2^-60, 2^20].
 bool scales_in_range(const float* ws, int64_t count) {
@@ -86,14 +87,19 @@ bool scales_in_range(const float* ws, int64_t count) {
   return bad == 0;
 }
 
-// bf16 bits of e4m3fn magnitudes (NaN: 0) as low and high bytes, and the word orders.
+// W's words hold bf16(wq * 2^8) (the bit moves of CodeBytes::decode give that exponent);
+// the 2^-8 goes into the other factor's exponent step.
+constexpr int kWordExponent = 8;
+constexpr float kWordScale = 256.0f;
+
+// bf16 bits of e4m3fn magnitudes * 2^8 (NaN: 0) as low and high bytes, and the word orders.
 struct Tables {
   alignas(64) uint8_t lo[128], hi[128];
   alignas(64) uint8_t interleave[2][64];    // vpermt2b: bytes (lo[i], hi[i]) of codes 32h..
   alignas(64) uint16_t unpack_order[2][32]; // vpermt2w: k of vpunpck{l,h}bw's words
   Tables() {
     for (int c = 0; c < 128; ++c) {
-      const float v = c == 0x7F ? 0.0f : Fp8::e4m3_value(static_cast<uint8_t>(c));
+      const float v = c == 0x7F ? 0.0f : Fp8::e4m3_value(static_cast<uint8_t>(c)) * kWordScale;
       const uint32_t b = Fp8::bits_of(v) >> 16;  // exact: 4 significant bits
       lo[c] = static_cast<uint8_t>(b & 0xFFu);
       hi[c] = static_cast<uint8_t>(b >> 8);
@@ -110,10 +116,11 @@ struct Tables {
 };
 const Tables kTables;
 
-// (value, shift) for an exponent add on bf16 words: d * 2^7 as int16.
+// The exponent add on bf16 words that multiplies them by scale * 2^-8 (scale a power of
+// two in range): (d - 8) * 2^7 as int16.
 inline int16_t exponent_step(float scale) {
   const int32_t d = static_cast<int32_t>(Fp8::bits_of(scale) >> 23) - static_cast<int32_t>(kBias);
-  return static_cast<int16_t>(d * 128);
+  return static_cast<int16_t>((d - kWordExponent) * 128);
 }
 
 #pragma GCC diagnostic push
@@ -182,6 +189,18 @@ struct CodeBytes {
     hi = _mm512_permutex2var_epi8(hi0, codes, hi1);
     hi = _mm512_ternarylogic_epi32(hi, codes, sign, 0xF8);  // hi | (codes & 0x80)
   }
+  // The same words, by bit moves (GFNI) where no code has exponent field 0: a normal code
+  // s eeee mmm becomes hi = s 1 000 e3 e2 e1, lo = e0 mmm 0000, i.e. bf16 exponent 128 + e,
+  // value * 2^8 (NaN codes give a finite value; their columns become NaN). Zero and
+  // subnormal codes take the tables.
+  CSA_TARGET_FAST void decode(__m512i codes, __m512i& lo, __m512i& hi) const {
+    if (_mm512_testn_epi8_mask(codes, _mm512_set1_epi8(0x78)) != 0) {
+      (*this)(codes, lo, hi);
+      return;
+    }
+    lo = _mm512_gf2p8affine_epi64_epi8(codes, _mm512_set1_epi64(0x01020408), 0);
+    hi = _mm512_gf2p8affine_epi64_epi8(codes, _mm512_set1_epi64(0x1020400000000080), 0x40);
+  }
 };
 
 // A horizontal sum of each of 16 vectors: lane i of the result is v[i]'s sum (a fixed tree).
@@ -233,7 +252,7 @@ void run_call(OrtKernelContext* ctx, const Call& c, size_t tasks, void (*fn)(con
 }
 
 // ------------------------------------------------------------------ decode (M <= 4)
-// X' * ws for one WScale row g, MR rows, in vpunpck order ([MR][ldf], zero past K).
+// X' * ws * 2^-8 for one WScale row g, MR rows, in vpunpck order ([MR][ldf], zero past K).
 template <int MR>
 CSA_TARGET_FAST void fold_x(const Call& c, int64_t g, uint16_t* xf, int64_t ldf) {
   const Tables& t = kTables;
@@ -242,16 +261,19 @@ CSA_TARGET_FAST void fold_x(const Call& c, int64_t g, uint16_t* xf, int64_t ldf)
   const __m512i magnitude = _mm512_set1_epi16(0x7FFF);
   const float* ws = c.ws + g * c.KB;
   for (int m = 0; m < MR; ++m) {
-    for (int64_t kb = 0; kb < c.KB; kb += 2) {
-      const bool two = kb + 1 < c.KB;
+    for (int64_t kb = 0; kb * kBlock < ldf; kb += 2) {
       const uint16_t* src = c.xq + m * c.K + kb * kBlock;
-      __m512i a = _mm512_loadu_si512(src);
-      __m512i b = two ? _mm512_loadu_si512(src + kBlock) : _mm512_setzero_si512();
-      a = _mm512_mask_add_epi16(a, _mm512_test_epi16_mask(a, magnitude), a,
-                                _mm512_set1_epi16(exponent_step(ws[kb])));
-      if (two)
+      __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
+      if (kb < c.KB) {
+        a = _mm512_loadu_si512(src);
+        a = _mm512_mask_add_epi16(a, _mm512_test_epi16_mask(a, magnitude), a,
+                                  _mm512_set1_epi16(exponent_step(ws[kb])));
+      }
+      if (kb + 1 < c.KB) {
+        b = _mm512_loadu_si512(src + kBlock);
         b = _mm512_mask_add_epi16(b, _mm512_test_epi16_mask(b, magnitude), b,
                                   _mm512_set1_epi16(exponent_step(ws[kb + 1])));
+      }
       uint16_t* dst = xf + m * ldf + kb * kBlock;
       _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(a, order0, b));
       _mm512_storeu_si512(dst + 32, _mm512_permutex2var_epi16(a, order1, b));
@@ -259,39 +281,45 @@ CSA_TARGET_FAST void fold_x(const Call& c, int64_t g, uint16_t* xf, int64_t ldf)
   }
 }
 
-// Rows [n0, n0 + rows) of W (rows <= R) against MR rows of X: per output 16 lanes along k.
+// Rows [n0, n0 + rows) of W (rows <= R) against MR rows of X, a row at a time (W is read
+// as one sequential stream): per output four chains of 16 lanes along k, added, then the
+// rows' lanes summed by one tree.
 template <int R, int MR>
 CSA_TARGET_FAST void decode_rows(const Call& c, int64_t n0, int64_t rows, const uint16_t* xf,
                                  int64_t ldf) {
   static_assert(R * MR <= 16, "one sums16 tree");
   const CodeBytes conv = CodeBytes::load();
-  const uint8_t* row[R];
-  for (int r = 0; r < R; ++r) row[r] = c.w + (n0 + (r < rows ? r : rows - 1)) * c.K;
-  __m512 acc[R][MR];
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < c.K; k += 64) {
-    const __mmask64 live = k + 64 <= c.K ? ~__mmask64{0} : __mmask64{0xFFFFFFFFu};
-    __m512bh x0[MR], x1[MR];
-    for (int m = 0; m < MR; ++m) {
-      x0[m] = (__m512bh)_mm512_loadu_si512(xf + m * ldf + k);
-      x1[m] = (__m512bh)_mm512_loadu_si512(xf + m * ldf + k + 32);
-    }
-    for (int r = 0; r < R; ++r) {
-      _mm_prefetch(reinterpret_cast<const char*>(row[r] + k + kPrefetchBytes), _MM_HINT_T0);
-      const __m512i codes = _mm512_maskz_loadu_epi8(live, row[r] + k);
-      __m512i lo, hi;
-      conv(codes, lo, hi);
-      const __m512bh w0 = (__m512bh)_mm512_unpacklo_epi8(lo, hi);
-      const __m512bh w1 = (__m512bh)_mm512_unpackhi_epi8(lo, hi);
-      for (int m = 0; m < MR; ++m) {
-        acc[r][m] = _mm512_dpbf16_ps(acc[r][m], w0, x0[m]);
-        acc[r][m] = _mm512_dpbf16_ps(acc[r][m], w1, x1[m]);
+  __m512 v[16];
+  for (int i = R * MR; i < 16; ++i) v[i] = _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) {
+    const uint8_t* row = c.w + (n0 + (r < rows ? r : rows - 1)) * c.K;
+    __m512 acc[4][MR];
+    for (int i = 0; i < 4; ++i)
+      for (int m = 0; m < MR; ++m) acc[i][m] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < c.K; k += 128) {
+      const int64_t rest = c.K - k;  // a multiple of 32
+      const __mmask64 all = ~__mmask64{0}, half = 0xFFFFFFFFu;
+      const __mmask64 live[2] = {rest >= 64 ? all : half,
+                                 rest >= 128 ? all : rest == 96 ? half : __mmask64{0}};
+      _mm_prefetch(reinterpret_cast<const char*>(row + k + kPrefetchBytes), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(row + k + 64 + kPrefetchBytes), _MM_HINT_T1);
+      for (int h = 0; h < 2; ++h) {
+        __m512i lo, hi;
+        conv.decode(_mm512_maskz_loadu_epi8(live[h], row + k + 64 * h), lo, hi);
+        const __m512bh w0 = (__m512bh)_mm512_unpacklo_epi8(lo, hi);
+        const __m512bh w1 = (__m512bh)_mm512_unpackhi_epi8(lo, hi);
+        for (int m = 0; m < MR; ++m) {
+          const uint16_t* x = xf + m * ldf + k + 64 * h;
+          acc[2 * h][m] = _mm512_dpbf16_ps(acc[2 * h][m], w0, (__m512bh)_mm512_loadu_si512(x));
+          acc[2 * h + 1][m] =
+              _mm512_dpbf16_ps(acc[2 * h + 1][m], w1, (__m512bh)_mm512_loadu_si512(x + 32));
+        }
       }
     }
+    for (int m = 0; m < MR; ++m)
+      v[r * MR + m] = _mm512_add_ps(_mm512_add_ps(acc[0][m], acc[1][m]),
+                                    _mm512_add_ps(acc[2][m], acc[3][m]));
   }
-  __m512 v[16];
-  for (int i = 0; i < 16; ++i) v[i] = i < R * MR ? acc[i / MR][i % MR] : _mm512_setzero_ps();
   alignas(64) float s[16];
   _mm512_store_ps(s, sums16(v));
   for (int64_t r = 0; r < rows; ++r)
@@ -300,7 +328,7 @@ CSA_TARGET_FAST void decode_rows(const Call& c, int64_t n0, int64_t rows, const 
 
 template <int MR>
 CSA_TARGET_FAST void decode_group(const Call& c, int64_t g, uint16_t* xf, int64_t ldf) {
-  constexpr int R = MR == 1 ? 16 : MR == 2 ? 8 : 4;
+  constexpr int R = 16 / MR;
   fold_x<MR>(c, g, xf, ldf);
   const int64_t end = (g + 1) * kGroupRows < c.N ? (g + 1) * kGroupRows : c.N;
   for (int64_t n = g * kGroupRows; n < end; n += R)
@@ -308,7 +336,7 @@ CSA_TARGET_FAST void decode_group(const Call& c, int64_t g, uint16_t* xf, int64_
 }
 
 void decode_task(const Call& c, int64_t g) {
-  const int64_t ldf = (c.K + 63) / 64 * 64;
+  const int64_t ldf = (c.K + 127) / 128 * 128;
   thread_local std::vector<uint16_t> buffer;
   if (buffer.size() < static_cast<size_t>(kDecodeRows * ldf))
     buffer.resize(static_cast<size_t>(kDecodeRows * ldf));
