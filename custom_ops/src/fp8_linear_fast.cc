@@ -15,17 +15,22 @@
 // depend on the thread count; they do depend on the path: M <= 4 rows (decode) sum each
 // output along k in 16 lanes (vdpbf16ps pairs), then a tree; more rows sum as TorchLinear's
 // vdpbf16ps tiles (dp_bf16_tiles.h) in chunks of 512 k.
-//   decode: for each 32 rows of W (one WScale row) ws is folded into X (x'' = X' * ws per K
-//     block, bf16-exact by the range above, an exponent add), W's codes become bf16 words by
-//     two 128-entry byte tables (vpermi2b: the low and high byte of bf16(e4m3 magnitude);
-//     subnormal codes normalised, which vdpbf16ps would flush as raw bits), the sign ORed
-//     in, vpunpck{l,h}bw to words (X is stored in that order), and two vdpbf16ps per 64
-//     weights and row of X: 8 instructions per 64 weights at M = 1 (the exact kernel ~13).
+// W's codes become bf16 words of wq * 2^8 (the factor 2^-8 goes into the other operand):
+// per byte, two GFNI affine bit moves give the high and low byte (s 1000 e3e2e1 and
+// e0 mmm 0000: exponent 128 + e) where no code of the 64 has exponent field 0; otherwise two
+// 128-entry byte tables (vpermi2b) give them, zero and subnormal codes included (raw
+// subnormal bits would be flushed by vdpbf16ps), and the sign is ORed in.
+//   decode: rows of W in order (one sequential stream, prefetched 16 KiB ahead), per 32 rows
+//     (one WScale row) ws * 2^-8 folded into X (x'' = X' * ws * 2^-8 per K block, an
+//     exponent add, bf16-exact by the range above: [2^-99, 2^61]), codes -> words,
+//     vpunpck{l,h}bw (X is stored in that order), two vdpbf16ps per 64 weights and row of X:
+//     7 instructions per 64 weights at M = 1 (load, 2 GFNI, a test, 2 unpacks, 2 vdpbf16ps;
+//     the exact kernel ~13), four chains per output, the chains added, a tree per 16 outputs.
 //   prefill: per task (64 columns x up to 480 rows) W is converted 512 k at a time into a
-//     64 KiB bf16 panel chunk (the weights stay fp8 in memory), W' = bf16(wq) with ws
-//     added to the exponent, transposed 16 x 16 into TorchLinear's panel layout.
+//     64 KiB bf16 panel chunk (the weights stay fp8 in memory; the tables), W' = wq * ws
+//     by an exponent add, transposed 16 x 16 into TorchLinear's panel layout.
 // NaN codes are 0 in the sums; the op sets their columns to NaN (as the exact kernel).
-// Built for x86-64-v4 + AVX512-BF16 + AVX512-VBMI; elsewhere cpu_supported() is false.
+// Built for x86-64-v4 + AVX512-BF16 + AVX512-VBMI + GFNI; elsewhere cpu_supported() is false.
 #include "fp8_linear_fast.h"
 
 #include <atomic>

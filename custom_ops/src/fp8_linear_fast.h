@@ -9,7 +9,7 @@
 
 namespace csa::fp8_fast {
 
-// Whether this CPU has what the fast kernel needs (AVX512-BF16 and AVX512-VBMI).
+// Whether this CPU has what the fast kernel needs (AVX512-BF16, AVX512-VBMI and GFNI).
 bool cpu_supported();
 
 struct Problem {

@@ -2,7 +2,9 @@
 // of fp8_linear.h. Inputs X (float, [..., K], rank >= 1), W (float8e4m3fn, [N, K], one byte
 // per weight), WScale (float, [ceil(N/32), K/32], the checkpoint's ue8m0 scales); attribute
 // block_size (default 32, the only size supported); output Y (float, [..., N]), not rounded
-// to bf16 (the graph rounds).
+// to bf16 (the graph rounds). Attribute numerics: "exact" (the default: everything below)
+// or "fast" (fp8_linear_fast.cc: the same terms in another summation order, where the CPU
+// has its instructions; otherwise this exact kernel).
 //
 // W is read in place: the kernel keeps no copy of it. For a constant W it keeps, computed
 // once when the session creates the kernel, per (column, K block) the power of two t that
@@ -716,7 +718,7 @@ bool check_node(const OrtKernelInfo* info) {
 }
 
 // numerics "fast" runs fp8_linear_fast.cc where the path is avx512bf16 (the default on a
-// CPU with AVX512-BF16) and the CPU has AVX512-VBMI too; elsewhere (and with
+// CPU with AVX512-BF16) and the CPU has AVX512-VBMI and GFNI too; elsewhere (and with
 // CSA_FP8_LINEAR_ISA / CSA2ONNX_ISA = avx512, avx2, scalar) it is the exact kernel, the
 // fastest that CPU has.
 bool fast_path_available() {
@@ -884,7 +886,7 @@ void AppendFp8LinearOps(std::vector<std::unique_ptr<Ort::Custom::OrtLiteCustomOp
 
 // The counts (calls, tasks on the few-rows path, W blocks that are not int16 summed against
 // every row, (row, block, group)s summed in two digits, (row, block, column)s summed in
-// int64) into out[0..n); returns how many there are.
+// int64, calls the fast kernel summed) into out[0..n); returns how many there are.
 extern "C" __attribute__((visibility("default"))) uint64_t csa2onnx_fp8_linear_counts(uint64_t* out,
                                                                                      uint64_t n) {
   const uint64_t values[] = {csa::counts.calls.load(), csa::counts.small_tasks.load(),
