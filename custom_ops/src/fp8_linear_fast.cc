@@ -198,7 +198,8 @@ struct CodeBytes {
   // s eeee mmm becomes hi = s 1 000 e3 e2 e1, lo = e0 mmm 0000, i.e. bf16 exponent 128 + e,
   // value * 2^8 (NaN codes give a finite value; their columns become NaN). Zero and
   // subnormal codes take the tables.
-  CSA_TARGET_FAST void decode(__m512i codes, __m512i& lo, __m512i& hi) const {
+  CSA_TARGET_FAST __attribute__((always_inline)) inline void decode(__m512i codes, __m512i& lo,
+                                                                      __m512i& hi) const {
     if (_mm512_testn_epi8_mask(codes, _mm512_set1_epi8(0x78)) != 0) {
       (*this)(codes, lo, hi);
       return;
@@ -286,6 +287,21 @@ CSA_TARGET_FAST void fold_x(const Call& c, int64_t g, uint16_t* xf, int64_t ldf)
   }
 }
 
+// 64 codes against MR rows of X's words (x, row stride ldf): a += low words, b += high.
+template <int MR>
+CSA_TARGET_FAST __attribute__((always_inline)) inline void dot64(
+    const CodeBytes& conv, __m512i codes, const uint16_t* x, int64_t ldf, __m512 (&a)[MR],
+    __m512 (&b)[MR]) {
+  __m512i lo, hi;
+  conv.decode(codes, lo, hi);
+  const __m512bh w0 = (__m512bh)_mm512_unpacklo_epi8(lo, hi);
+  const __m512bh w1 = (__m512bh)_mm512_unpackhi_epi8(lo, hi);
+  for (int m = 0; m < MR; ++m) {
+    a[m] = _mm512_dpbf16_ps(a[m], w0, (__m512bh)_mm512_loadu_si512(x + m * ldf));
+    b[m] = _mm512_dpbf16_ps(b[m], w1, (__m512bh)_mm512_loadu_si512(x + m * ldf + 32));
+  }
+}
+
 // Rows [n0, n0 + rows) of W (rows <= R) against MR rows of X, a row at a time (W is read
 // as one sequential stream): per output four chains of 16 lanes along k, added, then the
 // rows' lanes summed by one tree.
@@ -296,34 +312,28 @@ CSA_TARGET_FAST void decode_rows(const Call& c, int64_t n0, int64_t rows, const 
   const CodeBytes conv = CodeBytes::load();
   __m512 v[16];
   for (int i = R * MR; i < 16; ++i) v[i] = _mm512_setzero_ps();
+  const int64_t full = c.K / 128 * 128;
   for (int r = 0; r < R; ++r) {
     const uint8_t* row = c.w + (n0 + (r < rows ? r : rows - 1)) * c.K;
-    __m512 acc[4][MR];
-    for (int i = 0; i < 4; ++i)
-      for (int m = 0; m < MR; ++m) acc[i][m] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < c.K; k += 128) {
-      const int64_t rest = c.K - k;  // a multiple of 32
-      const __mmask64 all = ~__mmask64{0}, half = 0xFFFFFFFFu;
-      const __mmask64 live[2] = {rest >= 64 ? all : half,
-                                 rest >= 128 ? all : rest == 96 ? half : __mmask64{0}};
+    __m512 a0[MR], a1[MR], a2[MR], a3[MR];
+    for (int m = 0; m < MR; ++m)
+      a0[m] = a1[m] = a2[m] = a3[m] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < full; k += 128) {
       _mm_prefetch(reinterpret_cast<const char*>(row + k + kPrefetchBytes), _MM_HINT_T1);
       _mm_prefetch(reinterpret_cast<const char*>(row + k + 64 + kPrefetchBytes), _MM_HINT_T1);
-      for (int h = 0; h < 2; ++h) {
-        __m512i lo, hi;
-        conv.decode(_mm512_maskz_loadu_epi8(live[h], row + k + 64 * h), lo, hi);
-        const __m512bh w0 = (__m512bh)_mm512_unpacklo_epi8(lo, hi);
-        const __m512bh w1 = (__m512bh)_mm512_unpackhi_epi8(lo, hi);
-        for (int m = 0; m < MR; ++m) {
-          const uint16_t* x = xf + m * ldf + k + 64 * h;
-          acc[2 * h][m] = _mm512_dpbf16_ps(acc[2 * h][m], w0, (__m512bh)_mm512_loadu_si512(x));
-          acc[2 * h + 1][m] =
-              _mm512_dpbf16_ps(acc[2 * h + 1][m], w1, (__m512bh)_mm512_loadu_si512(x + 32));
-        }
-      }
+      dot64<MR>(conv, _mm512_loadu_si512(row + k), xf + k, ldf, a0, a1);
+      dot64<MR>(conv, _mm512_loadu_si512(row + k + 64), xf + k + 64, ldf, a2, a3);
+    }
+    if (full < c.K) {  // 32, 64 or 96 codes left; X's words are zero past K
+      const int64_t rest = c.K - full;
+      const __mmask64 half = 0xFFFFFFFFu;
+      dot64<MR>(conv, _mm512_maskz_loadu_epi8(rest >= 64 ? ~__mmask64{0} : half, row + full),
+                xf + full, ldf, a0, a1);
+      if (rest > 64)
+        dot64<MR>(conv, _mm512_maskz_loadu_epi8(half, row + full + 64), xf + full + 64, ldf, a2, a3);
     }
     for (int m = 0; m < MR; ++m)
-      v[r * MR + m] = _mm512_add_ps(_mm512_add_ps(acc[0][m], acc[1][m]),
-                                    _mm512_add_ps(acc[2][m], acc[3][m]));
+      v[r * MR + m] = _mm512_add_ps(_mm512_add_ps(a0[m], a1[m]), _mm512_add_ps(a2[m], a3[m]));
   }
   alignas(64) float s[16];
   _mm512_store_ps(s, sums16(v));
