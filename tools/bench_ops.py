@@ -66,7 +66,9 @@ model's fp8 linear shapes (or --fp8-shapes) and M rows, intra_op_num_threads = -
 (default 2), timed in turns; the weights are quantised as a checkpoint holds them (or, with
 --fp8-weights uniform, every code equally likely: Fp8Linear's worst case); the ratio is
 Fp8Linear's time over TorchLinear's, and the W columns give the bytes of weights each call
-reads.
+reads. The "fast" column is Fp8Linear with numerics="fast" (the same terms in vdpbf16ps
+order, custom_ops/src/fp8_linear_fast.cc; the exact kernel where the CPU lacks its
+instructions), its ratio beside: what exactness costs.
 """
 
 from __future__ import annotations
