@@ -87,14 +87,15 @@ def torch_linear_dp_calls() -> int:
     return int(fn())
 
 
-FP8_LINEAR_COUNTS = ("calls", "small_tasks", "lane_sums", "row_sums", "wide_sums")
+FP8_LINEAR_COUNTS = ("calls", "small_tasks", "lane_sums", "row_sums", "wide_sums",
+                     "fast_calls")
 
 
 def fp8_linear_counts() -> dict[str, int]:
     """Fp8Linear's counts in this process (the tests check that a case built for one of the
     kernel's exact fallbacks took it): calls; tasks on the few-rows path; W blocks that are
     not int16, summed against every row; (row, K block, 16 columns) summed in two digits;
-    (row, K block, column) summed in int64."""
+    (row, K block, column) summed in int64; calls the fast kernel (numerics "fast") summed."""
     fn = ctypes.CDLL(str(library_path())).csa2onnx_fp8_linear_counts
     fn.restype = ctypes.c_uint64
     fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_uint64]

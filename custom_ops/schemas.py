@@ -254,7 +254,8 @@ SIGNATURES: tuple[OpSignature, ...] = (
         "Fp8Linear", "act_quant fused with the block-scaled e4m3 GEMM (reference.md).",
         (Param("X", _FLOAT), Param("W", "tensor(float8e4m3fn)"), Param("WScale", _FLOAT)),
         (Param("Y", _FLOAT),), _infer_fp8_linear,
-        attributes=(Attribute("block_size", _Attr.INT, default=32),)),
+        attributes=(Attribute("block_size", _Attr.INT, default=32),
+                    Attribute("numerics", _Attr.STRING, default="exact"))),
     OpSignature(
         "TorchRMSNorm", "W * (X * rsqrt(mean(X^2) + epsilon)), the mean in torch CPU's order.",
         (Param("X", _FLOAT), Param("W", "TW")), (Param("Y", _FLOAT),),

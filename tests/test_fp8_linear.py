@@ -672,6 +672,6 @@ def test_missing_inputs_are_clear_errors() -> None:
 
 
 def test_unknown_path_is_a_clear_error() -> None:
-    with pytest.raises(Errors, match=r"CSA_FP8_LINEAR_ISA=\"sse9\" \(expected avx512, avx2 "
-                                     r"or scalar\)"):
+    with pytest.raises(Errors, match=r"CSA_FP8_LINEAR_ISA=\"sse9\" \(expected avx512, avx2, scalar "
+                                     r"or avx512bf16\)"):
         session_for(fp8_model(), "sse9")

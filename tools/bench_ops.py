@@ -66,7 +66,9 @@ model's fp8 linear shapes (or --fp8-shapes) and M rows, intra_op_num_threads = -
 (default 2), timed in turns; the weights are quantised as a checkpoint holds them (or, with
 --fp8-weights uniform, every code equally likely: Fp8Linear's worst case); the ratio is
 Fp8Linear's time over TorchLinear's, and the W columns give the bytes of weights each call
-reads.
+reads. The "fast" column is Fp8Linear with numerics="fast" (the same terms in vdpbf16ps
+order, custom_ops/src/fp8_linear_fast.cc; the exact kernel where the CPU lacks its
+instructions), its ratio beside: what exactness costs.
 """
 
 from __future__ import annotations
@@ -159,9 +161,11 @@ def topk_model() -> bytes:
 FP8_SHAPES = [(5120, 1280), (1280, 32768), (5120, 512), (8192, 5120), (1280, 4096)]  # (K, N)
 
 
-def fp8_linear_model(codes: np.ndarray, w_scale: np.ndarray) -> bytes:
+def fp8_linear_model(codes: np.ndarray, w_scale: np.ndarray, numerics: str = "exact") -> bytes:
     n, k = codes.shape
-    node = helper.make_node("Fp8Linear", ["X", "W", "WScale"], ["Y"], domain="csa2onnx")
+    attributes = {"numerics": numerics} if numerics != "exact" else {}
+    node = helper.make_node("Fp8Linear", ["X", "W", "WScale"], ["Y"], domain="csa2onnx",
+                            **attributes)
     graph = helper.make_graph(
         [node], "fp8", [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["m", k])],
         [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["m", n])],
@@ -216,12 +220,13 @@ def bench_fp8_linear(rows: list[int], rounds: int, min_time: float, threads: int
     print(f"Fp8Linear vs bf16 TorchLinear, intra_op_num_threads={threads}, {os.cpu_count()} "
           f"CPUs, W constant ({weights} weights); ms per call, median (best) of {rounds} "
           "interleaved rounds")
-    print(f"{'K':>5} {'N':>6} {'M':>5} {'Fp8Linear':>19} {'TorchLinear':>19} {'ratio':>12} "
-          f"{'W fp8':>9} {'W bf16':>9}")
+    print(f"{'K':>5} {'N':>6} {'M':>5} {'Fp8Linear':>19} {'fast':>19} {'TorchLinear':>19} "
+          f"{'ratio':>12} {'fast ratio':>12} {'W fp8':>9} {'W bf16':>9}")
     for k, n in shapes or FP8_SHAPES:
         codes, w_scale = make_weights(rng, n, k)
         w = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
         fp8 = make_session(fp8_linear_model(codes, w_scale), options=options)
+        fast = make_session(fp8_linear_model(codes, w_scale, "fast"), options=options)
         bf16 = make_session(bf16_linear_model(w), options=options)
         for m in rows:
             x = round_bf16(rng.standard_normal((m, k)).astype(np.float32))
@@ -231,13 +236,16 @@ def bench_fp8_linear(rows: list[int], rounds: int, min_time: float, threads: int
                 print(f"warning: Fp8Linear differs from the definition at M={m} K={k} N={n}",
                       file=sys.stderr)
             times = interleaved_times({"fp8": lambda s=fp8, f={"X": x}: s.run(None, f),
+                                       "fast": lambda s=fast, f={"X": x}: s.run(None, f),
                                        "bf16": lambda s=bf16, f={"X": x}: s.run(None, f)},
                                       rounds, min_time)
-            (med8, best8), (med16, best16) = times["fp8"], times["bf16"]
+            (med8, best8), (medf, bestf) = times["fp8"], times["fast"]
+            med16, best16 = times["bf16"]
             print(f"{k:>5} {n:>6} {m:>5} {med8 * 1e3:9.3f} ({best8 * 1e3:7.3f}) "
+                  f"{medf * 1e3:9.3f} ({bestf * 1e3:7.3f}) "
                   f"{med16 * 1e3:9.3f} ({best16 * 1e3:7.3f}) {med8 / med16:5.2f} "
-                  f"({best8 / best16:4.2f}) {n * k / 2**20:7.1f}MB {2 * n * k / 2**20:7.1f}MB",
-                  flush=True)
+                  f"({best8 / best16:4.2f}) {medf / med16:5.2f} ({bestf / best16:4.2f}) "
+                  f"{n * k / 2**20:7.1f}MB {2 * n * k / 2**20:7.1f}MB", flush=True)
 
 
 def linear_model(w_bits: np.ndarray) -> bytes:

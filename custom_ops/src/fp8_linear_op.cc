@@ -2,7 +2,9 @@
 // of fp8_linear.h. Inputs X (float, [..., K], rank >= 1), W (float8e4m3fn, [N, K], one byte
 // per weight), WScale (float, [ceil(N/32), K/32], the checkpoint's ue8m0 scales); attribute
 // block_size (default 32, the only size supported); output Y (float, [..., N]), not rounded
-// to bf16 (the graph rounds).
+// to bf16 (the graph rounds). Attribute numerics: "exact" (the default: everything below)
+// or "fast" (fp8_linear_fast.cc: the same terms in another summation order, where the CPU
+// has its instructions; otherwise this exact kernel).
 //
 // W is read in place: the kernel keeps no copy of it. For a constant W it keeps, computed
 // once when the session creates the kernel, per (column, K block) the power of two t that
@@ -57,6 +59,7 @@
 
 #include "fp8_int_blocks.h"
 #include "fp8_linear.h"
+#include "fp8_linear_fast.h"
 #include "fp8_linear_kernels.h"
 #include "fp8_linear_op.h"
 #include "kernel_support.h"
@@ -78,6 +81,7 @@ constexpr const char* kOp = "Fp8Linear";
 // built for a fallback did take it. Tasks add their counts once, at their end.
 struct Counts {
   std::atomic<uint64_t> calls{0}, small_tasks{0}, lane_sums{0}, row_sums{0}, wide_sums{0};
+  std::atomic<uint64_t> fast_calls{0};  // calls the fast kernel summed (numerics "fast")
 };
 Counts counts;
 
@@ -442,7 +446,7 @@ Path select_path() {
       fail(kOp, "CSA_FP8_LINEAR_ISA=avx512-novbmi but this CPU does not support it");
     return Path::kAvx512Plain;
   }
-  switch (select_isa("CSA_FP8_LINEAR_ISA")) {
+  switch (select_isa("CSA_FP8_LINEAR_ISA", /*has_reference=*/false, /*has_bf16=*/true)) {
     case Isa::kAvx512:
     case Isa::kAvx512Bf16: return Path::kAvx512;
     case Isa::kAvx2: return Path::kAvx2;
@@ -698,21 +702,39 @@ void run_task(const Call& c, int64_t task) {
   counts.wide_sums.fetch_add(wide_sums, std::memory_order_relaxed);
 }
 
-// Attributes and node I/O, checked when the session creates the kernel.
-void check_node(const OrtKernelInfo* info) {
+// Attributes and node I/O, checked when the session creates the kernel; returns whether
+// the node asks for numerics "fast".
+bool check_node(const OrtKernelInfo* info) {
   require_node_io(info, kOp, 3, 1);
   const int64_t block_size =
       optional_attribute<int64_t>(info, kOp, "block_size", "an int").value_or(kBlock);
   if (block_size != kBlock)
     fail(kOp, "block_size must be 32 (the only size supported), got " + std::to_string(block_size));
+  const std::string numerics =
+      optional_attribute<std::string>(info, kOp, "numerics", "a string").value_or("exact");
+  if (numerics != "exact" && numerics != "fast")
+    fail(kOp, "attribute numerics must be \"exact\" or \"fast\", got \"" + numerics + "\"");
+  return numerics == "fast";
+}
+
+// numerics "fast" runs fp8_linear_fast.cc where the path is avx512bf16 (the default on a
+// CPU with AVX512-BF16) and the CPU has AVX512-VBMI and GFNI too; elsewhere (and with
+// CSA_FP8_LINEAR_ISA / CSA2ONNX_ISA = avx512, avx2, scalar) it is the exact kernel, the
+// fastest that CPU has.
+bool fast_path_available() {
+  const char* forced = std::getenv("CSA_FP8_LINEAR_ISA");
+  if (forced != nullptr && std::strcmp(forced, "avx512-novbmi") == 0) return false;
+  return select_isa("CSA_FP8_LINEAR_ISA", false, true) == Isa::kAvx512Bf16 &&
+         fp8_fast::cpu_supported();
 }
 
 struct Fp8LinearKernel {
   Kernels kern;
   WMeta constant_meta;  // W's figures when W is a constant initializer
+  bool fast = false;    // numerics "fast" on a CPU that has its kernel
 
   Fp8LinearKernel(const OrtApi*, const OrtKernelInfo* info) : kern(kernels_for(select_path())) {
-    check_node(info);
+    fast = check_node(info) && fast_path_available();
     const Ort::ConstValue w = constant_input(info, 1);
     if (w == nullptr) return;  // not a constant: its figures are computed on every call
     const std::vector<int64_t> shape = w.GetTensorTypeAndShapeInfo().GetShape();
@@ -755,6 +777,15 @@ struct Fp8LinearKernel {
     const uint8_t* codes = reinterpret_cast<const uint8_t*>(w.Data());
     counts.calls.fetch_add(1, std::memory_order_relaxed);
     const int64_t work = d.M * d.N * d.K;  // multiply-adds
+    const float nan = Fp8::from_bits(0x7FC00000u);
+    if (fast && fp8_fast::run(ctx, {x.Data(), codes, wscale.Data(), out, d.M, d.N, d.K})) {
+      counts.fast_calls.fetch_add(1, std::memory_order_relaxed);
+      const bool known = constant_meta.n == d.N && constant_meta.k == d.K;
+      for (const int64_t col : known ? constant_meta.nan_columns
+                                     : fp8_fast::nan_columns(codes, d.N, d.K))
+        for (int64_t m = 0; m < d.M; ++m) out[m * d.N + col] = nan;
+      return;
+    }
 
     WMeta per_call;
     const WMeta* meta = &constant_meta;
@@ -810,7 +841,6 @@ struct Fp8LinearKernel {
                call.panels * ((xc.rows + kTaskRows - 1) / kTaskRows), task);
       if (failed.load()) throw std::bad_alloc();
     }
-    const float nan = Fp8::from_bits(0x7FC00000u);
     for (const int64_t col : meta->nan_columns)
       for (int64_t m = 0; m < d.M; ++m) out[m * d.N + col] = nan;
   }
@@ -818,6 +848,7 @@ struct Fp8LinearKernel {
 
 #ifdef CSA_WITH_CUDA
 struct Fp8LinearCudaKernel {
+  // numerics "fast" runs the exact CUDA kernel (it is already the fast one there)
   Fp8LinearCudaKernel(const OrtApi*, const OrtKernelInfo* info) { check_node(info); }
 
   Ort::Status Compute(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& x,
@@ -855,12 +886,12 @@ void AppendFp8LinearOps(std::vector<std::unique_ptr<Ort::Custom::OrtLiteCustomOp
 
 // The counts (calls, tasks on the few-rows path, W blocks that are not int16 summed against
 // every row, (row, block, group)s summed in two digits, (row, block, column)s summed in
-// int64) into out[0..n); returns how many there are.
+// int64, calls the fast kernel summed) into out[0..n); returns how many there are.
 extern "C" __attribute__((visibility("default"))) uint64_t csa2onnx_fp8_linear_counts(uint64_t* out,
                                                                                      uint64_t n) {
   const uint64_t values[] = {csa::counts.calls.load(), csa::counts.small_tasks.load(),
                              csa::counts.lane_sums.load(), csa::counts.row_sums.load(),
-                             csa::counts.wide_sums.load()};
+                             csa::counts.wide_sums.load(), csa::counts.fast_calls.load()};
   const uint64_t total = sizeof values / sizeof values[0];
   for (uint64_t i = 0; i < n && i < total; ++i) out[i] = values[i];
   return total;

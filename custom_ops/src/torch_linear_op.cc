@@ -54,6 +54,7 @@
 #include <immintrin.h>
 #endif
 
+#include "dp_bf16_tiles.h"
 #include "kernel_support.h"
 #include "ort_cast.h"
 #include "torch_linear.h"
@@ -533,33 +534,9 @@ ExponentRange convert_rows(OrtKernelContext* ctx, const float* x, int64_t M, int
   return range;
 }
 
-// One chunk (pairs [p0, p1)) for MR rows x 64 columns: 4 x MR zmm accumulators from 0, one
-// vdpbf16ps per (row, 16 columns) and pair, then out += the chunk's sum (one vaddps, the
-// same rounding as the reference's out + acc). An odd last k has a zero partner in X and W:
-// its +0 product is added first, and acc + 0 == acc because acc, starting at +0, is never -0.
-template <int MR>
-CSA_TARGET_AVX512BF16 CSA_INLINE void dp_tile(const uint32_t* xb, int64_t ldxb,
-                                              const uint32_t* panel, int64_t p0, int64_t p1,
-                                              float* out) {
-  __m512 acc[MR][4];
-  for (int m = 0; m < MR; ++m)
-    for (int c = 0; c < 4; ++c) acc[m][c] = _mm512_setzero_ps();
-  for (int64_t p = p0; p < p1; ++p) {
-    const uint32_t* wp = panel + p * kPanel;
-    __m512bh w[4];
-    for (int c = 0; c < 4; ++c) w[c] = (__m512bh)_mm512_loadu_si512(wp + 16 * c);
-    for (int m = 0; m < MR; ++m) {
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(xb[m * ldxb + p]));
-      for (int c = 0; c < 4; ++c) acc[m][c] = _mm512_dpbf16_ps(acc[m][c], xv, w[c]);
-    }
-  }
-  for (int m = 0; m < MR; ++m)
-    for (int c = 0; c < 4; ++c) {
-      float* o = out + m * kPanel + 16 * c;
-      _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), acc[m][c]));
-    }
-}
-
+// The chunks' tiles are dp_bf16_tiles.h's: out += each chunk's sum (one vaddps, the same
+// rounding as the reference's out + acc). An odd last k has a zero partner in X and W: its
+// +0 product is added first, and acc + 0 == acc because acc, starting at +0, is never -0.
 CSA_TARGET_AVX512BF16 void task_avx512bf16(const Job& j, size_t task, bool) {
   const TaskRows tr = task_rows(j, task);
   alignas(64) float buf[kDpRows * kPanel];
@@ -569,17 +546,7 @@ CSA_TARGET_AVX512BF16 void task_avx512bf16(const Job& j, size_t task, bool) {
   for (int64_t k0 = 0; k0 < j.K; k0 += j.plan.chunk) {  // chunks are even but the last
     const int64_t k1 = k0 + j.plan.chunk < j.K ? k0 + j.plan.chunk : j.K;
     const int64_t p0 = k0 / 2, p1 = (k1 + 1) / 2;
-    int64_t r = 0;
-    for (; r + 6 <= tr.rows; r += 6)
-      dp_tile<6>(xb + r * j.pairs, j.pairs, panel, p0, p1, buf + r * kPanel);
-    switch (tr.rows - r) {
-      case 5: dp_tile<5>(xb + r * j.pairs, j.pairs, panel, p0, p1, buf + r * kPanel); break;
-      case 4: dp_tile<4>(xb + r * j.pairs, j.pairs, panel, p0, p1, buf + r * kPanel); break;
-      case 3: dp_tile<3>(xb + r * j.pairs, j.pairs, panel, p0, p1, buf + r * kPanel); break;
-      case 2: dp_tile<2>(xb + r * j.pairs, j.pairs, panel, p0, p1, buf + r * kPanel); break;
-      case 1: dp_tile<1>(xb + r * j.pairs, j.pairs, panel, p0, p1, buf + r * kPanel); break;
-      default: break;
-    }
+    dp_bf16::dp_rows(xb, j.pairs, tr.rows, panel, p0, p1, buf);
   }
   store_rows(j, tr, buf);
 }

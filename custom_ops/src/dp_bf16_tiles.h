@@ -1,0 +1,64 @@
+// vdpbf16ps tiles on 64-column panels of bf16 k-pairs, shared by TorchLinear's vdpbf16ps
+// path (torch_linear_op.cc) and Fp8Linear's fast numerics (fp8_linear_fast.cc):
+//   xb:    rows of X as bf16 k-pairs (x[k] | x[k+1] << 16), ldxb pairs a row;
+//   panel: [pairs][64] pairs of 64 columns of W (the layout vdpbf16ps multiplies);
+//   out:   [rows][64] floats, out += the sum over pairs [p0, p1).
+// One chunk: accumulators from 0, one vdpbf16ps per (row, 16 columns) and pair in order,
+// then out = out + acc (one vaddps). The order is TorchLinear's kOneDnnPairs pair step
+// (torch_linear.h), so its bits are the definition there. Included by files compiled with
+// -ffp-contract=off.
+#pragma once
+
+#include <cstdint>
+
+#include "simd.h"
+#ifdef CSA_X86
+#include <immintrin.h>
+
+namespace csa::dp_bf16 {
+
+constexpr int64_t kPanel = 64;  // columns per panel
+constexpr int64_t kTileRows = 6;
+
+// MR rows x 64 columns over pairs [p0, p1): 4 x MR zmm accumulators.
+template <int MR>
+CSA_TARGET_AVX512BF16 __attribute__((always_inline)) inline void dp_tile(
+    const uint32_t* xb, int64_t ldxb, const uint32_t* panel, int64_t p0, int64_t p1, float* out) {
+  __m512 acc[MR][4];
+  for (int m = 0; m < MR; ++m)
+    for (int c = 0; c < 4; ++c) acc[m][c] = _mm512_setzero_ps();
+  for (int64_t p = p0; p < p1; ++p) {
+    const uint32_t* wp = panel + p * kPanel;
+    __m512bh w[4];
+    for (int c = 0; c < 4; ++c) w[c] = (__m512bh)_mm512_loadu_si512(wp + 16 * c);
+    for (int m = 0; m < MR; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(xb[m * ldxb + p]));
+      for (int c = 0; c < 4; ++c) acc[m][c] = _mm512_dpbf16_ps(acc[m][c], xv, w[c]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int c = 0; c < 4; ++c) {
+      float* o = out + m * kPanel + 16 * c;
+      _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), acc[m][c]));
+    }
+}
+
+// `rows` rows (any count) in tiles of 6, the last tile smaller.
+CSA_TARGET_AVX512BF16 __attribute__((always_inline)) inline void dp_rows(
+    const uint32_t* xb, int64_t ldxb, int64_t rows, const uint32_t* panel, int64_t p0,
+    int64_t p1, float* out) {
+  int64_t r = 0;
+  for (; r + kTileRows <= rows; r += kTileRows)
+    dp_tile<6>(xb + r * ldxb, ldxb, panel, p0, p1, out + r * kPanel);
+  switch (rows - r) {
+    case 5: dp_tile<5>(xb + r * ldxb, ldxb, panel, p0, p1, out + r * kPanel); break;
+    case 4: dp_tile<4>(xb + r * ldxb, ldxb, panel, p0, p1, out + r * kPanel); break;
+    case 3: dp_tile<3>(xb + r * ldxb, ldxb, panel, p0, p1, out + r * kPanel); break;
+    case 2: dp_tile<2>(xb + r * ldxb, ldxb, panel, p0, p1, out + r * kPanel); break;
+    case 1: dp_tile<1>(xb + r * ldxb, ldxb, panel, p0, p1, out + r * kPanel); break;
+    default: break;
+  }
+}
+
+}  // namespace csa::dp_bf16
+#endif  // CSA_X86
