@@ -132,28 +132,17 @@ def torch_linear(op: OpBuilder, x: ir.Value, w: ir.Value, *,
     return _csa(op).TorchLinear(x, w, **attributes)
 
 
-Numerics = Literal["exact", "fast"]
-
-
 def fp8_linear(op: OpBuilder, x: ir.Value, w: ir.Value, w_scale: ir.Value, *,
-               numerics: Numerics = "exact") -> ir.Value:
+               numerics: Numerics | None = None) -> ir.Value:
     """The released checkpoint's fp8 linear: act_quant(x) (e4m3, power-of-two scale per 32
     inputs) fused with the block-scaled GEMM against W [N, K] float8e4m3fn and WScale
     [ceil(N/32), K/32] float32 (custom_ops/reference.py `fp8_linear`). float32 result
     [..., N], not rounded: round to bf16 where the reference does.
 
-    `numerics="fast"`: the same terms summed in any order (vdpbf16ps on a CPU with
-    AVX512-BF16 and VBMI, the exact kernel elsewhere); the node gets the attribute only
-    then, so exact graphs do not change. Not for a portable graph (its body is standard ops).
-    """
-    if numerics not in ("exact", "fast"):
-        raise ValueError(f"fp8_linear numerics must be 'exact' or 'fast', got {numerics!r}")
-    if numerics == "fast":
-        if is_portable(op):
-            raise ValueError("a portable graph runs Fp8Linear's standard-op body, which has no "
-                             "fast numerics; build it with numerics='exact'")
-        return _csa(op).Fp8Linear(x, w, w_scale, numerics="fast")
-    return _csa(op).Fp8Linear(x, w, w_scale)
+    `numerics` (None: the graph's) "fast": the same terms summed in another order
+    (vdpbf16ps on a CPU with AVX512-BF16, VBMI and GFNI, the exact kernel elsewhere); the
+    node gets the attribute only then, so exact graphs do not change."""
+    return _csa(op).Fp8Linear(x, w, w_scale, **_numerics_attribute(op, numerics))
 
 
 def rope_cos_sin(op: OpBuilder, positions: ir.Value, inverse_frequencies: Sequence[float],
