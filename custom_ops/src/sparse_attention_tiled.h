@@ -197,6 +197,12 @@ struct Source {
   int64_t row_bytes = 0;
   packed::Format format = packed::Format::kFp4E4m3;
   const float* unpacked = nullptr;  // [k, d] of the query row, or null
+  // numerics="fast" only (sparse_attention_fast.h; the tiled kernel never reads these), rows
+  // already converted to bf16, `bf16_stride` values apart, or null: kv's rows (`bf16`), or
+  // every entry of the query row's index list (`gathered`: [k] rows, window and packed).
+  const uint16_t* bf16 = nullptr;
+  const uint16_t* gathered = nullptr;
+  int64_t bf16_stride = 0;
 };
 
 // Unpacks the packed entries of one block of a query's index list (positions [j0, j1)) to
