@@ -366,7 +366,15 @@ inline void sum64(const float* p, int64_t ld, const int* slot, float* out) {
 // definition). lsum [64][gp]: the valid entries' logit sums, overwritten; pb [64][gp]:
 // bf16(p) of the valid entries. Entries at -1 have logit -inf, which changes no maximum,
 // and p = exp(-inf - m_new) = 0 exactly (m_new >= -1e30 is never NaN or -inf).
-template <typename V>
+// Exp::apply(x, n): x[i] = exp(x[i]) for i < n (the definition's std::exp here; the fast
+// kernel passes its own).
+struct StdExp {
+  static inline void apply(float* x, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) x[i] = std::exp(x[i]);
+  }
+};
+
+template <typename V, typename Exp = StdExp>
 inline void softmax(const Shape& s, float scale, int64_t nv, const int* slot, float* lsum,
                     float* pb, float* m, float* total, float* alpha) {
   using T = typename V::T;
@@ -386,9 +394,8 @@ inline void softmax(const Shape& s, float scale, int64_t nv, const int* slot, fl
     V::store(alpha + i, V::sub(m_old, m_new));
     V::store(m + i, m_new);
   }
-  for (int64_t v = 0; v < nv; ++v)
-    for (int64_t i = 0; i < s.g; ++i) lsum[v * gp + i] = std::exp(lsum[v * gp + i]);
-  for (int64_t i = 0; i < s.g; ++i) alpha[i] = std::exp(alpha[i]);
+  for (int64_t v = 0; v < nv; ++v) Exp::apply(lsum + v * gp, s.g);
+  Exp::apply(alpha, s.g);
   for (int64_t i = 0; i < gp; i += V::W) {
     alignas(64) float block_sum[V::W];
     sum64<V>(lsum + i, gp, slot, block_sum);
