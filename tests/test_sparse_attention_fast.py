@@ -27,6 +27,7 @@ import onnxruntime as ort
 import pytest
 from helpers import build_cpp_driver, custom_op_model
 from onnx import TensorProto, helper
+from test_sparse_attention_op import _inputs
 
 from csa2onnx.custom_ops import make_session, session_options
 from csa2onnx.custom_ops.library import cpu_isas
@@ -85,13 +86,7 @@ def bits(x: np.ndarray) -> np.ndarray:
 def model_inputs(seed: int, b: int, s: int, h: int, d: int, n: int, k: int,
                  minus_one: float = 0.1):
     """As the model feeds the op: bf16 q and rows, -1 entries anywhere."""
-    rng = np.random.default_rng(seed)
-    q = round_bf16(rng.standard_normal((b, s, h, d)) * 2)
-    kv = round_bf16(rng.standard_normal((b, n, d)))
-    sink = rng.standard_normal(h).astype(np.float32)
-    idx = rng.integers(0, n, (b, s, k))
-    idx[rng.random((b, s, k)) < minus_one] = -1
-    return q, kv, sink, idx
+    return _inputs(seed, b, s, h, d, n, k, minus_one)
 
 
 def bf16_ulp(x: np.ndarray) -> np.ndarray:

@@ -143,6 +143,12 @@ inline uint32_t load_pair(const uint16_t* p) {
   return v;
 }
 
+template <int A, int B>
+CSA_TARGET_AVX512BF16 inline void zero_tile(__m512 (&tile)[A][B]) {
+  for (int a = 0; a < A; ++a)
+    for (int b = 0; b < B; ++b) tile[a][b] = _mm512_setzero_ps();
+}
+
 // Logits of GV heads x J entries over all of d (pairs [0, d2)): qp [d2][gp] pairs, kr[j]
 // the entries' bf16 rows; out [J][gp] (entry-major, as tiled::softmax reads them).
 template <int GV, int J>
@@ -150,8 +156,7 @@ CSA_TARGET_AVX512BF16 inline void logit_tile(const uint32_t* qp, int64_t gp,
                                              const uint16_t* const* kr, int64_t d2, float* out) {
   constexpr int NV = GV / 16;
   __m512 acc[J][NV];
-  for (int j = 0; j < J; ++j)
-    for (int v = 0; v < NV; ++v) acc[j][v] = _mm512_setzero_ps();
+  zero_tile(acc);
   for (int64_t e2 = 0; e2 < d2; ++e2) {
     __m512bh qv[NV];
     for (int v = 0; v < NV; ++v) qv[v] = as_bh(_mm512_loadu_si512(qp + e2 * gp + v * 16));
@@ -181,8 +186,7 @@ CSA_TARGET_AVX512BF16 inline void pv_tile(const uint32_t* pp, int64_t gp, const 
                                           const float* alpha, float* acc, int64_t dp) {
   constexpr int NV = EC / 16;
   __m512 blk[HB][NV];
-  for (int i = 0; i < HB; ++i)
-    for (int v = 0; v < NV; ++v) blk[i][v] = _mm512_setzero_ps();
+  zero_tile(blk);
   for (int64_t jj = 0; jj < nv2; ++jj) {
     __m512bh r[NV];
     for (int v = 0; v < NV; ++v) r[v] = as_bh(_mm512_loadu_si512(vp + jj * ldv + e0 + v * 16));
