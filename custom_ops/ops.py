@@ -176,25 +176,11 @@ def torch_rms_norm(op: OpBuilder, x: ir.Value, w: ir.Value, eps: float) -> ir.Va
     return _csa(op).TorchRMSNorm(x, w, epsilon=float(eps))
 
 
-NUMERICS = ("exact", "fast")  # a kernel's numerics attribute (exact: absent)
-
-
-def _numerics_attribute(op: OpBuilder, numerics: str, name: str) -> dict[str, str]:
-    """The attribute for `numerics`: none for exact (exact artifacts stay as they were)."""
-    if numerics not in NUMERICS:
-        raise ValueError(f"{name}: numerics must be 'exact' or 'fast', got {numerics!r}")
-    if numerics == "exact":
-        return {}
-    if is_portable(op):
-        raise ValueError(f"{name}: a portable graph has no numerics='fast' (its bodies are "
-                         "standard ops)")
-    return {"numerics": numerics}
-
-
 def sparse_attention(op: OpBuilder, q: ir.Value, kv: ir.Value, sink: ir.Value, idx: ir.Value,
                      scale: float, compressed: ir.Value | None = None,
                      compressed_format: PackedFormat | None = None,
-                     head_dim: int | None = None, numerics: str = "exact") -> ir.Value:
+                     head_dim: int | None = None,
+                     numerics: Numerics | None = None) -> ir.Value:
     """The reference's sparse_attn (graphs/sparse_attn.py states the semantics): q
     [b,s,h,d], kv [b,n,d], sink [h], idx [b,s,k] (int64 or int32, -1 = nothing) -> bf16
     values in float32 [b,s,h,d], in torch CPU's arithmetic order, row by row.
@@ -205,14 +191,14 @@ def sparse_attention(op: OpBuilder, q: ir.Value, kv: ir.Value, sink: ir.Value, i
     graph it is that Concat (the head dim must then be static): the op's function body
     cannot take the optional packed input (see the module docstring).
 
-    `numerics="fast"`: on CPUs with AVX512-BF16 the products run on vdpbf16ps, q and the
-    rows rounded to bf16 (exact for the model's values) and summed in another order: most
-    outputs equal exact's, a few differ by about a bf16 ulp
+    `numerics` (None: the graph's): "fast" runs, on CPUs with AVX512-BF16, the products on
+    vdpbf16ps, q and the rows rounded to bf16 (exact for the model's values) and summed in
+    another order: most outputs equal exact's, the rest a bf16 ulp or a few apart
     (custom_ops/src/sparse_attention_fast.h); other CPUs run the exact kernel. Not in a
     portable graph (ValueError)."""
     if not scale > 0:
         raise ValueError(f"softmax_scale must be > 0, got {scale}")
-    attrs = _numerics_attribute(op, numerics, "SparseAttention")
+    attrs = _numerics_attribute(op, numerics)
     if compressed is None:
         return _csa(op).SparseAttention(q, kv, sink, idx, softmax_scale=float(scale), **attrs)
     _check_packed_format(compressed_format)

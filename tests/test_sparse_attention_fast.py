@@ -292,20 +292,27 @@ def test_wrapper_emits_numerics_only_when_fast(portable: bool) -> None:
     specs = [("q", ir.DataType.FLOAT, [1, 2, 4, 32]), ("kv", ir.DataType.FLOAT, [1, "n", 32]),
              ("sink", ir.DataType.FLOAT, [4]), ("idx", ir.DataType.INT64, [1, 2, "k"])]
 
-    def attributes(numerics: str) -> dict[str, object]:
-        model = build_model("sa", specs, ["o"], lambda op, *v: ops.sparse_attention(
-            op, *v, 0.125, numerics=numerics), portable=portable)
+    def attributes(numerics: str | None, graph: str | None = None) -> dict[str, object]:
+        def body(op, *v):
+            if graph is not None:  # as the exporter marks a graph built fast
+                op.builder.root.graph.metadata_props[ops.NUMERICS_KEY] = graph
+            return ops.sparse_attention(op, *v, 0.125, numerics=numerics)
+
+        model = build_model("sa", specs, ["o"], body, portable=portable)
         node = next(n for n in model.graph.node if n.op_type == "SparseAttention")
         return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 
-    assert "numerics" not in attributes("exact")
-    with pytest.raises(ValueError, match="numerics must be 'exact' or 'fast'"):
+    assert "numerics" not in attributes("exact") and "numerics" not in attributes(None)
+    with pytest.raises(ValueError, match=r"numerics must be one of \['exact', 'fast'\], "
+                                         r"got 'turbo'"):
         attributes("turbo")
     if portable:
-        with pytest.raises(ValueError, match="portable graph has no numerics='fast'"):
+        with pytest.raises(ValueError, match="a portable graph runs standard ONNX ops only"):
             attributes("fast")
     else:
         assert attributes("fast")["numerics"] == b"fast"
+        assert attributes(None, graph="fast")["numerics"] == b"fast"  # the graph's numerics
+        assert "numerics" not in attributes("exact", graph="fast")
 
 
 @needs_bf16
