@@ -184,7 +184,8 @@ def torch_rms_norm(op: OpBuilder, x: ir.Value, w: ir.Value, eps: float) -> ir.Va
 def sparse_attention(op: OpBuilder, q: ir.Value, kv: ir.Value, sink: ir.Value, idx: ir.Value,
                      scale: float, compressed: ir.Value | None = None,
                      compressed_format: PackedFormat | None = None,
-                     head_dim: int | None = None) -> ir.Value:
+                     head_dim: int | None = None,
+                     numerics: Numerics | None = None) -> ir.Value:
     """The reference's sparse_attn (graphs/sparse_attn.py states the semantics): q
     [b,s,h,d], kv [b,n,d], sink [h], idx [b,s,k] (int64 or int32, -1 = nothing) -> bf16
     values in float32 [b,s,h,d], in torch CPU's arithmetic order, row by row.
@@ -193,11 +194,18 @@ def sparse_attention(op: OpBuilder, q: ir.Value, kv: ir.Value, sink: ir.Value, i
     index i >= n reads its row i - n, unpacked on the kernel's gather; the result is the
     call on Concat(kv, unpack(compressed)) bit for bit, without that copy. In a portable
     graph it is that Concat (the head dim must then be static): the op's function body
-    cannot take the optional packed input (see the module docstring)."""
+    cannot take the optional packed input (see the module docstring).
+
+    `numerics` (None: the graph's): "fast" runs, on CPUs with AVX512-BF16, the products on
+    vdpbf16ps, q and the rows rounded to bf16 (exact for the model's values) and summed in
+    another order: most outputs equal exact's, the rest a bf16 ulp or a few apart
+    (custom_ops/src/sparse_attention_fast.h); other CPUs run the exact kernel. Not in a
+    portable graph (ValueError)."""
     if not scale > 0:
         raise ValueError(f"softmax_scale must be > 0, got {scale}")
+    attrs = _numerics_attribute(op, numerics)
     if compressed is None:
-        return _csa(op).SparseAttention(q, kv, sink, idx, softmax_scale=float(scale))
+        return _csa(op).SparseAttention(q, kv, sink, idx, softmax_scale=float(scale), **attrs)
     _check_packed_format(compressed_format)
     if is_portable(op):
         d = head_dim or _static_last_dim(kv) or _static_last_dim(q)
@@ -207,7 +215,7 @@ def sparse_attention(op: OpBuilder, q: ir.Value, kv: ir.Value, sink: ir.Value, i
         rows = op.Concat(kv, unpack_quantized(op, compressed, compressed_format, d), axis=1)
         return _csa(op).SparseAttention(q, rows, sink, idx, softmax_scale=float(scale))
     return _csa(op).SparseAttention(q, kv, sink, idx, compressed, softmax_scale=float(scale),
-                                    compressed_format=compressed_format)
+                                    compressed_format=compressed_format, **attrs)
 
 
 def indexer_score(op: OpBuilder, q: ir.Value, w: ir.Value, keys: ir.Value, width: ir.Value,

@@ -267,7 +267,8 @@ SIGNATURES: tuple[OpSignature, ...] = (
          Param("Compressed", _UINT8, optional=True)), (Param("O", _FLOAT),),
         _infer_like_first(TensorProto.FLOAT), (("TI", ("tensor(int64)", "tensor(int32)")),),
         (Attribute("softmax_scale", _Attr.FLOAT, required=True),
-         Attribute("compressed_format", _Attr.STRING))),
+         Attribute("compressed_format", _Attr.STRING),
+         Attribute("numerics", _Attr.STRING, default="exact"))),
     OpSignature(
         "IndexerScore", "The Indexer's scores bf16(sum_h bf16(relu(bf16(q.k)) * w)) of keys "
         "0..Width-1, in onnxruntime's orders for the standard ops.",

@@ -21,6 +21,12 @@
 // definition's `row`, one row per task, on the widest instruction set this CPU has); all
 // give the same bits (the reference path unpacks Compressed into the concatenated float
 // rows first).
+// Attribute numerics: "exact" (absent: exact) or "fast": on a CPU with AVX512-BF16 the
+// vdpbf16ps kernel of sparse_attention_fast.h (q and the rows rounded to bf16, the products
+// summed in another order: outputs within a bf16 ulp or so of exact's, most identical; same
+// bits for any thread count); on every other path (a CPU without AVX512-BF16, or avx512,
+// avx2, scalar, reference forced) the exact kernel. CSA_SPARSE_ATTENTION_ISA=avx512bf16
+// forces the fast kernel where numerics="fast" (an exact node has no such path).
 // Compiled with -ffp-contract=off: the orders keep some multiplies and adds apart.
 #include "ort_api.h"
 
@@ -33,6 +39,7 @@
 #include "kernel_support.h"
 #include "packed_quant.h"
 #include "sparse_attention.h"
+#include "sparse_attention_fast.h"
 #include "sparse_attention_tiled.h"
 #include "sparse_attention_op.h"
 #include "simd.h"
@@ -59,6 +66,11 @@ struct Job {
   int64_t n_cache = 0, row_bytes = 0;
   packed::Format format = packed::Format::kFp4E4m3;
   float* unpacked = nullptr;  // [b * s, k, d]: the packed entries unpacked once, or null
+  // numerics="fast": KV as bf16 [b, n, bf16_stride], or the index lists' rows as bf16
+  // [b * s, k, bf16_stride], or null (sparse_attention_fast.h reads them in place)
+  const uint16_t* kv_bf16 = nullptr;
+  const uint16_t* gathered = nullptr;
+  int64_t bf16_stride = 0;
   bool out_of_memory = false;
 };
 
@@ -70,6 +82,14 @@ template <typename I>
 sa::tiled::Source source_of(const Job<I>& j, int64_t row) {
   const int64_t b = row / j.s;
   sa::tiled::Source src{j.kv + b * j.pr.n * j.pr.d, j.pr.n};
+  if (j.kv_bf16 != nullptr) {
+    src.bf16 = j.kv_bf16 + b * j.pr.n * j.bf16_stride;
+    src.bf16_stride = j.bf16_stride;
+  }
+  if (j.gathered != nullptr) {
+    src.gathered = j.gathered + row * j.pr.k * j.bf16_stride;
+    src.bf16_stride = j.bf16_stride;
+  }
   if (j.packed != nullptr) {
     src.packed = j.packed + b * j.n_cache * j.row_bytes;
     src.row_bytes = j.row_bytes;
@@ -135,19 +155,35 @@ CSA_TARGET_AVX2 __attribute__((flatten)) void unpack_avx2(const Job<I>& j, size_
 }
 #endif
 
-template <typename Cfg, typename I>
-void run_task(Job<I>& j, size_t t, std::vector<float>& scratch, TilesFn<I> tiles) {
-  const sa::Problem& pr = j.pr;
+// Task t's query row and heads [h0, h0 + g).
+struct Part {
+  int64_t row, h0, g;
+};
+template <typename I>
+Part part_of(const Job<I>& j, size_t t) {
   const int64_t row = static_cast<int64_t>(t) / j.splits;
   const int64_t h0 = static_cast<int64_t>(t) % j.splits * j.group;
-  const int64_t g = pr.h - h0 < j.group ? pr.h - h0 : j.group;
+  return {row, h0, j.pr.h - h0 < j.group ? j.pr.h - h0 : j.group};
+}
+
+// Runs `tiles` (a kernel of shape type S) on task t with scratch for that shape.
+template <typename I, typename S, typename Tiles>
+void run_shape(Job<I>& j, const Part& part, const S& shape, int64_t scratch_floats,
+               std::vector<float>& scratch, Tiles tiles) {
+  const sa::Problem& pr = j.pr;
+  if (scratch.size() < static_cast<size_t>(scratch_floats))
+    scratch.resize(static_cast<size_t>(scratch_floats));
+  const sa::tiled::Source src = source_of(j, part.row);
+  tiles(pr, shape, part.h0, j.q + part.row * pr.h * pr.d, src, j.idx + part.row * pr.k, j.sink,
+        scratch.data(), j.out + part.row * pr.h * pr.d);
+}
+
+template <typename Cfg, typename I>
+void run_task(Job<I>& j, size_t t, std::vector<float>& scratch, TilesFn<I> tiles) {
+  const Part part = part_of(j, t);
   const sa::tiled::Shape shape =
-      sa::tiled::shape_of<Cfg>(g, pr.d, j.packed != nullptr && j.unpacked == nullptr);
-  const size_t need = static_cast<size_t>(sa::tiled::scratch_floats(shape));
-  if (scratch.size() < need) scratch.resize(need);
-  const sa::tiled::Source src = source_of(j, row);
-  tiles(pr, shape, h0, j.q + row * pr.h * pr.d, src, j.idx + row * pr.k, j.sink,
-        scratch.data(), j.out + row * pr.h * pr.d);
+      sa::tiled::shape_of<Cfg>(part.g, j.pr.d, j.packed != nullptr && j.unpacked == nullptr);
+  run_shape(j, part, shape, sa::tiled::scratch_floats(shape), scratch, tiles);
 }
 
 template <typename I>
@@ -162,6 +198,21 @@ void task_avx512(Job<I>& j, size_t t, std::vector<float>& s) {
 template <typename I>
 void task_avx2(Job<I>& j, size_t t, std::vector<float>& s) {
   run_task<sa::tiled::CfgAvx2>(j, t, s, tiles_avx2<I>);
+}
+
+// numerics="fast" (sparse_attention_fast.h): vdpbf16ps tiles, on CPUs with AVX512-BF16.
+template <typename I>
+CSA_TARGET_AVX512BF16 __attribute__((flatten)) void tiles_fast(
+    const sa::Problem& pr, const sa::fast::Shape& s, int64_t h0, const float* q,
+    const sa::tiled::Source& kv, const I* idx, const float* sink, float* scratch, float* out) {
+  sa::fast::task<I>(pr, s, h0, q, kv, idx, sink, scratch, out);
+}
+template <typename I>
+void task_fast(Job<I>& j, size_t t, std::vector<float>& scratch) {
+  const Part part = part_of(j, t);
+  const sa::fast::Shape shape =
+      sa::fast::shape_of(part.g, j.pr.d, j.packed != nullptr && j.unpacked == nullptr);
+  run_shape(j, part, shape, sa::fast::scratch_floats(shape), scratch, tiles_fast<I>);
 }
 #endif
 
@@ -205,6 +256,8 @@ int64_t heads_per_task(int64_t rows, int64_t h) {
 // The most floats the once-per-call unpacking may hold (16 MiB: decode of 6 queries at
 // k = 640, d = 512); larger index lists unpack on each task's gather instead.
 constexpr int64_t kMaxUnpackedFloats = int64_t{1} << 22;
+// The most bf16 values the fast kernel's once-per-call conversion of KV may hold (64 MiB).
+constexpr int64_t kMaxConvertedValues = int64_t{1} << 25;
 
 // The reference path with a packed cache: the definition runs on the concatenated float
 // rows [b, n + n_cache, d] (KV's, then Compressed's unpacked), made here.
@@ -222,16 +275,76 @@ std::vector<float> concatenated_rows(const Job<I>& j, int64_t b) {
   return rows;
 }
 
+// The attribute numerics: "exact" (absent: exact) or "fast".
+bool read_numerics_fast(const OrtKernelInfo* info) {
+  const std::optional<std::string> numerics =
+      optional_attribute<std::string>(info, kOp, "numerics", "a string");
+  if (!numerics.has_value() || *numerics == "exact") return false;
+  if (*numerics == "fast") return true;
+  fail(kOp, "attribute numerics must be \"exact\" or \"fast\", got \"" + *numerics + "\"");
+}
+
+#ifdef CSA_X86
+// The fast kernel's rows as bf16, converted once per call where a row would otherwise be
+// converted by several tasks: with heads split over tasks (decode), each query's index list
+// (window rows, and packed rows once unpacked for all tasks); else, when the call reads KV's
+// rows more often than once on average (prefill), all of KV. Otherwise each task converts
+// its rows on the gather.
+template <typename I>
+void convert_for_fast(OrtKernelContext* ctx, Job<I>& job, int64_t b, int64_t rows) {
+  const int64_t n = job.pr.n, k = job.pr.k, d = job.pr.d;
+  const int64_t dp = sa::fast::shape_of(job.pr.h, d, false).dp;
+  job.bf16_stride = dp;
+  if (job.splits > 1 && k > 0 && rows * k * dp <= kMaxConvertedValues &&
+      (job.packed == nullptr || job.unpacked != nullptr)) {
+    thread_local std::vector<uint16_t> gathered;  // pages stay mapped from call to call
+    if (gathered.size() < static_cast<size_t>(rows * k * dp))
+      gathered.resize(static_cast<size_t>(rows * k * dp));
+    job.gathered = gathered.data();
+    struct Pass {
+      Job<I>* job;
+      uint16_t* out;
+    } pass{&job, gathered.data()};
+    auto part = [](void* data, size_t t) {  // (query row, block of 64)
+      const Pass& p = *static_cast<const Pass*>(data);
+      const Job<I>& j = *p.job;
+      const int64_t blocks = (j.pr.k + sa::kBlock - 1) / sa::kBlock;
+      const int64_t row = static_cast<int64_t>(t) / blocks;
+      const int64_t j0 = static_cast<int64_t>(t) % blocks * sa::kBlock;
+      const int64_t j1 = j0 + sa::kBlock < j.pr.k ? j0 + sa::kBlock : j.pr.k;
+      sa::fast::gather_entries(source_of(j, row), j.pr.d, j.bf16_stride, j.idx + row * j.pr.k,
+                               j0, j1, p.out + row * j.pr.k * j.bf16_stride);
+    };
+    run_tasks(ctx, rows * k * d, serial_below::kElements,
+              static_cast<size_t>(rows * ((k + sa::kBlock - 1) / sa::kBlock)), part, &pass);
+  } else if (n > 0 && b * n <= rows * k && b * n * dp <= kMaxConvertedValues) {
+    thread_local std::vector<uint16_t> converted;
+    if (converted.size() < static_cast<size_t>(b * n * dp))
+      converted.resize(static_cast<size_t>(b * n * dp));
+    const float* x = job.kv;
+    uint16_t* y = converted.data();
+    run_row_chunks(ctx, b * n, d, [x, y, d, dp](int64_t r0, int64_t count) {
+      sa::fast::convert_rows(x + r0 * d, count, d, dp, y + r0 * dp);
+    });
+    job.kv_bf16 = converted.data();
+  }
+}
+#endif
+
 template <typename I>
 struct SparseAttentionKernel {
   float scale = 0.0f;
   bool has_format = false;
   packed::Format format = packed::Format::kFp4E4m3;
-  Isa isa;
+  // numerics="fast" takes the avx512bf16 path (sparse_attention_fast.h) where the CPU has
+  // it (or it is forced); on every lower path fast runs the exact kernel, bit for bit.
+  bool fast = false;
+  Isa isa = Isa::kScalar;
 
-  SparseAttentionKernel(const OrtApi*, const OrtKernelInfo* info)
-      : isa(select_isa("CSA_SPARSE_ATTENTION_ISA", /*has_reference=*/true)) {
+  SparseAttentionKernel(const OrtApi*, const OrtKernelInfo* info) {
     require_node_io(info, kOp, 4, 1);  // Compressed is optional
+    fast = read_numerics_fast(info);
+    isa = select_isa("CSA_SPARSE_ATTENTION_ISA", /*has_reference=*/true, /*has_bf16=*/fast);
     scale = required_attribute<float>(info, kOp, "softmax_scale", "a float");
     if (!(scale > 0.0f)) fail(kOp, "softmax_scale must be > 0, got " + std::to_string(scale));
     // absent: no packed cache
@@ -330,6 +443,7 @@ struct SparseAttentionKernel {
     using Fn = void (*)(Job<I>&, size_t, std::vector<float>&);
     Fn fn = task_scalar<I>;
 #ifdef CSA_X86
+    if (isa == Isa::kAvx512Bf16) fn = task_fast<I>;
     if (isa == Isa::kAvx512) fn = task_avx512<I>;
     if (isa == Isa::kAvx2) fn = task_avx2<I>;
 #endif
@@ -352,7 +466,7 @@ struct SparseAttentionKernel {
       job.unpacked = unpacked.data();
       UnpackFn<I> unpack = unpack_scalar<I>;
 #ifdef CSA_X86
-      if (isa == Isa::kAvx512) unpack = unpack_avx512<I>;
+      if (isa == Isa::kAvx512 || isa == Isa::kAvx512Bf16) unpack = unpack_avx512<I>;
       if (isa == Isa::kAvx2) unpack = unpack_avx2<I>;
 #endif
       struct Pass {
@@ -367,6 +481,9 @@ struct SparseAttentionKernel {
       run_tasks(ctx, rows * k * d, serial_below::kElements, static_cast<size_t>(parts), part,
                 &pass);
     }
+#ifdef CSA_X86
+    if (isa == Isa::kAvx512Bf16) convert_for_fast(ctx, job, b, rows);
+#endif
     run_tasks_with_scratch(ctx, rows * h * (k > 0 ? k : 1) * d, serial_below::kAttentionTerms,
                            static_cast<size_t>(rows * splits), fn, job);
     if (job.out_of_memory) ORT_CXX_API_THROW(std::string(kOp) + ": out of memory", ORT_FAIL);

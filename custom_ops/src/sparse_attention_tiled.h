@@ -197,6 +197,12 @@ struct Source {
   int64_t row_bytes = 0;
   packed::Format format = packed::Format::kFp4E4m3;
   const float* unpacked = nullptr;  // [k, d] of the query row, or null
+  // numerics="fast" only (sparse_attention_fast.h; the tiled kernel never reads these), rows
+  // already converted to bf16, `bf16_stride` values apart, or null: kv's rows (`bf16`), or
+  // every entry of the query row's index list (`gathered`: [k] rows, window and packed).
+  const uint16_t* bf16 = nullptr;
+  const uint16_t* gathered = nullptr;
+  int64_t bf16_stride = 0;
 };
 
 // Unpacks the packed entries of one block of a query's index list (positions [j0, j1)) to
@@ -360,7 +366,15 @@ inline void sum64(const float* p, int64_t ld, const int* slot, float* out) {
 // definition). lsum [64][gp]: the valid entries' logit sums, overwritten; pb [64][gp]:
 // bf16(p) of the valid entries. Entries at -1 have logit -inf, which changes no maximum,
 // and p = exp(-inf - m_new) = 0 exactly (m_new >= -1e30 is never NaN or -inf).
-template <typename V>
+// Exp::apply(x, n): x[i] = exp(x[i]) for i < n (the definition's std::exp here; the fast
+// kernel passes its own).
+struct StdExp {
+  static inline void apply(float* x, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) x[i] = std::exp(x[i]);
+  }
+};
+
+template <typename V, typename Exp = StdExp>
 inline void softmax(const Shape& s, float scale, int64_t nv, const int* slot, float* lsum,
                     float* pb, float* m, float* total, float* alpha) {
   using T = typename V::T;
@@ -380,9 +394,8 @@ inline void softmax(const Shape& s, float scale, int64_t nv, const int* slot, fl
     V::store(alpha + i, V::sub(m_old, m_new));
     V::store(m + i, m_new);
   }
-  for (int64_t v = 0; v < nv; ++v)
-    for (int64_t i = 0; i < s.g; ++i) lsum[v * gp + i] = std::exp(lsum[v * gp + i]);
-  for (int64_t i = 0; i < s.g; ++i) alpha[i] = std::exp(alpha[i]);
+  for (int64_t v = 0; v < nv; ++v) Exp::apply(lsum + v * gp, s.g);
+  Exp::apply(alpha, s.g);
   for (int64_t i = 0; i < gp; i += V::W) {
     alignas(64) float block_sum[V::W];
     sum64<V>(lsum + i, gp, slot, block_sum);
