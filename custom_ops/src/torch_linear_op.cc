@@ -332,7 +332,7 @@ CSA_INLINE void lanes_tile(const float* x, const float* panel, int64_t K, int64_
 struct Job {
   Plan plan;           // a group's: plan_linear(M, N, K)
   const float* x;      // X [M][G*K]
-  const uint32_t* xb;  // the vdpbf16ps path: X as bf16 pairs, [M][G][pairs]
+  const uint32_t* xb;  // the vdpbf16ps path: X as bf16 pairs, [G][M][pairs]
   const void* panels;  // PackedF32 / PackedBf16 data (a panels64 W): G groups of n_panels
   float* y;            // Y [M][G*N]
   int64_t M, N, K, G, pairs;
@@ -490,11 +490,12 @@ CSA_TARGET_AVX512BF16 CSA_INLINE void scan_x(__m512i u, __m512i& any_bits, __m51
   emax = _mm512_max_epu32(emax, e);
 }
 
-// X ([M][K] float32) to bf16 pairs ([M][pairs], x[k] low, x[k+1] high, zero-padded) with the
-// exponent range of its nonzero values; false when a value is not bf16-exact (its low 16 bits
-// are not zero). 32 values a step: the pairs are the odd 16-bit words of two zmm.
-CSA_TARGET_AVX512BF16 bool convert_x(const float* x, int64_t M, int64_t K, uint32_t* xb,
-                                     ExponentRange& range) {
+// X ([M][K] float32, rows ldx apart) to bf16 pairs ([M][pairs], x[k] low, x[k+1] high,
+// zero-padded) with the exponent range of its nonzero values; false when a value is not
+// bf16-exact (its low 16 bits are not zero). 32 values a step: the pairs are the odd 16-bit
+// words of two zmm.
+CSA_TARGET_AVX512BF16 bool convert_x(const float* x, int64_t ldx, int64_t M, int64_t K,
+                                     uint32_t* xb, ExponentRange& range) {
   const int64_t pairs = (K + 1) / 2;
   alignas(64) uint16_t odd[32];
   for (int i = 0; i < 32; ++i) odd[i] = static_cast<uint16_t>(2 * i + 1);
@@ -502,7 +503,7 @@ CSA_TARGET_AVX512BF16 bool convert_x(const float* x, int64_t M, int64_t K, uint3
   __m512i any_bits = _mm512_setzero_si512(), emin = _mm512_set1_epi32(255),
           emax = _mm512_setzero_si512();
   for (int64_t m = 0; m < M; ++m) {
-    const float* row = x + m * K;
+    const float* row = x + m * ldx;
     uint32_t* dst = xb + m * pairs;
     int64_t k = 0;
     for (; k + 32 <= K; k += 32) {
@@ -532,29 +533,35 @@ CSA_TARGET_AVX512BF16 bool convert_x(const float* x, int64_t M, int64_t K, uint3
 }
 #pragma GCC diagnostic pop
 
-// convert_x over groups of rows in parallel: converting is M*K work against the product's
-// M*N*K, yet a few percent of a prefill call if one thread did it while the others wait.
+// convert_x over blocks of rows of each group in parallel: converting is M*K work against
+// the product's M*N*K, yet a few percent of a prefill call if one thread did it while the
+// others wait. X [M][G*K] becomes [G][M][pairs]: a group's rows of pairs lie together, as
+// one linear's would (the vdpbf16ps tiles read them `pairs` apart, not G*pairs: no
+// power-of-two stride over the groups for the caches to alias).
 ExponentRange convert_rows(OrtKernelContext* ctx, const float* x, int64_t M, int64_t K,
-                           uint32_t* xb, bool& bf16_exact) {
-  constexpr int64_t kGroupRows = 32;
+                           int64_t G, uint32_t* xb, bool& bf16_exact) {
+  constexpr int64_t kBlockRows = 32;
   struct Part {
     ExponentRange range;
     bool exact = true;
   };
+  const int64_t blocks = (M + kBlockRows - 1) / kBlockRows;
   struct Convert {
     const float* x;
     uint32_t* xb;
-    int64_t M, K;
+    int64_t M, K, G, blocks;
     std::vector<Part> parts;
-  } c{x, xb, M, K, std::vector<Part>(static_cast<size_t>((M + kGroupRows - 1) / kGroupRows))};
-  auto run = [](void* data, size_t g) {
+  } c{x, xb, M, K, G, blocks, std::vector<Part>(static_cast<size_t>(G * blocks))};
+  auto run = [](void* data, size_t i) {
     Convert& c = *static_cast<Convert*>(data);
-    const int64_t m0 = static_cast<int64_t>(g) * kGroupRows;
-    const int64_t rows = c.M - m0 < kGroupRows ? c.M - m0 : kGroupRows;
-    Part& part = c.parts[g];
-    part.exact = convert_x(c.x + m0 * c.K, rows, c.K, c.xb + m0 * ((c.K + 1) / 2), part.range);
+    const int64_t g = static_cast<int64_t>(i) / c.blocks;
+    const int64_t m0 = static_cast<int64_t>(i) % c.blocks * kBlockRows;
+    const int64_t rows = c.M - m0 < kBlockRows ? c.M - m0 : kBlockRows;
+    Part& part = c.parts[i];
+    part.exact = convert_x(c.x + m0 * c.G * c.K + g * c.K, c.G * c.K, rows, c.K,
+                           c.xb + (g * c.M + m0) * ((c.K + 1) / 2), part.range);
   };
-  run_tasks(ctx, M * K, serial_below::kConvertedValues, c.parts.size(), run, &c);
+  run_tasks(ctx, M * G * K, serial_below::kConvertedValues, c.parts.size(), run, &c);
   ExponentRange range;
   for (const Part& part : c.parts) {
     bf16_exact = bf16_exact && part.exact;
@@ -573,8 +580,8 @@ CSA_TARGET_AVX512BF16 void task_avx512bf16(const Job& j, size_t task, bool) {
   alignas(64) float buf[kDpRows * kPanel];
   for (int64_t i = 0; i < tr.rows * kPanel; ++i) buf[i] = 0.0f;
   const uint32_t* panel = static_cast<const uint32_t*>(j.panels) + tr.panel * j.pairs * kPanel;
-  const int64_t ldxb = j.G * j.pairs;  // a group's pairs of consecutive rows
-  const uint32_t* xb = j.xb + tr.m0 * ldxb + tr.group * j.pairs;
+  const int64_t ldxb = j.pairs;
+  const uint32_t* xb = j.xb + (tr.group * j.M + tr.m0) * ldxb;
   for (int64_t k0 = 0; k0 < j.K; k0 += j.plan.chunk) {  // chunks are even but the last
     const int64_t k1 = k0 + j.plan.chunk < j.K ? k0 + j.plan.chunk : j.K;
     const int64_t p0 = k0 / 2, p1 = (k1 + 1) / 2;
@@ -788,12 +795,12 @@ struct TorchLinearKernel {
     std::unique_ptr<uint32_t[]> xb;
     if constexpr (kBf16) {
       if (isa == Isa::kAvx512Bf16) {
-        // X [M][G*K] is [M*G][K]: each (row, group) converted to pairs of its own, so that
-        // a group's pairs start at its first k whatever K's parity. The exponent ranges are
-        // all groups' together: if they pass dp_is_exact, every group's own ranges pass.
+        // Each group's rows converted to pairs of their own (a group's pairs start at its
+        // first k whatever K's parity). The exponent ranges are all groups' together: if
+        // they pass dp_is_exact, every group's own ranges pass.
         xb.reset(new uint32_t[static_cast<size_t>(M * G * job.pairs)]);
         bool bf16_exact = true;
-        const ExponentRange x_range = convert_rows(ctx, xd, M * G, K, xb.get(), bf16_exact);
+        const ExponentRange x_range = convert_rows(ctx, xd, M, K, G, xb.get(), bf16_exact);
         const ExponentRange w_range =
             !in_panels ? packed->range
             : wd == constant_panels ? constant_range
