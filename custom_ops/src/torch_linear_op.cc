@@ -82,6 +82,7 @@ constexpr const char* kOp = "TorchLinear";
 constexpr int64_t kPanel = 64;     // columns per packed panel
 constexpr int64_t kMaxRows = 48;   // rows per task of the fmaf tiles (a multiple of 6 and 2)
 constexpr int64_t kDpRows = 96;    // rows per task of the vdpbf16ps tiles (a multiple of 6)
+constexpr int64_t kDpBatchPairs = int64_t{1} << 22;  // X pairs converted per batch (16 MiB)
 
 // Calls that ran on vdpbf16ps: the tests read it (csa2onnx_torch_linear_dp_calls) to know
 // that a case they mean for that path did not quietly fall back to the fmaf tiles.
@@ -332,12 +333,13 @@ CSA_INLINE void lanes_tile(const float* x, const float* panel, int64_t K, int64_
 struct Job {
   Plan plan;           // a group's: plan_linear(M, N, K)
   const float* x;      // X [M][G*K]
-  const uint32_t* xb;  // the vdpbf16ps path: X as bf16 pairs, [G][M][pairs]
+  const uint32_t* xb;  // the vdpbf16ps path: groups group0.. of X as bf16 pairs, [.][M][pairs]
   const void* panels;  // PackedF32 / PackedBf16 data (a panels64 W): G groups of n_panels
   float* y;            // Y [M][G*N]
   int64_t M, N, K, G, pairs;
   int64_t rows_per_task, row_blocks, n_panels;  // n_panels: one group's, ceil(N/64)
   bool round_output;  // Y through bfloat16 (the graph's Cast pair, fused)
+  int64_t group0;     // the tasks' first group (they cover groups group0, group0 + 1, ...)
 };
 
 // A task's group, panel (its index among all groups' panels) and rows; its tile writes them
@@ -348,7 +350,8 @@ struct TaskRows {
 
 CSA_INLINE TaskRows task_rows(const Job& j, size_t task) {
   const int64_t t = static_cast<int64_t>(task);
-  const int64_t m0 = (t % j.row_blocks) * j.rows_per_task, panel = t / j.row_blocks;
+  const int64_t m0 = (t % j.row_blocks) * j.rows_per_task;
+  const int64_t panel = j.group0 * j.n_panels + t / j.row_blocks;
   return {panel / j.n_panels, panel, m0, j.M - m0 < j.rows_per_task ? j.M - m0 : j.rows_per_task};
 }
 
@@ -535,11 +538,12 @@ CSA_TARGET_AVX512BF16 bool convert_x(const float* x, int64_t ldx, int64_t M, int
 
 // convert_x over blocks of rows of each group in parallel: converting is M*K work against
 // the product's M*N*K, yet a few percent of a prefill call if one thread did it while the
-// others wait. X [M][G*K] becomes [G][M][pairs]: a group's rows of pairs lie together, as
-// one linear's would (the vdpbf16ps tiles read them `pairs` apart, not G*pairs: no
-// power-of-two stride over the groups for the caches to alias).
+// others wait. `count` groups of X [M][G*K] from `x` (a group's first column) become
+// [count][M][pairs]: a group's rows of pairs lie together, as one linear's would (the
+// vdpbf16ps tiles read them `pairs` apart, not G*pairs: no power-of-two stride over the
+// groups for the caches to alias).
 ExponentRange convert_rows(OrtKernelContext* ctx, const float* x, int64_t M, int64_t K,
-                           int64_t G, uint32_t* xb, bool& bf16_exact) {
+                           int64_t G, int64_t count, uint32_t* xb, bool& bf16_exact) {
   constexpr int64_t kBlockRows = 32;
   struct Part {
     ExponentRange range;
@@ -551,7 +555,7 @@ ExponentRange convert_rows(OrtKernelContext* ctx, const float* x, int64_t M, int
     uint32_t* xb;
     int64_t M, K, G, blocks;
     std::vector<Part> parts;
-  } c{x, xb, M, K, G, blocks, std::vector<Part>(static_cast<size_t>(G * blocks))};
+  } c{x, xb, M, K, G, blocks, std::vector<Part>(static_cast<size_t>(count * blocks))};
   auto run = [](void* data, size_t i) {
     Convert& c = *static_cast<Convert*>(data);
     const int64_t g = static_cast<int64_t>(i) / c.blocks;
@@ -561,7 +565,7 @@ ExponentRange convert_rows(OrtKernelContext* ctx, const float* x, int64_t M, int
     part.exact = convert_x(c.x + m0 * c.G * c.K + g * c.K, c.G * c.K, rows, c.K,
                            c.xb + (g * c.M + m0) * ((c.K + 1) / 2), part.range);
   };
-  run_tasks(ctx, M * G * K, serial_below::kConvertedValues, c.parts.size(), run, &c);
+  run_tasks(ctx, M * count * K, serial_below::kConvertedValues, c.parts.size(), run, &c);
   ExponentRange range;
   for (const Part& part : c.parts) {
     bf16_exact = bf16_exact && part.exact;
@@ -581,7 +585,7 @@ CSA_TARGET_AVX512BF16 void task_avx512bf16(const Job& j, size_t task, bool) {
   for (int64_t i = 0; i < tr.rows * kPanel; ++i) buf[i] = 0.0f;
   const uint32_t* panel = static_cast<const uint32_t*>(j.panels) + tr.panel * j.pairs * kPanel;
   const int64_t ldxb = j.pairs;
-  const uint32_t* xb = j.xb + (tr.group * j.M + tr.m0) * ldxb;
+  const uint32_t* xb = j.xb + ((tr.group - j.group0) * j.M + tr.m0) * ldxb;
   for (int64_t k0 = 0; k0 < j.K; k0 += j.plan.chunk) {  // chunks are even but the last
     const int64_t k1 = k0 + j.plan.chunk < j.K ? k0 + j.plan.chunk : j.K;
     const int64_t p0 = k0 / 2, p1 = (k1 + 1) / 2;
@@ -590,6 +594,25 @@ CSA_TARGET_AVX512BF16 void task_avx512bf16(const Job& j, size_t task, bool) {
   store_rows(j, tr, buf);
 }
 #endif
+
+using Task = void (*)(const Job&, size_t, bool);
+
+// The tasks of `groups` groups from job.group0 on (row blocks x panels of each), in
+// parallel. Tasks only compute into memory that exists; nothing in them can throw.
+void run_groups(OrtKernelContext* ctx, const Job& job, Task task, int64_t groups, bool w_bf16) {
+  struct Call {
+    const Job* job;
+    Task task;
+    bool w_bf16;
+  } call{&job, task, w_bf16};
+  auto run = [](void* data, size_t t) {
+    const Call& c = *static_cast<const Call*>(data);
+    c.task(*c.job, t, c.w_bf16);
+  };
+  const int64_t tasks = job.row_blocks * groups * job.n_panels;
+  run_tasks(ctx, job.M * groups * job.N * job.K, serial_below::kMultiplyAdds,
+            static_cast<size_t>(tasks), run, &call);
+}
 
 // avx512bf16 (the default where the CPU has it) runs float W on the avx512 tiles: MKL's
 // orders have no pair step for vdpbf16ps.
@@ -784,45 +807,48 @@ struct TorchLinearKernel {
     }
     const void* panels = in_panels ? static_cast<const void*>(wd) : packed->data.data();
     Job job{plan, xd, nullptr, panels, out, M, N, K, G, (K + 1) / 2,
-            kMaxRows, (M + kMaxRows - 1) / kMaxRows, panels_of(N), attrs.round_output};
-    struct Call {
-      const Job* job;
-      void (*task)(const Job&, size_t, bool);
-    } call{&job, task_scalar};
+            kMaxRows, (M + kMaxRows - 1) / kMaxRows, panels_of(N), attrs.round_output, 0};
+    Task task = task_scalar;
 #ifdef CSA_X86
-    if (isa == Isa::kAvx512 || isa == Isa::kAvx512Bf16) call.task = task_avx512;
-    if (isa == Isa::kAvx2) call.task = task_avx2;
-    std::unique_ptr<uint32_t[]> xb;
+    if (isa == Isa::kAvx512 || isa == Isa::kAvx512Bf16) task = task_avx512;
+    if (isa == Isa::kAvx2) task = task_avx2;
     if constexpr (kBf16) {
       if (isa == Isa::kAvx512Bf16) {
-        // Each group's rows converted to pairs of their own (a group's pairs start at its
-        // first k whatever K's parity). The exponent ranges are all groups' together: if
-        // they pass dp_is_exact, every group's own ranges pass.
-        xb.reset(new uint32_t[static_cast<size_t>(M * G * job.pairs)]);
-        bool bf16_exact = true;
-        const ExponentRange x_range = convert_rows(ctx, xd, M, K, G, xb.get(), bf16_exact);
         const ExponentRange w_range =
             !in_panels ? packed->range
             : wd == constant_panels ? constant_range
                                     : bf16_exponents(wd, element_count(w_shape));
-        if (bf16_exact && dp_is_exact(x_range, w_range, K)) {
-          job.xb = xb.get();
-          job.rows_per_task = kDpRows;
-          job.row_blocks = (M + kDpRows - 1) / kDpRows;
-          call.task = task_avx512bf16;
-          dp_calls.fetch_add(1, std::memory_order_relaxed);
+        // X goes to bf16 pairs a batch of groups at a time (each group's rows pairs of their
+        // own, whatever K's parity), a batch's pairs at most kDpBatchPairs but one group: the
+        // buffer stays the size one linear's was (all of wo_a's groups at once, 64 MiB at
+        // 1024 tokens, came fresh from the OS on every call). A decode step converts every
+        // group in one batch. Both paths give the same bits, so each batch takes its own.
+        const int64_t per_group = M * job.pairs;
+        const int64_t batch = per_group >= kDpBatchPairs ? 1
+                              : G < kDpBatchPairs / per_group ? G : kDpBatchPairs / per_group;
+        std::unique_ptr<uint32_t[]> xb(new uint32_t[static_cast<size_t>(batch * per_group)]);
+        for (int64_t g0 = 0; g0 < G; g0 += batch) {
+          const int64_t count = G - g0 < batch ? G - g0 : batch;
+          bool bf16_exact = true;
+          const ExponentRange x_range =
+              convert_rows(ctx, xd + g0 * K, M, K, G, count, xb.get(), bf16_exact);
+          Job part = job;
+          part.group0 = g0;
+          Task part_task = task;
+          if (bf16_exact && dp_is_exact(x_range, w_range, K)) {
+            part.xb = xb.get();
+            part.rows_per_task = kDpRows;
+            part.row_blocks = (M + kDpRows - 1) / kDpRows;
+            part_task = task_avx512bf16;
+            dp_calls.fetch_add(1, std::memory_order_relaxed);
+          }
+          run_groups(ctx, part, part_task, count, kBf16);
         }
+        return;
       }
     }
 #endif
-    // Tasks only compute into memory that exists; nothing in them can throw.
-    auto run = [](void* data, size_t t) {
-      const Call& c = *static_cast<const Call*>(data);
-      c.task(*c.job, t, kBf16);
-    };
-    const int64_t tasks = job.row_blocks * G * job.n_panels;
-    run_tasks(ctx, M * G * N * K, serial_below::kMultiplyAdds, static_cast<size_t>(tasks), run,
-              &call);
+    run_groups(ctx, job, task, G, kBf16);
   }
 };
 
