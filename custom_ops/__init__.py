@@ -4,7 +4,8 @@ C++ kernels in `libcsa2onnx_ops.so` (README "The custom ops"):
 
 - `Fp4QuantDequant`: the fp4 (e2m1) round trip over blocks of the last axis.
 - `TorchTopK`: top-k along the last axis with torch CPU's tie order.
-- `TorchLinear`: X·Wᵀ summed in torch CPU's order (W plain or in the kernel's panels).
+- `TorchLinear`: X·Wᵀ summed in torch CPU's order (W plain or in the kernel's panels; `groups`:
+  several linears of one shape side by side in one node).
 - `Fp8Linear`: act_quant fused with the block-scaled e4m3 GEMM of the fp8 checkpoint.
 - `TorchRMSNorm`: RMSNorm with the mean summed in torch CPU's order.
 - `SparseAttention`: the reference's sparse_attn, optionally over a packed cache.

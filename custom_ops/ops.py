@@ -18,7 +18,9 @@ way, with two exceptions that a function body cannot express:
   the float-key node, for the same reason.
 
 TorchLinear's panels64 weights are not for portable graphs either (its body is a MatMul of a
-plain [N, K] W); that is an error here, not a different node.
+plain [N, K] W); that is an error here, not a different node. A grouped TorchLinear (`groups`
+G > 1) has no standard-op body: a portable graph spells it as G nodes on Splits of x and W,
+concatenated (`torch_linear`).
 
 Numerics (NUMERICS_KEY in the graph's metadata): "exact" (the default) reproduces the
 reference's bits; "fast" lets the ops that have a fast kernel sum in their own order (an
@@ -110,22 +112,40 @@ def torch_topk(op: OpBuilder, x: ir.Value, k: ir.Value, *, largest: bool = True,
     return values, indices
 
 
+def split_groups(op: OpBuilder, x: ir.Value, groups: int, axis: int = -1) -> list[ir.Value]:
+    """x's `groups` equal slices along `axis`."""
+    return list(op.Split(x, axis=axis, num_outputs=groups, _outputs=groups))
+
+
 def torch_linear(op: OpBuilder, x: ir.Value, w: ir.Value, *,
-                 panels: tuple[int, int] | None = None, rounded: bool = False) -> ir.Value:
+                 panels: tuple[int, int] | None = None, rounded: bool = False,
+                 groups: int = 1) -> ir.Value:
     """float32 x @ W^T (W: [N, K], bfloat16 or float32) summed in torch CPU's order.
 
-    `panels=(N, K)`: W is stored in the kernel's panels64 layout (custom_ops/weight_layout.py),
-    which the kernel reads in place; not in a portable graph, whose MatMul body reads a plain
-    W. `rounded`: y through bfloat16 as a Cast pair would (the kernel fuses it; a portable
-    graph gets the Casts).
+    `groups` G: G linears of one shape in one node, x [..., G*K] and W [G*N, K] -> y
+    [..., G*N], group g = x[..., gK:(g+1)K] @ W[gN:(g+1)N]^T into y[..., gN:(g+1)N], each
+    the TorchLinear of its own (the kernel reads x's groups and writes y's in place).
+    `panels=(N, K)` (a group's): W is stored in the kernel's panels64 layout
+    (custom_ops/weight_layout.py), which the kernel reads in place; not in a portable graph,
+    whose MatMul body reads a plain W. `rounded`: y through bfloat16 as a Cast pair would
+    (the kernel fuses it; a portable graph gets the Casts).
     """
+    if groups < 1:
+        raise ValueError(f"TorchLinear groups must be >= 1, got {groups}")
     if is_portable(op):
         if panels is not None:
             raise ValueError("a portable graph takes plain [N, K] TorchLinear weights (its "
                              "standard-op body is a MatMul), not panels64 ones")
-        y = _csa(op).TorchLinear(x, w)
+        if groups == 1:
+            y = _csa(op).TorchLinear(x, w)
+        else:  # no grouped body: a node per group (its Split of W folds into a copy)
+            parts = zip(split_groups(op, x, groups), split_groups(op, w, groups, axis=0),
+                        strict=True)
+            y = op.Concat(*[_csa(op).TorchLinear(xg, wg) for xg, wg in parts], axis=-1)
         return round_bf16(op, y) if rounded else y
     attributes: dict[str, int | str] = {"round_output": 1} if rounded else {}
+    if groups != 1:
+        attributes["groups"] = groups
     if panels is not None:
         n, k = panels
         attributes |= {"weight_layout": "panels64", "out_features": n, "in_features": k}

@@ -9,7 +9,8 @@ each body computes against its kernel (tests/test_*: each "portable" test):
 - TorchTopK: ONNX TopK, exact except where a tie decides (ONNX keeps the lowest index, the
   kernel torch CPU's order); always sorted.
 - TorchLinear: a MatMul, the same sum in the runtime's summation order instead of torch's
-  (last-bit differences).
+  (last-bit differences). One group only: a portable graph spells `groups` G > 1 as G
+  nodes and a Concat (custom_ops/ops.py).
 - TorchRMSNorm: bit-exact. The mean is summed in torch CPU's order, the kernel's
   (custom_ops/src/torch_rms_norm.h): the cascade is spelled out with Loops of Adds, for any
   width; tests/test_torch_rms_norm.py checks the two against each other on order-sensitive

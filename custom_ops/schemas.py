@@ -173,9 +173,14 @@ def _infer_topk(ctx: InferenceContext) -> None:
 
 
 def _infer_torch_linear(ctx: InferenceContext) -> None:
+    """Y [..., G*N]: G = groups (default 1) times out_features (panels64), or W's first
+    dimension (plain: W is [G*N, K])."""
     w_dims = _dims(_input(ctx, 1))
     if _str_attr(ctx, "weight_layout") == "panels64":
         n: DimLike = _int_attr(ctx, "out_features")
+        groups = _int_attr(ctx, "groups")
+        groups = 1 if groups is None else groups
+        n = groups * n if n is not None and n >= 0 and groups >= 1 else None
     else:
         n = w_dims[0] if w_dims is not None and len(w_dims) == 2 else None
     _set(ctx, 0, TensorProto.FLOAT, _last_replaced(_dims(_input(ctx, 0)), n))
@@ -244,12 +249,14 @@ SIGNATURES: tuple[OpSignature, ...] = (
         _infer_topk, (("T", _FLOATS_16),),
         (Attribute("largest", _Attr.INT, default=1), Attribute("sorted", _Attr.INT, default=1))),
     OpSignature(
-        "TorchLinear", "X @ W^T summed in torch CPU's order; W plain [N, K] or panels64.",
+        "TorchLinear", "X @ W^T summed in torch CPU's order (per group of `groups`); W plain "
+        "[G*N, K] or panels64.",
         (Param("X", _FLOAT), Param("W", "TW")), (Param("Y", _FLOAT),),
         _infer_torch_linear, (("TW", _W_TYPES),),
         (Attribute("weight_layout", _Attr.STRING, default="plain"),
          Attribute("out_features", _Attr.INT), Attribute("in_features", _Attr.INT),
-         Attribute("round_output", _Attr.INT, default=0))),
+         Attribute("round_output", _Attr.INT, default=0),
+         Attribute("groups", _Attr.INT, default=1))),
     OpSignature(
         "Fp8Linear", "act_quant fused with the block-scaled e4m3 GEMM (reference.md).",
         (Param("X", _FLOAT), Param("W", "tensor(float8e4m3fn)"), Param("WScale", _FLOAT)),

@@ -8,6 +8,10 @@ The columns (outputs) go in panels of 64, zero-padded past N:
 - float32: [ceil(N/64), K, 64]; element [p, k, c] is W[64p + c, k].
 A TorchLinear node reading such a W has weight_layout="panels64", out_features=N and
 in_features=K; the default layout, "plain", is W itself.
+
+A grouped W (TorchLinear's `groups` G: G linears of one shape [N, K], plain [G*N, K]) holds
+each group's panels in turn, [G*ceil(N/64), ...]: group g's are panels g*ceil(N/64) on, its
+own padding after its N columns.
 """
 
 from __future__ import annotations
@@ -26,9 +30,10 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
 
 
-def panels_shape(out_features: int, in_features: int, dtype: np.dtype) -> tuple[int, ...]:
-    """The shape of a panels64 W for N = out_features, K = in_features."""
-    panels = -(-out_features // TORCH_LINEAR_PANEL)
+def panels_shape(out_features: int, in_features: int, dtype: np.dtype,
+                 groups: int = 1) -> tuple[int, ...]:
+    """The shape of a panels64 W of `groups` groups of N = out_features, K = in_features."""
+    panels = groups * -(-out_features // TORCH_LINEAR_PANEL)
     if np.dtype(dtype) == BF16:
         return (panels, -(-in_features // 2), TORCH_LINEAR_PANEL, 2)
     if np.dtype(dtype) == F32:
@@ -38,8 +43,9 @@ def panels_shape(out_features: int, in_features: int, dtype: np.dtype) -> tuple[
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A TorchLinear weight [out_features, in_features] in the panels64 layout. `shape` and
-    `ndim` are the weight's own ([N, K]), as np.shape / np.ndim read them.
+    """A TorchLinear weight [out_features, in_features] in the panels64 layout, or `groups`
+    of them (a group's N and K; plain [G*N, K]). `shape` and `ndim` are the plain weight's
+    ([G*N, K]), as np.shape / np.ndim read them.
 
     `panels` is the packed array, or None for a weight packed on demand from `plain`
     (`packed_later`): an export then packs each weight while writing it and never holds
@@ -49,23 +55,26 @@ class PackedWeight:
     out_features: int
     in_features: int
     plain: np.ndarray | None = None
+    groups: int = 1
 
     def __post_init__(self) -> None:
+        if self.groups < 1:
+            raise ValueError(f"a PackedWeight has groups >= 1, got {self.groups}")
         if self.panels is None:
-            if self.plain is None or self.plain.shape != (self.out_features, self.in_features):
+            if self.plain is None or self.plain.shape != self.shape:
                 raise ValueError("a PackedWeight packed on demand needs its plain weight "
-                                 f"[{self.out_features}, {self.in_features}]")
+                                 f"{list(self.shape)}")
             panels_shape(self.out_features, self.in_features, self.plain.dtype)  # dtype check
             return
-        want = panels_shape(self.out_features, self.in_features, self.panels.dtype)
+        want = self.panels_shape_of(self.panels.dtype)
         if self.panels.shape != want:
-            raise ValueError(f"a panels64 weight [{self.out_features}, {self.in_features}] "
+            raise ValueError(f"a panels64 weight {list(self.shape)} in {self.groups} group(s) "
                              f"({self.panels.dtype}) has shape {list(want)}, got "
                              f"{list(self.panels.shape)}")
 
     @property
     def shape(self) -> tuple[int, int]:
-        return (self.out_features, self.in_features)
+        return (self.groups * self.out_features, self.in_features)
 
     @property
     def ndim(self) -> int:
@@ -77,19 +86,33 @@ class PackedWeight:
 
     @property
     def panels_shape(self) -> tuple[int, ...]:
-        return panels_shape(self.out_features, self.in_features, self.dtype)
+        return self.panels_shape_of(self.dtype)
+
+    def panels_shape_of(self, dtype: np.dtype) -> tuple[int, ...]:
+        return panels_shape(self.out_features, self.in_features, dtype, self.groups)
 
     def packed(self) -> np.ndarray:
         """The panels (packed now when packed on demand; the caller holds the only copy)."""
-        return self.panels if self.panels is not None else pack_panels(self.plain).panels
+        if self.panels is not None:
+            return self.panels
+        return pack_panels(self.plain, self.groups).panels
 
 
-def packed_later(w: np.ndarray) -> PackedWeight:
-    """W [N, K] as a PackedWeight that packs when its panels are asked for."""
-    w = np.asarray(w)
+def _group_rows(w: np.ndarray, groups: int) -> int:
+    """N of W [G*N, K] in `groups` groups (W checked)."""
     if w.ndim != 2:
         raise ValueError(f"a TorchLinear weight is [N, K], got shape {list(w.shape)}")
-    return PackedWeight(None, w.shape[0], w.shape[1], plain=w)
+    if groups < 1 or w.shape[0] % groups:
+        raise ValueError(f"groups ({groups}) must be >= 1 and divide the weight's rows "
+                         f"({w.shape[0]})")
+    return w.shape[0] // groups
+
+
+def packed_later(w: np.ndarray, groups: int = 1) -> PackedWeight:
+    """W [N, K] (or `groups` of them, [G*N, K]) as a PackedWeight that packs when its panels
+    are asked for."""
+    w = np.asarray(w)
+    return PackedWeight(None, _group_rows(w, groups), w.shape[1], plain=w, groups=groups)
 
 
 class PanelsLater(ir.LazyTensor):
@@ -106,18 +129,18 @@ class PanelsLater(ir.LazyTensor):
         self.weight = weight
 
 
-def pack_panels(w: np.ndarray) -> PackedWeight:
-    """W [N, K] (bfloat16 or float32) in the panels64 layout: one new array, filled a panel
-    at a time (no other full-size temporary)."""
+def pack_panels(w: np.ndarray, groups: int = 1) -> PackedWeight:
+    """W [N, K] (bfloat16 or float32), or `groups` of them ([G*N, K]), in the panels64
+    layout: one new array, filled a panel at a time (no other full-size temporary)."""
     w = np.asarray(w)
-    if w.ndim != 2:
-        raise ValueError(f"a TorchLinear weight is [N, K], got shape {list(w.shape)}")
-    n, k = w.shape
-    out = np.zeros(panels_shape(n, k, w.dtype), w.dtype)
+    n, k = _group_rows(w, groups), w.shape[1]
+    out = np.zeros(panels_shape(n, k, w.dtype, groups), w.dtype)
+    per_group = out.shape[0] // groups
     even = k - k % 2
     for p in range(out.shape[0]):
-        block = w[p * TORCH_LINEAR_PANEL:(p + 1) * TORCH_LINEAR_PANEL]  # [cols, K]
-        cols = block.shape[0]
+        g, q = divmod(p, per_group)  # group g's panel q
+        block = w[g * n + q * TORCH_LINEAR_PANEL:g * n + min(n, (q + 1) * TORCH_LINEAR_PANEL)]
+        cols = block.shape[0]  # [cols, K]
         if w.dtype == BF16:
             out[p, :even // 2, :cols] = block[:, :even].reshape(cols, even // 2, 2).transpose(
                 1, 0, 2)
@@ -125,16 +148,19 @@ def pack_panels(w: np.ndarray) -> PackedWeight:
                 out[p, k // 2, :cols, 0] = block[:, k - 1]
         else:
             out[p, :, :cols] = block.T
-    return PackedWeight(out, n, k)
+    return PackedWeight(out, n, k, groups=groups)
 
 
 def unpack_panels(packed: PackedWeight) -> np.ndarray:
-    """The plain W [N, K] of a panels64 weight (for tests and tools)."""
-    n, k = packed.shape
+    """The plain W [G*N, K] of a panels64 weight (for tests and tools)."""
+    n, k, groups = packed.out_features, packed.in_features, packed.groups
     p = packed.packed()
-    rows = p.shape[0] * TORCH_LINEAR_PANEL
+    if p.size == 0:
+        return np.zeros((groups * n, k), p.dtype)
+    rows = p.shape[0] * TORCH_LINEAR_PANEL  # every group's columns, padding included
     if p.dtype == BF16:
         cols = p.transpose(0, 2, 1, 3).reshape(rows, 2 * p.shape[1])
     else:
         cols = p.transpose(0, 2, 1).reshape(rows, k)
-    return np.ascontiguousarray(cols[:n, :k])
+    return np.ascontiguousarray(cols.reshape(groups, rows // groups, -1)[:, :n, :k]
+                                .reshape(groups * n, k))

@@ -56,8 +56,9 @@ _DTYPES = {"float32": ir.DataType.FLOAT, "int64": ir.DataType.INT64, "uint8": ir
 
 
 # A weight as the graphs take it: an array in its stored dtype, packed for TorchLinear (wo_a:
-# one packed weight per group of heads), or fp8 values with their block scales.
-GraphWeight = np.ndarray | PackedWeight | tuple[PackedWeight, ...] | Fp8Weight
+# one packed weight of o_groups groups; in a portable artifact its groups' plain rows), or
+# fp8 values with their block scales.
+GraphWeight = np.ndarray | PackedWeight | tuple[np.ndarray, ...] | Fp8Weight
 
 
 @dataclass(frozen=True)
@@ -179,8 +180,10 @@ def graph_weights(config: AttentionConfig, layer: int, weights: LayerWeights, *,
     """A layer's checked weights as the graphs take them: in their stored dtypes (bf16
     stays bf16, never an f32 copy), fp8 linears as e4m3 values with their block scales,
     and, unless `portable`, TorchLinear's weights packed into the panels its kernel reads
-    in place (linear_layout; the one place an export packs them). wo_a is o_groups
-    TorchLinears, one per group of heads: packed per group."""
+    in place (linear_layout; the one place an export packs them). wo_a is one grouped
+    TorchLinear (a group per group of heads): packed as o_groups groups; a portable
+    artifact spells the groups as TorchLinears of their own, each reading its own rows of
+    wo_a as an initializer (graphs/output.py)."""
     checked = check_layer(config, layer, weights)
     scales = {name.removesuffix(".scale") for name in checked if name.endswith(".scale")}
     graph: dict[str, GraphWeight] = {
@@ -190,15 +193,15 @@ def graph_weights(config: AttentionConfig, layer: int, weights: LayerWeights, *,
         graph[f"{base}.weight"] = Fp8Weight(np.asarray(checked[f"{base}.weight"]),
                                             np.asarray(checked[f"{base}.scale"], np.float32))
     for name, spec in expected_tensors(config, plan_layer(config, layer)).items():
-        if not is_linear(name, spec) or linear_layout(spec, portable) != PANELS64:
+        if not is_linear(name, spec):
             continue
         w = checked[name]
-        if name == "wo_a.weight":
+        groups = config.o_groups if name == "wo_a.weight" else 1
+        if linear_layout(spec, portable) == PANELS64:
+            graph[name] = packed_later(w, groups)
+        elif groups > 1:  # a portable artifact's: its groups' rows (views, no copy)
             r = config.o_lora_rank
-            graph[name] = tuple(packed_later(w[g * r:(g + 1) * r])
-                                for g in range(config.o_groups))
-        else:
-            graph[name] = packed_later(w)
+            graph[name] = tuple(w[g * r:(g + 1) * r] for g in range(groups))
     return graph
 
 

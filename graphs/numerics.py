@@ -38,17 +38,26 @@ def as_float(op: OpBuilder, w: ir.Value) -> ir.Value:
 class Linear(nn.Module):
     """y = bf16(x @ W^T), float32 accumulation, one rounding (W: [out, in], bf16); `rounded`
     False leaves y in float32. W is an array, or a PackedWeight: stored in TorchLinear's
-    panels64 layout, which the kernel reads in place (the exporter packs every weight so)."""
+    panels64 layout, which the kernel reads in place (the exporter packs every weight so).
+    `groups` G: G linears of one shape side by side (W [G*out, in], x [..., G*in] -> y
+    [..., G*out]; a PackedWeight of G groups), one TorchLinear node."""
 
     def __init__(self, w: np.ndarray | PackedWeight, dtype: ir.DataType = BFLOAT16,
-                 name: str | None = None, *, rounded: bool = True) -> None:
+                 name: str | None = None, *, rounded: bool = True, groups: int = 1) -> None:
         super().__init__(name)
         if np.ndim(w) != 2:
             raise ValueError(f"Linear weight must be [out, in], got shape {np.shape(w)}")
-        self.out_features, self.in_features = np.shape(w)
+        rows, self.in_features = np.shape(w)
+        if groups < 1 or rows % groups:
+            raise ValueError(f"Linear groups ({groups}) must be >= 1 and divide the weight's "
+                             f"rows ({rows})")
+        self.out_features, self.groups = rows // groups, groups  # a group's
         self.rounded = rounded
         self.packed = isinstance(w, PackedWeight)
         if isinstance(w, PackedWeight):
+            if w.groups != groups:
+                raise ValueError(f"a packed Linear weight of {w.groups} group(s) given for "
+                                 f"{groups}")
             want = ml_dtypes.bfloat16 if dtype == BFLOAT16 else np.float32
             if w.dtype != want:
                 raise ValueError(f"a packed Linear weight must be {np.dtype(want)}, got "
@@ -60,7 +69,8 @@ class Linear(nn.Module):
 
     def forward(self, op: OpBuilder, x: ir.Value) -> ir.Value:
         panels = (self.out_features, self.in_features) if self.packed else None
-        return torch_linear(op, x, self.weight, panels=panels, rounded=self.rounded)
+        return torch_linear(op, x, self.weight, panels=panels, rounded=self.rounded,
+                            groups=self.groups)
 
 
 @dataclass(frozen=True)

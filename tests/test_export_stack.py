@@ -234,8 +234,9 @@ def test_large_models_keep_weights_as_external_data(tmp_path: Path, monkeypatch)
 def test_torch_linear_weights_are_stored_packed_except_in_portable(tmp_path: Path,
                                                                    portable: bool) -> None:
     """Every TorchLinear reads its weight in the kernel's panels64 layout, stored packed once
-    in the artifact (wo_a per group of heads), and nothing else holds it; a portable
-    artifact keeps the plain [N, K] its MatMul body reads. The manifest says which."""
+    in the artifact (wo_a as one weight of o_groups groups, one grouped node: no Split, no
+    Concat), and nothing else holds it; a portable artifact keeps the plain [N, K] its
+    MatMul body reads (wo_a's groups each their own). The manifest says which."""
     g = golden("case3_r4_r128")
     config = AttentionConfig.from_model_args(g.model_args)
     plan = plan_stack(config)
@@ -247,11 +248,11 @@ def test_torch_linear_weights_are_stored_packed_except_in_portable(tmp_path: Pat
         for name, w in checked.items():
             if not name.endswith(".weight") or w.ndim != 2:
                 continue
-            r = config.o_lora_rank
-            parts = ([w[i * r:(i + 1) * r] for i in range(config.o_groups)]
-                     if name == "wo_a.weight" else [w])
-            expected |= {(np.ascontiguousarray(p) if portable else pack_panels(p).panels)
-                         .tobytes() for p in parts}
+            groups = config.o_groups if name == "wo_a.weight" else 1
+            if portable:
+                expected |= {np.ascontiguousarray(p).tobytes() for p in np.split(w, groups)}
+            else:
+                expected.add(pack_panels(w, groups).panels.tobytes())
     for mode in ("prefill", "decode"):
         model = onnx.load(str(tmp_path / f"{mode}.onnx"))
         initializers = {t.name: t for t in model.graph.initializer}
@@ -264,17 +265,24 @@ def test_torch_linear_weights_are_stored_packed_except_in_portable(tmp_path: Pat
             if portable:
                 assert attrs == {} and len(w.dims) == 2
             else:
-                assert attrs.keys() - {"round_output"} == {"weight_layout", "out_features",
-                                                           "in_features"}
+                assert attrs.keys() - {"round_output", "groups"} == {
+                    "weight_layout", "out_features", "in_features"}
                 assert attrs.get("round_output", 1) == 1  # present only to round (bf16)
                 assert attrs["weight_layout"] == b"panels64"
+                groups = attrs.get("groups", 1)
+                assert groups == 1 or (groups, attrs["out_features"]) == (
+                    config.o_groups, config.o_lora_rank)  # wo_a
                 assert tuple(w.dims) == panels_shape(attrs["out_features"],
-                                                     attrs["in_features"], np.dtype(dtype))
+                                                     attrs["in_features"], np.dtype(dtype),
+                                                     groups)
             stored.add(w.raw_data)
         assert stored == expected, mode
         others = {t.raw_data for t in model.graph.initializer
                   if t.name not in {n.input[1] for n in linears}}
         assert not others & expected  # no second copy of a weight in another layout
+        if not portable:  # o's groups read and the result's written by the one wo_a node
+            assert not [n.name for n in model.graph.node if "/output/" in n.name
+                        and n.op_type in ("Split", "Concat")], mode
     formats = read_manifest(tmp_path).linear_formats["1"]
     assert formats["wq_a"] == ("bf16" if portable else "bf16/panels64")
     assert formats["compressor.wkv"] == ("f32" if portable else "f32/panels64")

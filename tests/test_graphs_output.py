@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 
+import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
@@ -15,6 +16,7 @@ from test_graphs_attention_q import query_projection, window_kv_projection
 
 from csa2onnx.custom_ops import make_session
 from csa2onnx.custom_ops.ops import pack_quantized, unpack_quantized
+from csa2onnx.custom_ops.weight_layout import packed_later
 from csa2onnx.graphs.kv_cache import WINDOW_FORMAT
 from csa2onnx.graphs.numerics import INT64 as INT64_T
 from csa2onnx.graphs.output import OutputProjection
@@ -72,6 +74,44 @@ def test_bad_input_raises(kwargs: dict, message: str) -> None:
             "rope": ROPE} | kwargs
     with pytest.raises(ValueError, match=message):
         OutputProjection(**args)
+
+
+@pytest.mark.parametrize("case", ["case1_r2_r1", "case3_r4_r128"])
+def test_one_grouped_wo_a_gives_the_per_group_graphs_bits(case: str) -> None:
+    """wo_a as ONE grouped TorchLinear (packed as the exporter stores it, or plain) gives the
+    bits of the graph it replaced, OutputProjection given wo_a's groups: o's groups split
+    off, a TorchLinear per group, Concat and a Cast pair. In a portable graph (no library)
+    the plain grouped weight is spelled per group, the same bits as the groups' own
+    initializers (a portable export's)."""
+    g, a = golden(case), golden(case).model_args
+    layer, groups = 0, a["o_groups"]
+    w = g.weights(layer)
+    wo_a = np.asarray(w["wo_a.weight"]).astype(ml_dtypes.bfloat16)
+    forms = {"packed": packed_later(wo_a, groups), "plain": wo_a,
+             "per_group": tuple(np.split(wo_a, groups))}
+    inputs = [("o", FLOAT, ["b", "s", a["n_heads"], a["head_dim"]]), ("start_pos", INT64, [1])]
+
+    def model(form: str, portable: bool) -> bytes:
+        projection = OutputProjection(
+            forms[form], w["wo_b.weight"], a["n_heads"], a["head_dim"], groups,
+            a["o_lora_rank"], a["rope_head_dim"],
+            layer_rope_params(a, a["compress_ratios"][layer]), name="output")
+        return build_model("output", inputs, ["out"], projection,
+                           portable=portable).SerializeToString()
+
+    sessions = {form: make_session(model(form, False)) for form in forms}
+    portable = {form: ort.InferenceSession(model(form, True))
+                for form in ("plain", "per_group")}
+    steps = [(s, p) for _, s, p, la in every_step_and_layer((case,)) if la == layer]
+    assert len(steps) > 1  # the prefill and decode steps
+    for step, start_pos in steps:
+        feeds = {"o": g.step(step, layer, "attn_o"), "start_pos": np.array([start_pos], np.int64)}
+        out = {form: s.run(None, feeds)[0].view(np.uint32) for form, s in sessions.items()}
+        np.testing.assert_array_equal(out["packed"], out["per_group"], err_msg=step)
+        np.testing.assert_array_equal(out["plain"], out["per_group"], err_msg=step)
+        plain, per_group = (portable[f].run(None, feeds)[0].view(np.uint32)
+                            for f in ("plain", "per_group"))
+        np.testing.assert_array_equal(plain, per_group, err_msg=f"{step} portable")
 
 
 # --- the components composed: one layer of case1, prefill then every decode step ---------

@@ -112,8 +112,11 @@ def case1_exports(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, Path]:
 def test_an_exported_stack_differs_only_where_a_body_cannot_serve(case1_exports) -> None:
     """Default and portable artifacts hold the same custom nodes, but RopeCosSin (replaced by
     Gathers from tables), the packed-cache SparseAttention (its 5-input node becomes the
-    4-input one over one more UnpackQuantized's rows) and IndexerScore over the packed key
-    cache (the float-key node over one more UnpackQuantized's rows)."""
+    4-input one over one more UnpackQuantized's rows), IndexerScore over the packed key
+    cache (the float-key node over one more UnpackQuantized's rows) and wo_a's grouped
+    TorchLinear (a node per group, each reading its own initializer)."""
+    args = golden("case1_r2_r1").model_args
+    extra_linears = len(args["compress_ratios"]) * (args["o_groups"] - 1)
     for mode in ("prefill", "decode"):
         count, packed_reads = {}, {}
         for portable, folder in case1_exports.items():
@@ -130,6 +133,7 @@ def test_an_exported_stack_differs_only_where_a_body_cannot_serve(case1_exports)
         assert default["IndexerScore"] > 0
         assert packed_reads[True] == 0 and packed_reads[False] > default["IndexerScore"]
         assert portable["UnpackQuantized"] - default["UnpackQuantized"] == packed_reads[False]
+        assert portable["TorchLinear"] - default["TorchLinear"] == extra_linears
         for op in set(default) | set(portable):
-            if op not in ("RopeCosSin", "UnpackQuantized"):
+            if op not in ("RopeCosSin", "UnpackQuantized", "TorchLinear"):
                 assert default[op] == portable[op], (mode, op)

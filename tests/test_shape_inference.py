@@ -83,6 +83,11 @@ CASES = [
          [["b", "s", 70]], {"weight_layout": "panels64", "out_features": 70,
                             "in_features": 16}),
     Case("TorchLinear", {"X": (F, ["b", "s", 16]), "W": (F, None)}, ["Y"], [["b", "s", None]]),
+    Case("TorchLinear", {"X": (F, ["b", "s", 48]), "W": (BF16, [24, 16])}, ["Y"],
+         [["b", "s", 24]], {"groups": 3}),
+    Case("TorchLinear", {"X": (F, ["b", "s", 48]), "W": (BF16, [6, 8, 64, 2])}, ["Y"],
+         [["b", "s", 210]], {"weight_layout": "panels64", "out_features": 70,
+                             "in_features": 16, "groups": 3}),
     Case("Fp8Linear", {"X": (F, ["b", 1, 64]), "W": (TensorProto.FLOAT8E4M3FN, [40, 64]),
                        "WScale": (F, [2, 2])}, ["Y"], [["b", 1, 40]]),
     Case("TorchRMSNorm", {"X": (F, ["b", "s", 32]), "W": (BF16, [32])}, ["Y"],
@@ -197,8 +202,10 @@ def expected_last(model: onnx.ModelProto, node: onnx.NodeProto) -> int | None:
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     shapes = {i.name: list(i.dims) for i in model.graph.initializer}
     kind = EXPECTED_LAST_DIM.get(node.op_type)
-    if kind == "N":
-        return attrs.get("out_features", shapes.get(node.input[1], [None])[0])
+    if kind == "N":  # a panels64 W's out_features is a group's
+        if "out_features" in attrs:
+            return attrs.get("groups", 1) * attrs["out_features"]
+        return shapes.get(node.input[1], [None])[0]
     if kind == "freqs":
         return len(attrs["inverse_frequencies"])
     if kind == "dim":

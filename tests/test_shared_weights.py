@@ -140,9 +140,9 @@ def test_an_export_packs_each_weight_once_and_hashes_each_tensor_once(
     packs: collections.Counter = collections.Counter()
     pack_panels = layout.pack_panels
 
-    def counting_pack(w: np.ndarray):
+    def counting_pack(w: np.ndarray, groups: int = 1):
         packs[(w.__array_interface__["data"][0], w.shape)] += 1
-        return pack_panels(w)
+        return pack_panels(w, groups)
 
     hashes = collections.Counter()
     sha1, sha256 = hashlib.sha1, hashlib.sha256

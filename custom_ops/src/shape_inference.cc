@@ -149,16 +149,19 @@ OrtStatusPtr like_first_input(const Context& c) {
   return c.set_output(0, x.dims, x.type);
 }
 
-// TorchLinear: X [..., K] -> [..., N], N = out_features (panels64) or W's first dimension.
+// TorchLinear: X [..., G*K] -> [..., G*N], N = out_features (panels64; G = groups, default
+// 1), or W's first dimension (plain: that is G*N).
 OrtStatusPtr torch_linear(const Context& c) {
   Input x, w;
   if (!c.ranked_input(0, x)) return nullptr;
   std::string layout = "plain";
   c.string_attribute("weight_layout", layout);
   if (layout == "panels64") {
-    int64_t n = -1;
+    int64_t n = -1, groups = 1;
     if (!c.int_attribute("out_features", n) || n < 0) return nullptr;
-    return c.set_output(0, with_last(x.dims, size(n)), kFloat);
+    c.int_attribute("groups", groups);
+    if (groups < 1 || n > INT64_MAX / groups) return nullptr;  // the kernel reports it
+    return c.set_output(0, with_last(x.dims, size(groups * n)), kFloat);
   }
   if (!c.input(1, w) || w.dims.size() != 2) return nullptr;
   return c.set_output(0, with_last(x.dims, w.dims[0]), kFloat);

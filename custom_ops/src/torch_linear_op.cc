@@ -4,17 +4,25 @@
 // Inputs X (float, [..., K], rank >= 1) and W (float or bfloat16); output Y (float,
 // [..., N]). Attribute round_output (int, default 0): 1 rounds Y through bfloat16 as the
 // graph's Cast pair would (ort_cast.h), where the reference rounds the linear's output.
+// Attribute groups G (int, default 1): G independent linears of one shape in one node, X
+// [..., G*K], W G groups of [N, K] (plain: [G*N, K], wo_a as the checkpoint stores it;
+// panels64: the G groups' panels one after another, [G*ceil(N/64), ...]), Y [..., G*N];
+// group g is X[..., gK:(g+1)K] @ W_g^T into Y[..., gN:(g+1)N], every group exactly the
+// TorchLinear of its own [N, K] (the same plan, orders and bits). X's groups are read where
+// they lie and each group's outputs stored into its columns of Y: no Split, no Concat.
 //
 // The kernels read W in panels of 64 columns: float W as [K][64], bf16 W as [ceil(K/2)][64]
 // k-pairs (w[k] | w[k+1] << 16, the layout vdpbf16ps reads; the fmaf tiles widen a pair
 // with a mask and a shift), the columns past N and the partner of an odd K's last k zero.
 // W comes in one of two layouts (attribute weight_layout):
-// - "plain" (the default): W is [N, K]. The kernel packs it into panels once when it is a
-//   constant initializer (its own copy: 2 bytes a bf16 weight, 4 a float32 one, plus the
-//   padding), else on every call.
+// - "plain" (the default): W is [N, K] ([G*N, K]). The kernel packs it into panels once when
+//   it is a constant initializer (its own copy: 2 bytes a bf16 weight, 4 a float32 one, plus
+//   the padding; each group's columns in panels of their own), else on every call.
 // - "panels64": W is already the panels, bf16 [ceil(N/64), ceil(K/2), 64, 2] (element
 //   [p, i, c, h] is w[64p + c, 2i + h]) or float [ceil(N/64), K, 64] (element [p, k, c] is
-//   w[64p + c, k]); attributes out_features (N) and in_features (K) are required. The
+//   w[64p + c, k]); with G groups the first dimension is G*ceil(N/64), group g's panels
+//   from g*ceil(N/64) on; attributes out_features (N) and in_features (K), a group's, are
+//   required. The
 //   kernel reads W where it lies (a constant initializer is checked once, at kernel
 //   creation: shape, zero padding, and the exponent range the vdpbf16ps path needs), so
 //   the process holds no copy of it: the exporter stores every TorchLinear weight this way.
@@ -74,23 +82,27 @@ constexpr const char* kOp = "TorchLinear";
 constexpr int64_t kPanel = 64;     // columns per packed panel
 constexpr int64_t kMaxRows = 48;   // rows per task of the fmaf tiles (a multiple of 6 and 2)
 constexpr int64_t kDpRows = 96;    // rows per task of the vdpbf16ps tiles (a multiple of 6)
+constexpr int64_t kDpBatchPairs = int64_t{1} << 22;  // X pairs converted per batch (16 MiB)
 
 // Calls that ran on vdpbf16ps: the tests read it (csa2onnx_torch_linear_dp_calls) to know
 // that a case they mean for that path did not quietly fall back to the fmaf tiles.
 std::atomic<uint64_t> dp_calls{0};
 
 // float32 W packed as ceil(N/64) panels of [K][64] (zero-padded columns).
+// With G groups (W [G*N, K]) each group's N columns get ceil(N/64) panels of their own,
+// group g's from panel g*ceil(N/64) on: the panels64 layout of a grouped W.
 struct PackedF32 {
   int64_t n = -1, k = -1;
   std::vector<float> data;
 
-  void pack(const float* w, int64_t N, int64_t K) {
+  void pack(const float* w, int64_t N, int64_t K, int64_t G) {
     n = N;
     k = K;
     const int64_t panels = (N + kPanel - 1) / kPanel;
-    data.assign(static_cast<size_t>(panels * K * kPanel), 0.0f);
-    for (int64_t col = 0; col < N; ++col) {
-      float* dst = data.data() + (col / kPanel) * K * kPanel + col % kPanel;
+    data.assign(static_cast<size_t>(G * panels * K * kPanel), 0.0f);
+    for (int64_t col = 0; col < G * N; ++col) {  // column col % N of group col / N
+      const int64_t panel = col / N * panels + col % N / kPanel;
+      float* dst = data.data() + panel * K * kPanel + col % N % kPanel;
       const float* src = w + col * K;
       for (int64_t kk = 0; kk < K; ++kk) dst[kk * kPanel] = src[kk];
     }
@@ -114,14 +126,15 @@ struct PackedBf16 {
   std::vector<uint32_t> data;
   ExponentRange range;
 
-  void pack(const uint16_t* w, int64_t N, int64_t K) {
+  void pack(const uint16_t* w, int64_t N, int64_t K, int64_t G) {
     n = N;
     k = K;
     const int64_t panels = (N + kPanel - 1) / kPanel, pairs = (K + 1) / 2;
-    data.assign(static_cast<size_t>(panels * pairs * kPanel), 0u);
+    data.assign(static_cast<size_t>(G * panels * pairs * kPanel), 0u);
     range = ExponentRange{};
-    for (int64_t col = 0; col < N; ++col) {
-      uint32_t* dst = data.data() + (col / kPanel) * pairs * kPanel + col % kPanel;
+    for (int64_t col = 0; col < G * N; ++col) {  // column col % N of group col / N
+      const int64_t panel = col / N * panels + col % N / kPanel;
+      uint32_t* dst = data.data() + panel * pairs * kPanel + col % N % kPanel;
       const uint16_t* src = w + col * K;
       for (int64_t kk = 0; kk < K; ++kk) {
         const uint32_t e = (src[kk] >> 7) & 0xFFu;
@@ -152,12 +165,20 @@ inline ExponentRange bf16_exponents(const uint16_t* w, size_t count) {
 
 enum class Layout { kPlain, kPanels64 };
 
-// The shape of a panels64 W for N outputs and K inputs (bf16: k-pairs of two halves);
-// N, K >= 0 from the attributes, rounded up without overflowing.
-std::vector<int64_t> panels_shape(bool bf16, int64_t N, int64_t K) {
-  const int64_t panels = N / kPanel + (N % kPanel != 0);
+// The panels of one group's N columns, rounded up without overflowing (N >= 0).
+inline int64_t panels_of(int64_t N) { return N / kPanel + (N % kPanel != 0); }
+
+// The shape of a panels64 W of G groups of N outputs and K inputs (bf16: k-pairs of two
+// halves); N, K >= 0 and G >= 1 from the attributes (G*N fits in int64, checked there).
+std::vector<int64_t> panels_shape(bool bf16, int64_t N, int64_t K, int64_t G) {
+  const int64_t panels = G * panels_of(N);
   if (bf16) return {panels, K / 2 + K % 2, kPanel, 2};
   return {panels, K, kPanel};
+}
+
+// The elements of one group's panels in a panels64 W (or the kernel's packed copy).
+inline int64_t group_elements(bool bf16, int64_t N, int64_t K) {
+  return bf16 ? panels_of(N) * ((K + 1) / 2) * kPanel * 2 : panels_of(N) * K * kPanel;
 }
 
 // Where w[n, k] lies in a panels64 W (pairs = ceil(K/2) for bf16).
@@ -175,19 +196,20 @@ bool is_zero(float v) {
 }
 bool is_zero(uint16_t v) { return v == 0; }
 
-// A panels64 W's padding holds +0 bits: columns N.. of the last panel and, for bf16 with an
-// odd K, the unused half of every column's last pair. (No output reads the padding, and
-// the exponent range would only grow from it; the layout fixes it so that one W has one
-// encoding.)
+// A panels64 W's padding holds +0 bits: in each group, columns N.. of its last panel and,
+// for bf16 with an odd K, the unused half of every column's last pair. (No output reads the
+// padding, and the exponent range would only grow from it; the layout fixes it so that one
+// W has one encoding.) `w` is one group's panels, `group` names it in the error ("" when
+// the W has one group).
 template <typename S>
-void check_padding(const S* w, int64_t N, int64_t K) {
+void check_padding(const S* w, int64_t N, int64_t K, const std::string& group) {
   constexpr bool kBf16 = sizeof(S) == 2;
   const int64_t rows = kBf16 ? (K + 1) / 2 : K, halves = kBf16 ? 2 : 1;
   const int64_t last = (N - 1) / kPanel;  // the last panel (N > 0)
   auto bad = [&](int64_t column, int64_t k) {
-    fail(kOp, "a panels64 W must hold zeros in its padding; column " + std::to_string(column) +
-              " (N is " + std::to_string(N) + "), k " + std::to_string(k) + " (K is " +
-              std::to_string(K) + ") is not zero");
+    fail(kOp, "a panels64 W must hold zeros in its padding; " + group + "column " +
+              std::to_string(column) + " (N is " + std::to_string(N) + "), k " +
+              std::to_string(k) + " (K is " + std::to_string(K) + ") is not zero");
   };
   for (int64_t col = N; col < (last + 1) * kPanel; ++col)
     for (int64_t r = 0; r < rows; ++r)
@@ -302,35 +324,47 @@ CSA_INLINE void lanes_tile(const float* x, const float* panel, int64_t K, int64_
   for (int j = 0; j < NT; ++j) out[j] = (l0[j] + l2[j]) + (l1[j] + l3[j]);
 }
 
-// ---- tasks: a block of rows x one panel ----
+// ---- tasks: a block of rows x one panel of one group ----
+//
+// Group g's rows of X lie at X[m, gK:(g+1)K] (row stride G*K) and its outputs go to
+// Y[m, gN:(g+1)N] (row stride G*N): read and stored where they lie. The tasks cover every
+// group's panels x row blocks, so all threads share all groups (decode too, where M = 1).
 
 struct Job {
-  Plan plan;
-  const float* x;
-  const uint32_t* xb;  // the vdpbf16ps path: X as bf16 pairs, [M][pairs]
-  const void* panels;  // PackedF32 / PackedBf16 data
-  float* y;
-  int64_t M, N, K, pairs;
-  int64_t rows_per_task, row_blocks, n_panels;
+  Plan plan;           // a group's: plan_linear(M, N, K)
+  const float* x;      // X [M][G*K]
+  const uint32_t* xb;  // the vdpbf16ps path: groups group0.. of X as bf16 pairs, [.][M][pairs]
+  const void* panels;  // PackedF32 / PackedBf16 data (a panels64 W): G groups of n_panels
+  float* y;            // Y [M][G*N]
+  int64_t M, N, K, G, pairs;
+  int64_t rows_per_task, row_blocks, n_panels;  // n_panels: one group's, ceil(N/64)
   bool round_output;  // Y through bfloat16 (the graph's Cast pair, fused)
+  int64_t group0;     // the tasks' first group (they cover groups group0, group0 + 1, ...)
 };
 
-// A task's panel and rows; its tile writes them to a buffer that goes to Y at the end.
+// A task's group, panel (its index among all groups' panels) and rows; its tile writes them
+// to a buffer that goes to Y at the end.
 struct TaskRows {
-  int64_t panel, m0, rows;
+  int64_t group, panel, m0, rows;
 };
 
 CSA_INLINE TaskRows task_rows(const Job& j, size_t task) {
   const int64_t t = static_cast<int64_t>(task);
   const int64_t m0 = (t % j.row_blocks) * j.rows_per_task;
-  return {t / j.row_blocks, m0, j.M - m0 < j.rows_per_task ? j.M - m0 : j.rows_per_task};
+  const int64_t panel = j.group0 * j.n_panels + t / j.row_blocks;
+  return {panel / j.n_panels, panel, m0, j.M - m0 < j.rows_per_task ? j.M - m0 : j.rows_per_task};
+}
+
+// The task's first row of its group's X; rows are G*K apart.
+CSA_INLINE const float* task_x(const Job& j, const TaskRows& tr) {
+  return j.x + tr.m0 * j.G * j.K + tr.group * j.K;
 }
 
 CSA_INLINE void store_rows(const Job& j, const TaskRows& tr, const float* buf) {
-  const int64_t n0 = tr.panel * kPanel;
+  const int64_t n0 = tr.panel % j.n_panels * kPanel;  // the panel's first column in its group
   const int64_t cols = j.N - n0 < kPanel ? j.N - n0 : kPanel;
   for (int64_t r = 0; r < tr.rows; ++r) {
-    float* y = j.y + (tr.m0 + r) * j.N + n0;
+    float* y = j.y + (tr.m0 + r) * j.G * j.N + tr.group * j.N + n0;
     const float* b = buf + r * kPanel;
     if (j.round_output) {
       for (int64_t c = 0; c < cols; ++c) y[c] = ort_cast::cast_bf16(b[c]);
@@ -341,19 +375,20 @@ CSA_INLINE void store_rows(const Job& j, const TaskRows& tr, const float* buf) {
 }
 
 template <bool kPairs, int MR, int NT>
-CSA_INLINE void seq_rows(const Job& j, const void* panel_data, int64_t m0, int64_t rows,
+CSA_INLINE void seq_rows(const Job& j, const void* panel_data, const float* x0, int64_t rows,
                          float* buf) {
+  const int64_t ldx = j.G * j.K;
   for (int64_t k0 = 0; k0 < j.K; k0 += j.plan.chunk) {
     const int64_t k1 = k0 + j.plan.chunk < j.K ? k0 + j.plan.chunk : j.K;
     for (int64_t c = 0; c < kPanel; c += NT) {
       auto tile = [&](auto mr, int64_t r) {
         constexpr int R = decltype(mr)::value;
-        const float* x = j.x + (m0 + r) * j.K;
+        const float* x = x0 + r * ldx;
         if constexpr (kPairs)
-          pair_tile<R, NT>(x, j.K, static_cast<const uint32_t*>(panel_data) + c, k0, k1,
+          pair_tile<R, NT>(x, ldx, static_cast<const uint32_t*>(panel_data) + c, k0, k1,
                            buf + r * kPanel + c);
         else
-          chain_tile<R, NT>(x, j.K, static_cast<const float*>(panel_data) + c, k0, k1,
+          chain_tile<R, NT>(x, ldx, static_cast<const float*>(panel_data) + c, k0, k1,
                             buf + r * kPanel + c);
       };
       int64_t r = 0;
@@ -370,19 +405,18 @@ CSA_INLINE void run_task(const Job& j, size_t task, bool w_bf16) {
   for (int64_t i = 0; i < tr.rows * kPanel; ++i) buf[i] = 0.0f;
   // plan_linear gives bf16 weights kOneDnnPairs (kTorchDot runs elsewhere) and float
   // weights kMklBlocked or kMklLanes.
+  const float* x = task_x(j, tr);
   if (w_bf16) {
     const int64_t offset = tr.panel * j.pairs * kPanel;
-    seq_rows<true, MR, NT>(j, static_cast<const uint32_t*>(j.panels) + offset, tr.m0, tr.rows,
-                           buf);
+    seq_rows<true, MR, NT>(j, static_cast<const uint32_t*>(j.panels) + offset, x, tr.rows, buf);
   } else if (j.plan.order == Order::kMklBlocked) {
     const int64_t offset = tr.panel * j.K * kPanel;
-    seq_rows<false, MR, NT>(j, static_cast<const float*>(j.panels) + offset, tr.m0, tr.rows,
-                            buf);
+    seq_rows<false, MR, NT>(j, static_cast<const float*>(j.panels) + offset, x, tr.rows, buf);
   } else {
     const float* panel = static_cast<const float*>(j.panels) + tr.panel * j.K * kPanel;
     for (int64_t r = 0; r < tr.rows; ++r)
       for (int64_t c = 0; c < kPanel; c += LANES_NT)
-        lanes_tile<LANES_NT>(j.x + (tr.m0 + r) * j.K, panel + c, j.K, j.plan.head,
+        lanes_tile<LANES_NT>(x + r * j.G * j.K, panel + c, j.K, j.plan.head,
                              buf + r * kPanel + c);
   }
   store_rows(j, tr, buf);
@@ -459,11 +493,12 @@ CSA_TARGET_AVX512BF16 CSA_INLINE void scan_x(__m512i u, __m512i& any_bits, __m51
   emax = _mm512_max_epu32(emax, e);
 }
 
-// X ([M][K] float32) to bf16 pairs ([M][pairs], x[k] low, x[k+1] high, zero-padded) with the
-// exponent range of its nonzero values; false when a value is not bf16-exact (its low 16 bits
-// are not zero). 32 values a step: the pairs are the odd 16-bit words of two zmm.
-CSA_TARGET_AVX512BF16 bool convert_x(const float* x, int64_t M, int64_t K, uint32_t* xb,
-                                     ExponentRange& range) {
+// X ([M][K] float32, rows ldx apart) to bf16 pairs ([M][pairs], x[k] low, x[k+1] high,
+// zero-padded) with the exponent range of its nonzero values; false when a value is not
+// bf16-exact (its low 16 bits are not zero). 32 values a step: the pairs are the odd 16-bit
+// words of two zmm.
+CSA_TARGET_AVX512BF16 bool convert_x(const float* x, int64_t ldx, int64_t M, int64_t K,
+                                     uint32_t* xb, ExponentRange& range) {
   const int64_t pairs = (K + 1) / 2;
   alignas(64) uint16_t odd[32];
   for (int i = 0; i < 32; ++i) odd[i] = static_cast<uint16_t>(2 * i + 1);
@@ -471,7 +506,7 @@ CSA_TARGET_AVX512BF16 bool convert_x(const float* x, int64_t M, int64_t K, uint3
   __m512i any_bits = _mm512_setzero_si512(), emin = _mm512_set1_epi32(255),
           emax = _mm512_setzero_si512();
   for (int64_t m = 0; m < M; ++m) {
-    const float* row = x + m * K;
+    const float* row = x + m * ldx;
     uint32_t* dst = xb + m * pairs;
     int64_t k = 0;
     for (; k + 32 <= K; k += 32) {
@@ -501,29 +536,36 @@ CSA_TARGET_AVX512BF16 bool convert_x(const float* x, int64_t M, int64_t K, uint3
 }
 #pragma GCC diagnostic pop
 
-// convert_x over groups of rows in parallel: converting is M*K work against the product's
-// M*N*K, yet a few percent of a prefill call if one thread did it while the others wait.
+// convert_x over blocks of rows of each group in parallel: converting is M*K work against
+// the product's M*N*K, yet a few percent of a prefill call if one thread did it while the
+// others wait. `count` groups of X [M][G*K] from `x` (a group's first column) become
+// [count][M][pairs]: a group's rows of pairs lie together, as one linear's would (the
+// vdpbf16ps tiles read them `pairs` apart, not G*pairs: no power-of-two stride over the
+// groups for the caches to alias).
 ExponentRange convert_rows(OrtKernelContext* ctx, const float* x, int64_t M, int64_t K,
-                           uint32_t* xb, bool& bf16_exact) {
-  constexpr int64_t kGroupRows = 32;
+                           int64_t G, int64_t count, uint32_t* xb, bool& bf16_exact) {
+  constexpr int64_t kBlockRows = 32;
   struct Part {
     ExponentRange range;
     bool exact = true;
   };
+  const int64_t blocks = (M + kBlockRows - 1) / kBlockRows;
   struct Convert {
     const float* x;
     uint32_t* xb;
-    int64_t M, K;
+    int64_t M, K, G, blocks;
     std::vector<Part> parts;
-  } c{x, xb, M, K, std::vector<Part>(static_cast<size_t>((M + kGroupRows - 1) / kGroupRows))};
-  auto run = [](void* data, size_t g) {
+  } c{x, xb, M, K, G, blocks, std::vector<Part>(static_cast<size_t>(count * blocks))};
+  auto run = [](void* data, size_t i) {
     Convert& c = *static_cast<Convert*>(data);
-    const int64_t m0 = static_cast<int64_t>(g) * kGroupRows;
-    const int64_t rows = c.M - m0 < kGroupRows ? c.M - m0 : kGroupRows;
-    Part& part = c.parts[g];
-    part.exact = convert_x(c.x + m0 * c.K, rows, c.K, c.xb + m0 * ((c.K + 1) / 2), part.range);
+    const int64_t g = static_cast<int64_t>(i) / c.blocks;
+    const int64_t m0 = static_cast<int64_t>(i) % c.blocks * kBlockRows;
+    const int64_t rows = c.M - m0 < kBlockRows ? c.M - m0 : kBlockRows;
+    Part& part = c.parts[i];
+    part.exact = convert_x(c.x + m0 * c.G * c.K + g * c.K, c.G * c.K, rows, c.K,
+                           c.xb + (g * c.M + m0) * ((c.K + 1) / 2), part.range);
   };
-  run_tasks(ctx, M * K, serial_below::kConvertedValues, c.parts.size(), run, &c);
+  run_tasks(ctx, M * count * K, serial_below::kConvertedValues, c.parts.size(), run, &c);
   ExponentRange range;
   for (const Part& part : c.parts) {
     bf16_exact = bf16_exact && part.exact;
@@ -542,15 +584,35 @@ CSA_TARGET_AVX512BF16 void task_avx512bf16(const Job& j, size_t task, bool) {
   alignas(64) float buf[kDpRows * kPanel];
   for (int64_t i = 0; i < tr.rows * kPanel; ++i) buf[i] = 0.0f;
   const uint32_t* panel = static_cast<const uint32_t*>(j.panels) + tr.panel * j.pairs * kPanel;
-  const uint32_t* xb = j.xb + tr.m0 * j.pairs;
+  const int64_t ldxb = j.pairs;
+  const uint32_t* xb = j.xb + ((tr.group - j.group0) * j.M + tr.m0) * ldxb;
   for (int64_t k0 = 0; k0 < j.K; k0 += j.plan.chunk) {  // chunks are even but the last
     const int64_t k1 = k0 + j.plan.chunk < j.K ? k0 + j.plan.chunk : j.K;
     const int64_t p0 = k0 / 2, p1 = (k1 + 1) / 2;
-    dp_bf16::dp_rows(xb, j.pairs, tr.rows, panel, p0, p1, buf);
+    dp_bf16::dp_rows(xb, ldxb, tr.rows, panel, p0, p1, buf);
   }
   store_rows(j, tr, buf);
 }
 #endif
+
+using Task = void (*)(const Job&, size_t, bool);
+
+// The tasks of `groups` groups from job.group0 on (row blocks x panels of each), in
+// parallel. Tasks only compute into memory that exists; nothing in them can throw.
+void run_groups(OrtKernelContext* ctx, const Job& job, Task task, int64_t groups, bool w_bf16) {
+  struct Call {
+    const Job* job;
+    Task task;
+    bool w_bf16;
+  } call{&job, task, w_bf16};
+  auto run = [](void* data, size_t t) {
+    const Call& c = *static_cast<const Call*>(data);
+    c.task(*c.job, t, c.w_bf16);
+  };
+  const int64_t tasks = job.row_blocks * groups * job.n_panels;
+  run_tasks(ctx, job.M * groups * job.N * job.K, serial_below::kMultiplyAdds,
+            static_cast<size_t>(tasks), run, &call);
+}
 
 // avx512bf16 (the default where the CPU has it) runs float W on the avx512 tiles: MKL's
 // orders have no pair step for vdpbf16ps.
@@ -561,7 +623,8 @@ Isa select_isa() {
 // The node's attributes, checked when the session creates the kernel.
 struct LinearAttributes {
   Layout layout = Layout::kPlain;
-  int64_t n = 0, k = 0;  // panels64: out_features (N) and in_features (K)
+  int64_t n = 0, k = 0;  // panels64: out_features (N) and in_features (K), a group's
+  int64_t groups = 1;    // G
   bool round_output = false;
 
   explicit LinearAttributes(const OrtKernelInfo* info) {
@@ -575,6 +638,8 @@ struct LinearAttributes {
     if (round != 0 && round != 1)
       fail(kOp, "round_output must be 0 or 1, got " + std::to_string(round));
     round_output = round == 1;
+    groups = optional_attribute<int64_t>(info, kOp, "groups", "an int").value_or(1);
+    if (groups < 1) fail(kOp, "groups must be >= 1, got " + std::to_string(groups));
     const bool has_n = out_features.has_value(), has_k = in_features.has_value();
     n = out_features.value_or(0);
     k = in_features.value_or(0);
@@ -586,6 +651,10 @@ struct LinearAttributes {
       if (n < 0 || k < 0)
         fail(kOp, "out_features and in_features must be >= 0, got " + std::to_string(n) + " and " +
                   std::to_string(k));
+      if (n > INT64_MAX / groups || k > INT64_MAX / groups)
+        fail(kOp, "groups (" + std::to_string(groups) + ") times out_features (" +
+                  std::to_string(n) + ") or in_features (" + std::to_string(k) +
+                  ") does not fit in int64");
     } else if (name == "plain") {
       if (has_n || has_k)
         fail(kOp, "out_features and in_features belong to weight_layout \"panels64\"; a plain W "
@@ -619,8 +688,9 @@ struct TorchLinearKernel {
       if constexpr (kBf16) constant_range = bf16_exponents(data, element_count(shape));
       return;
     }
-    if (shape.size() != 2 || shape[0] < 0 || shape[1] < 0) return;  // Compute reports it
-    constant_w.pack(data, shape[0], shape[1]);
+    if (shape.size() != 2 || shape[0] < 0 || shape[1] < 0 || shape[0] % attrs.groups)
+      return;  // Compute reports it
+    constant_w.pack(data, shape[0] / attrs.groups, shape[1], attrs.groups);
   }
 
   static size_t element_count(const std::vector<int64_t>& shape) {
@@ -629,23 +699,29 @@ struct TorchLinearKernel {
     return count;
   }
 
-  // A panels64 W: its shape for out_features x in_features, its alignment (the kernels read
-  // bf16 pairs as uint32) and its zero padding.
+  // A panels64 W: its shape for groups x out_features x in_features, its alignment (the
+  // kernels read bf16 pairs as uint32) and each group's zero padding.
   void check_panels(const std::vector<int64_t>& shape, const S* data) const {
-    const std::vector<int64_t> want = panels_shape(kBf16, attrs.n, attrs.k);
+    const int64_t G = attrs.groups;
+    const std::vector<int64_t> want = panels_shape(kBf16, attrs.n, attrs.k, G);
     if (shape != want) {
+      const std::string groups = G == 1 ? "" : std::to_string(G) + "*";
       fail(kOp, std::string("a panels64 W (") + (kBf16 ? "bfloat16" : "float") +
                 ") for out_features " + std::to_string(attrs.n) + " and in_features " +
-                std::to_string(attrs.k) + " must have shape " + shape_string(want) +
-                (kBf16 ? " ([ceil(N/64), ceil(K/2), 64, 2])" : " ([ceil(N/64), K, 64])") +
-                ", got " + shape_string(shape));
+                std::to_string(attrs.k) + (G == 1 ? "" : " in " + std::to_string(G) + " groups") +
+                " must have shape " + shape_string(want) + " ([" + groups + "ceil(N/64), " +
+                (kBf16 ? "ceil(K/2), 64, 2])" : "K, 64])") + ", got " + shape_string(shape));
     }
     if (reinterpret_cast<uintptr_t>(data) % alignof(uint32_t) != 0)
       fail(kOp, "a panels64 W must be 4-byte aligned (onnxruntime's tensors are)");
-    if (attrs.n > 0) check_padding(data, attrs.n, attrs.k);
+    if (attrs.n == 0) return;
+    for (int64_t g = 0; g < G; ++g)
+      check_padding(data + g * group_elements(kBf16, attrs.n, attrs.k), attrs.n, attrs.k,
+                    G == 1 ? std::string() : "group " + std::to_string(g) + ", ");
   }
 
-  // Column n of a panels64 W as K contiguous values (the reference path's dot products).
+  // Column n of a panels64 W's group (`w`: its panels) as K contiguous values (the
+  // reference path's dot products).
   static void unpack_column(const S* w, int64_t n, int64_t K, S* column) {
     const int64_t pairs = (K + 1) / 2;
     for (int64_t k = 0; k < K; ++k)
@@ -663,54 +739,60 @@ struct TorchLinearKernel {
     const std::vector<int64_t> w_shape = w.Shape();
     if (x_shape.empty()) fail(kOp, "X must have rank >= 1, got a scalar");
     const bool in_panels = attrs.layout == Layout::kPanels64;
+    const int64_t G = attrs.groups;
     const S* wd = reinterpret_cast<const S*>(w.Data());
-    int64_t N, K;
+    int64_t N, K;  // a group's
     if (in_panels) {
       N = attrs.n;
       K = attrs.k;
-      if (x_shape.back() != K) {
-        fail(kOp, "the last dimension of X (" + std::to_string(x_shape.back()) +
-                  ") must equal in_features (" + std::to_string(K) + "); X shape " +
-                  shape_string(x_shape));
-      }
       if (constant_panels == nullptr || wd != constant_panels) check_panels(w_shape, wd);
     } else {
       if (w_shape.size() != 2)
         fail(kOp, "W must be [N, K] (rank 2), got shape " + shape_string(w_shape));
-      N = w_shape[0];
-      K = w_shape[1];
-      if (x_shape.back() != K) {
-        fail(kOp, "the last dimension of X (" + std::to_string(x_shape.back()) +
-                  ") must equal K, the second dimension of W (" + std::to_string(K) +
-                  "); X shape " + shape_string(x_shape) + ", W shape " + shape_string(w_shape));
+      if (w_shape[0] % G) {
+        fail(kOp, "groups (" + std::to_string(G) + ") must divide W's first dimension (G*N), "
+                  "got W shape " + shape_string(w_shape));
       }
+      N = w_shape[0] / G;
+      K = w_shape[1];
+    }
+    // X's last dimension is G*K (compared without forming G*K, which could overflow).
+    if (x_shape.back() % G != 0 || x_shape.back() / G != K) {
+      const std::string want = G == 1 ? "" : " times groups (" + std::to_string(G) + ")";
+      fail(kOp, "the last dimension of X (" + std::to_string(x_shape.back()) + ") must equal " +
+                (in_panels ? "in_features (" + std::to_string(K) + ")"
+                           : "K, the second dimension of W (" + std::to_string(K) + ")") +
+                want + "; X shape " + shape_string(x_shape) +
+                (in_panels ? "" : ", W shape " + shape_string(w_shape)));
     }
     int64_t M = 1;
     for (size_t d = 0; d + 1 < x_shape.size(); ++d) M *= x_shape[d];
     std::vector<int64_t> y_shape = x_shape;
-    y_shape.back() = N;
+    y_shape.back() = G * N;
     float* out = y.Allocate(y_shape);
     if (M == 0 || N == 0) return;
     if (K == 0) {
-      for (int64_t i = 0; i < M * N; ++i) out[i] = 0.0f;
+      for (int64_t i = 0; i < M * G * N; ++i) out[i] = 0.0f;
       return;
     }
 
+    // Every group is the linear of its own [N, K]: one plan for all.
     const Plan plan = torch_linear::plan_linear(kBf16, M, N, K);
     const float* xd = x.Data();
     if (isa == Isa::kReference || plan.order == Order::kTorchDot) {
       std::vector<S> column(in_panels ? static_cast<size_t>(K) : 0);
-      for (int64_t n = 0; n < N; ++n) {
-        const S* wn = wd + n * K;
-        if (in_panels) {
-          unpack_column(wd, n, K, column.data());
-          wn = column.data();
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t n = 0; n < N; ++n) {
+          const S* wn = wd + (g * N + n) * K;
+          if (in_panels) {
+            unpack_column(wd + g * group_elements(kBf16, N, K), n, K, column.data());
+            wn = column.data();
+          }
+          for (int64_t m = 0; m < M; ++m) {
+            const float v = torch_linear::reference_dot(plan, xd + (m * G + g) * K, wn, K);
+            out[(m * G + g) * N + n] = attrs.round_output ? ort_cast::cast_bf16(v) : v;
+          }
         }
-        for (int64_t m = 0; m < M; ++m) {
-          const float v = torch_linear::reference_dot(plan, xd + m * K, wn, K);
-          out[m * N + n] = attrs.round_output ? ort_cast::cast_bf16(v) : v;
-        }
-      }
       return;
     }
 
@@ -719,49 +801,54 @@ struct TorchLinearKernel {
     if (!in_panels) {
       packed = &constant_w;
       if (constant_w.n != N || constant_w.k != K) {
-        per_call.pack(wd, N, K);
+        per_call.pack(wd, N, K, G);
         packed = &per_call;
       }
     }
     const void* panels = in_panels ? static_cast<const void*>(wd) : packed->data.data();
-    Job job{plan, xd, nullptr, panels, out, M, N, K, (K + 1) / 2,
-            kMaxRows, (M + kMaxRows - 1) / kMaxRows, (N + kPanel - 1) / kPanel,
-            attrs.round_output};
-    struct Call {
-      const Job* job;
-      void (*task)(const Job&, size_t, bool);
-    } call{&job, task_scalar};
+    Job job{plan, xd, nullptr, panels, out, M, N, K, G, (K + 1) / 2,
+            kMaxRows, (M + kMaxRows - 1) / kMaxRows, panels_of(N), attrs.round_output, 0};
+    Task task = task_scalar;
 #ifdef CSA_X86
-    if (isa == Isa::kAvx512 || isa == Isa::kAvx512Bf16) call.task = task_avx512;
-    if (isa == Isa::kAvx2) call.task = task_avx2;
-    std::unique_ptr<uint32_t[]> xb;
+    if (isa == Isa::kAvx512 || isa == Isa::kAvx512Bf16) task = task_avx512;
+    if (isa == Isa::kAvx2) task = task_avx2;
     if constexpr (kBf16) {
       if (isa == Isa::kAvx512Bf16) {
-        xb.reset(new uint32_t[static_cast<size_t>(M * job.pairs)]);
-        bool bf16_exact = true;
-        const ExponentRange x_range = convert_rows(ctx, xd, M, K, xb.get(), bf16_exact);
         const ExponentRange w_range =
             !in_panels ? packed->range
             : wd == constant_panels ? constant_range
                                     : bf16_exponents(wd, element_count(w_shape));
-        if (bf16_exact && dp_is_exact(x_range, w_range, K)) {
-          job.xb = xb.get();
-          job.rows_per_task = kDpRows;
-          job.row_blocks = (M + kDpRows - 1) / kDpRows;
-          call.task = task_avx512bf16;
-          dp_calls.fetch_add(1, std::memory_order_relaxed);
+        // X goes to bf16 pairs a batch of groups at a time (each group's rows pairs of their
+        // own, whatever K's parity), a batch's pairs at most kDpBatchPairs but one group: the
+        // buffer stays the size one linear's was (all of wo_a's groups at once, 64 MiB at
+        // 1024 tokens, came fresh from the OS on every call). A decode step converts every
+        // group in one batch. Both paths give the same bits, so each batch takes its own.
+        const int64_t per_group = M * job.pairs;
+        const int64_t batch = per_group >= kDpBatchPairs ? 1
+                              : G < kDpBatchPairs / per_group ? G : kDpBatchPairs / per_group;
+        std::unique_ptr<uint32_t[]> xb(new uint32_t[static_cast<size_t>(batch * per_group)]);
+        for (int64_t g0 = 0; g0 < G; g0 += batch) {
+          const int64_t count = G - g0 < batch ? G - g0 : batch;
+          bool bf16_exact = true;
+          const ExponentRange x_range =
+              convert_rows(ctx, xd + g0 * K, M, K, G, count, xb.get(), bf16_exact);
+          Job part = job;
+          part.group0 = g0;
+          Task part_task = task;
+          if (bf16_exact && dp_is_exact(x_range, w_range, K)) {
+            part.xb = xb.get();
+            part.rows_per_task = kDpRows;
+            part.row_blocks = (M + kDpRows - 1) / kDpRows;
+            part_task = task_avx512bf16;
+            dp_calls.fetch_add(1, std::memory_order_relaxed);
+          }
+          run_groups(ctx, part, part_task, count, kBf16);
         }
+        return;
       }
     }
 #endif
-    // Tasks only compute into memory that exists; nothing in them can throw.
-    auto run = [](void* data, size_t t) {
-      const Call& c = *static_cast<const Call*>(data);
-      c.task(*c.job, t, kBf16);
-    };
-    const int64_t tasks = job.row_blocks * job.n_panels;
-    run_tasks(ctx, M * N * K, serial_below::kMultiplyAdds, static_cast<size_t>(tasks), run,
-              &call);
+    run_groups(ctx, job, task, G, kBf16);
   }
 };
 
