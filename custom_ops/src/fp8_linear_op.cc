@@ -710,11 +710,7 @@ bool check_node(const OrtKernelInfo* info) {
       optional_attribute<int64_t>(info, kOp, "block_size", "an int").value_or(kBlock);
   if (block_size != kBlock)
     fail(kOp, "block_size must be 32 (the only size supported), got " + std::to_string(block_size));
-  const std::string numerics =
-      optional_attribute<std::string>(info, kOp, "numerics", "a string").value_or("exact");
-  if (numerics != "exact" && numerics != "fast")
-    fail(kOp, "attribute numerics must be \"exact\" or \"fast\", got \"" + numerics + "\"");
-  return numerics == "fast";
+  return numerics_is_fast(info, kOp);
 }
 
 // numerics "fast" runs fp8_linear_fast.cc where the path is avx512bf16 (the default on a

@@ -1,7 +1,7 @@
 // What every kernel of the library shares, so that each op file holds only its own rules:
 //   - errors: fail(op, message), INVALID_ARGUMENT with the op's name in front;
 //   - node I/O and attributes, checked when the session creates the kernel
-//     (require_node_io, required_attribute, optional_attribute, has_output);
+//     (require_node_io, required_attribute, optional_attribute, numerics_is_fast, has_output);
 //   - the Compute trampoline: a kernel's Compute(inputs..., outputs...) is
 //       `return status_of([&] { Run(ctx, inputs..., outputs...); });`
 //     (the lite API reads Compute's parameter types for the op's signature, so the
@@ -103,6 +103,16 @@ std::optional<T> optional_attribute(const OrtKernelInfo* info, const char* op,
     if (detail::is_absent(e)) return std::nullopt;
     fail(op, std::string("attribute ") + name + " must be " + kind + " (" + e.what() + ")");
   }
+}
+
+// The attribute numerics of an op that has a fast kernel: "exact" (or absent) or "fast";
+// returns whether it is "fast".
+inline bool numerics_is_fast(const OrtKernelInfo* info, const char* op) {
+  const std::string numerics =
+      optional_attribute<std::string>(info, op, "numerics", "a string").value_or("exact");
+  if (numerics != "exact" && numerics != "fast")
+    fail(op, "attribute numerics must be \"exact\" or \"fast\", got \"" + numerics + "\"");
+  return numerics == "fast";
 }
 
 // Whether the graph gives output `index` an OrtValue: an omitted output ("" or absent) has

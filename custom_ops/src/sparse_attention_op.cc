@@ -275,15 +275,6 @@ std::vector<float> concatenated_rows(const Job<I>& j, int64_t b) {
   return rows;
 }
 
-// The attribute numerics: "exact" (absent: exact) or "fast".
-bool read_numerics_fast(const OrtKernelInfo* info) {
-  const std::optional<std::string> numerics =
-      optional_attribute<std::string>(info, kOp, "numerics", "a string");
-  if (!numerics.has_value() || *numerics == "exact") return false;
-  if (*numerics == "fast") return true;
-  fail(kOp, "attribute numerics must be \"exact\" or \"fast\", got \"" + *numerics + "\"");
-}
-
 #ifdef CSA_X86
 // The fast kernel's rows as bf16, converted once per call where a row would otherwise be
 // converted by several tasks: with heads split over tasks (decode), each query's index list
@@ -343,7 +334,7 @@ struct SparseAttentionKernel {
 
   SparseAttentionKernel(const OrtApi*, const OrtKernelInfo* info) {
     require_node_io(info, kOp, 4, 1);  // Compressed is optional
-    fast = read_numerics_fast(info);
+    fast = numerics_is_fast(info, kOp);
     isa = select_isa("CSA_SPARSE_ATTENTION_ISA", /*has_reference=*/true, /*has_bf16=*/fast);
     scale = required_attribute<float>(info, kOp, "softmax_scale", "a float");
     if (!(scale > 0.0f)) fail(kOp, "softmax_scale must be > 0, got " + std::to_string(scale));
