@@ -132,26 +132,6 @@ inline int16_t exponent_step(float scale) {
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
 
-// Fp8::e4m3_rne of 16 finite values (the same operations: clamp, the bit-field rounding
-// or, below 2^-6, the 2^23 trick, and the sign).
-CSA_TARGET_FAST inline __m512 e4m3_rne16(__m512 v) {
-  v = _mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(-Fp8::kMax)), _mm512_set1_ps(Fp8::kMax));
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i sign = _mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(0x80000000u)));
-  const __m512i ab = _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF));
-  const __m512 a = _mm512_castsi512_ps(ab);
-  __m512i big = _mm512_add_epi32(ab, _mm512_set1_epi32(0x7FFFF));
-  big = _mm512_add_epi32(big, _mm512_and_si512(_mm512_srli_epi32(ab, 20), _mm512_set1_epi32(1)));
-  big = _mm512_and_si512(big, _mm512_set1_epi32(static_cast<int>(0xFFF00000u)));
-  const __m512 two23 = _mm512_set1_ps(0x1p23f);
-  const __m512 small = _mm512_mul_ps(
-      _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(a, _mm512_set1_ps(512.0f)), two23), two23),
-      _mm512_set1_ps(0x1p-9f));
-  const __mmask16 tiny = _mm512_cmp_ps_mask(a, _mm512_set1_ps(0x1p-6f), _CMP_LT_OQ);
-  const __m512 q = _mm512_mask_mov_ps(_mm512_castsi512_ps(big), tiny, small);
-  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(q), sign));
-}
-
 // act_quant of rows [r0, r1) of X into X' = xq * xs as bf16 words ([M][K], natural order);
 // false at a value that is not finite or an xs above 2^40.
 CSA_TARGET_FAST bool quantize_rows(const float* x, int64_t K, int64_t r0, int64_t r1,
@@ -173,8 +153,8 @@ CSA_TARGET_FAST bool quantize_rows(const float* x, int64_t K, int64_t r0, int64_
       const float xs = Fp8::pow2_ceil(amax * Fp8::kMaxInv);
       if ((Fp8::bits_of(xs) >> 23) > kBias + kMaxXsExponent) return false;
       const __m512 vxs = _mm512_set1_ps(xs);
-      const __m512 q0 = _mm512_mul_ps(e4m3_rne16(_mm512_div_ps(x0, vxs)), vxs);
-      const __m512 q1 = _mm512_mul_ps(e4m3_rne16(_mm512_div_ps(x1, vxs)), vxs);
+      const __m512 q0 = _mm512_mul_ps(fp8_kernels::e4m3_rne_avx512(_mm512_div_ps(x0, vxs)), vxs);
+      const __m512 q1 = _mm512_mul_ps(fp8_kernels::e4m3_rne_avx512(_mm512_div_ps(x1, vxs)), vxs);
       _mm512_storeu_si512(xq + r * K + k, (__m512i)_mm512_cvtne2ps_pbh(q1, q0));  // exact
     }
   }

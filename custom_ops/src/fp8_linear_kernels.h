@@ -295,6 +295,30 @@ CSA_INLINE void row_patch_generic(const RowJob& j) {
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
 
+// Fp8::e4m3_rne of clamp(v, -448, 448) in 16 lanes, as values (the same IEEE and bit
+// operations: the bit-field rounding, or below 2^-6 the 2^23 trick, then the sign), for the
+// exact kernel's act_quant and the fast one's; a NaN lane gives an unspecified value that
+// callers mask.
+CSA_TARGET_AVX512 CSA_INLINE __m512 e4m3_rne_avx512(__m512 v) {
+  const __m512 lim = _mm512_set1_ps(Fp8::kMax);
+  v = _mm512_min_ps(_mm512_max_ps(v, _mm512_sub_ps(_mm512_setzero_ps(), lim)), lim);
+  const __m512i sign = _mm512_and_si512(_mm512_castps_si512(v),
+                                        _mm512_set1_epi32(static_cast<int>(0x80000000u)));
+  const __m512 a = _mm512_abs_ps(v);
+  const __m512 two23 = _mm512_set1_ps(0x1p23f);
+  const __m512 small = _mm512_mul_ps(
+      _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(a, _mm512_set1_ps(512.0f)), two23), two23),
+      _mm512_set1_ps(0x1p-9f));
+  const __m512i b = _mm512_castps_si512(a);
+  const __m512i big = _mm512_and_si512(
+      _mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFFF)),
+                       _mm512_and_si512(_mm512_srli_epi32(b, 20), _mm512_set1_epi32(1))),
+      _mm512_set1_epi32(static_cast<int>(0xFFF00000u)));
+  const __m512 q = _mm512_mask_mov_ps(_mm512_castsi512_ps(big),
+                                      _mm512_cmp_ps_mask(a, _mm512_set1_ps(0x1p-6f), _CMP_LT_OQ), small);
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(q), sign));
+}
+
 // ---------------------------------------------------------------------- AVX2 tiles
 // 2 rows x 32 columns (4 ymm of 8 int32 lanes) per step, vpmaddwd + vpaddd (exact: the
 // flagged lanes may wrap, and take their slot's value).

@@ -265,29 +265,11 @@ CSA_INLINE void quantize_row_body(const QuantJob& q, int64_t r) {
 // quantize_row_body with two zmm per block: the same IEEE operations (the division by xs,
 // the clamp, the rounding to e4m3 of fp8_linear.h as bit operations), so the same values.
 CSA_TARGET_AVX512 CSA_INLINE __m512i units_avx512(__m512 v) {
-  // clamp to +-448 (NaN passes), then e4m3 round-to-nearest-even as Fp8::e4m3_rne
-  const __m512 lim = _mm512_set1_ps(Fp8::kMax);
-  v = _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(v, lim, _CMP_GT_OQ), lim);
-  v = _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(v, _mm512_sub_ps(_mm512_setzero_ps(), lim), _CMP_LT_OQ),
-                         _mm512_sub_ps(_mm512_setzero_ps(), lim));
-  const __m512 a = _mm512_abs_ps(v);
-  const __m512 two23 = _mm512_set1_ps(0x1p23f);
-  const __m512 small = _mm512_mul_ps(
-      _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(a, _mm512_set1_ps(512.0f)), two23), two23),
-      _mm512_set1_ps(0x1p-9f));
-  const __m512i b = _mm512_castps_si512(a);
-  const __m512i big = _mm512_and_si512(
-      _mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFFF)),
-                       _mm512_and_si512(_mm512_srli_epi32(b, 20), _mm512_set1_epi32(1))),
-      _mm512_set1_epi32(static_cast<int>(0xFFF00000u)));
-  const __m512 q = _mm512_mask_mov_ps(_mm512_castsi512_ps(big),
-                                      _mm512_cmp_ps_mask(a, _mm512_set1_ps(0x1p-6f), _CMP_LT_OQ), small);
-  // units = |q| * 512 with v's sign; NaN -> 0 (fp8_int::units_of_value)
-  const __m512i mag = _mm512_cvttps_epi32(_mm512_mul_ps(q, _mm512_set1_ps(512.0f)));
-  const __mmask16 neg = _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_LT_OQ);
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  return _mm512_maskz_mov_epi32(static_cast<__mmask16>(~nan),
-                                _mm512_mask_sub_epi32(mag, neg, _mm512_setzero_si512(), mag));
+  // units = e4m3_rne(clamp(v)) * 512, exact integers with v's sign; NaN -> 0
+  // (fp8_int::units_of_value)
+  const __m512i units = _mm512_cvttps_epi32(_mm512_mul_ps(e4m3_rne_avx512(v), _mm512_set1_ps(512.0f)));
+  return _mm512_maskz_mov_epi32(static_cast<__mmask16>(~_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)),
+                                units);
 }
 
 CSA_TARGET_AVX512 void quantize_avx512(const QuantJob& q, int64_t r) {
