@@ -77,7 +77,7 @@ struct SmallJob {
   int16_t* pw;
   float* g;
   int32_t* sums;              // [kbs][kGroups][rows][16]
-  int16_t* xp;                // one row: scratch [kMaxChunkKb * 32] (X's pairs in unpack order)
+  int16_t* xp;                // one row: scratch [kMaxChunkKb * 32] (X by quads, dot_row_vbmi)
   int32_t* tsum;              // one row: scratch [kPanel][kTsumLd] (sums, lanes over k)
 };
 constexpr int64_t kSmallRows = 4;
@@ -782,37 +782,21 @@ CSA_TARGET_AVX512 CSA_INLINE void transpose16(__m512i (&r)[16]) {
 
 // dot_row_vbmi's tables.
 struct RowTables {
-  alignas(64) uint8_t expo[128];        // E of a nonzero code, 255 for zero (and NaN) codes
-  alignas(64) uint8_t pair_base[8][64]; // vpermb index: block 2j's byte, then 2j + 1's
-  alignas(64) int32_t natural[16];      // the tree's lane of block q
-  alignas(64) int16_t x_order[32];      // xp's word i: X's word x_order[i] of the 64
+  alignas(64) uint8_t expo[128];         // E of a nonzero code, 255 for zero (and NaN) codes
+  alignas(64) uint8_t quad_base[4][64];  // vpermb index: quad u's 128-bit lane b takes block 4u + b
+  alignas(64) int32_t natural[16];       // the tree's lane of block q
   RowTables() {
     for (int c = 0; c < 128; ++c) {
       const int e = c >> 3;
       expo[c] = (c == 0 || c == 0x7F) ? 255 : static_cast<uint8_t>(e == 0 ? 0 : e - 1);
     }
-    for (int j = 0; j < 8; ++j)
-      for (int b = 0; b < 64; ++b) pair_base[j][b] = static_cast<uint8_t>(2 * j + (b >= 32 ? 1 : 0));
-    // the tree leaves block q of pair j = q / 2 (half q % 2) in lane
-    // (q >= 8 ? 8 : 0) + (q % 2) * 4 + (q / 2) % 4
-    for (int q = 0; q < 16; ++q) natural[q] = (q >= 8 ? 8 : 0) + (q % 2) * 4 + (q / 2) % 4;
-    for (int i = 0; i < 32; ++i) x_order[i] = static_cast<int16_t>((i / 8) * 16 + i % 8);
+    for (int u = 0; u < 4; ++u)
+      for (int b = 0; b < 64; ++b) quad_base[u][b] = static_cast<uint8_t>(4 * u + b / 16);
+    // the tree leaves block q = 4u + b (quad u, 128-bit lane b) in lane 4b + u
+    for (int q = 0; q < 16; ++q) natural[q] = 4 * (q % 4) + q / 4;
   }
 };
 inline const RowTables kRowTables;
-
-// 8 zmm of int32 partial sums (pair j: lanes 0-7 block 2j, 8-15 block 2j + 1) -> one zmm
-// of the 16 block sums in natural order.
-CSA_TARGET_AVX512 CSA_INLINE __m512i block_sums16(const __m512i (&a)[8]) {
-  __m512i b[4];
-  for (int i = 0; i < 4; ++i)
-    b[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(a[2 * i], a[2 * i + 1]),
-                            _mm512_unpackhi_epi32(a[2 * i], a[2 * i + 1]));
-  const __m512i c0 = _mm512_add_epi32(_mm512_unpacklo_epi64(b[0], b[1]), _mm512_unpackhi_epi64(b[0], b[1]));
-  const __m512i c1 = _mm512_add_epi32(_mm512_unpacklo_epi64(b[2], b[3]), _mm512_unpackhi_epi64(b[2], b[3]));
-  const __m512i d = _mm512_add_epi32(_mm512_shuffle_i64x2(c0, c1, 0x88), _mm512_shuffle_i64x2(c0, c1, 0xDD));
-  return _mm512_permutexvar_epi32(_mm512_load_si512(kRowTables.natural), d);
-}
 
 template <int MR, bool kVnni>
 CSA_TARGET_AVX512_VBMI __attribute__((noinline)) void dot_groups_vbmi(const SmallJob& j) {
@@ -843,92 +827,112 @@ CSA_TARGET_AVX512_VBMI __attribute__((noinline)) void dot_groups_vbmi(const Smal
 }
 
 // One row of X (decode), lanes over k: each W row's codes are read in order (one sequential
-// stream: the panel's rows follow each other), 64 codes (two K blocks) a zmm, converted to
-// int16 units >> t with the tables of the packing (no transpose), and multiplied with X's
-// row block by vpdpwssd, each int32 lane a partial sum of one block. Per row and 16 blocks,
-// an add/shuffle tree sums the 8 lanes of each block (exact: any order of an int32 sum whose
-// |terms| add up below 2^31, which the flags decide as for the tiles) into one zmm of 16
-// block sums; the sums are then stored per block with lanes over columns for the epilogue.
+// stream: the panel's rows follow each other), four K blocks (a "quad", 128 codes) at a time,
+// converted to int16 units >> t with the tables of the packing (no transpose), and
+// multiplied with X's blocks by vpdpwssd. The quad's two zmm of codes are regrouped by
+// 128-bit lanes (vshufi64x2) so that lane b of each holds 16 codes of block 4u + b: then
+// each int32 lane gathers 8 products of one block, a block's sum is 4 lanes, and a tree of
+// three add levels over a slice's four quads (16 blocks) makes one zmm of 16 block sums
+// (exact: any order of an int32 sum whose |terms| add up below 2^31, which the flags decide
+// as for the tiles). The sums are then stored per block with lanes over columns for the
+// epilogue.
 // A zmm of codes c: bytes m = |mantissa| << 3 with the sign, count = (11 + t) - E saturated
 // at 0 (E is 255 for zero codes), then vpunpck{l,h}bw makes words w = (m << 8) | count with
 // count <= 14 (GroupConverter), and w >> (w & 15) = units >> t exactly: (m << 8) is a
 // multiple of 2^count where units >> t is an integer, and count < 2^count adds nothing.
 // The unpacks take words 0-7 of each 128-bit lane into the first zmm, 8-15 into the second,
-// so X's pairs are stored in that order (xp). Lanes past N are 0, NaN codes count 0 (their
-// columns are set to NaN at the end), and lanes that are not int16 give sums the epilogue
-// does not read (it takes their slot).
+// so X's blocks are stored in that order (xp: per quad, four zmm whose lane b holds words
+// 8c..8c+7 of block 4u + b). Lanes past N are 0, NaN codes count 0 (their columns are set
+// to NaN at the end), and lanes that are not int16 give sums the epilogue does not read (it
+// takes their slot).
 template <bool kVnni>
 CSA_TARGET_AVX512_VBMI __attribute__((noinline)) void dot_row_vbmi(const SmallJob& j) {
   constexpr int MR = 1;  // one row of X (more: dot_groups_vbmi)
   const PackTables& pt = kPackTables;
   const RowTables& rt = kRowTables;
-  const int64_t pairs = (j.kbs + 1) / 2, ldx = kMaxChunkKb * kBlock;
-  // X's chunk in unpack order, zero past the last block
-  for (int m = 0; m < MR; ++m) {
-    const int16_t* src = j.xi + m * j.K + j.kb0 * kBlock;
-    int16_t* dst = j.xp + m * ldx;
-    for (int64_t q = 0; q < pairs; ++q) {
-      const bool two = j.kbs - 2 * q >= 2;
-      const __m512i xa = _mm512_loadu_si512(src + 64 * q);
-      const __m512i xb = _mm512_maskz_loadu_epi16(two ? ~__mmask32{0} : __mmask32{0}, src + 64 * q + 32);
-      const __m512i idx = _mm512_load_si512(rt.x_order);
-      _mm512_storeu_si512(dst + 64 * q, _mm512_permutex2var_epi16(xa, idx, xb));
-      _mm512_storeu_si512(dst + 64 * q + 32,
-                          _mm512_permutex2var_epi16(xa, _mm512_add_epi16(idx, _mm512_set1_epi16(8)), xb));
+  // X's chunk by quads, zero past the last block: a 4 x 4 transpose of 128-bit lanes
+  const int64_t quads = (j.kbs + 3) / 4;
+  for (int64_t q = 0; q < quads; ++q) {
+    __m512i z[4];
+    for (int b = 0; b < 4; ++b) {
+      const bool on = 4 * q + b < j.kbs;
+      z[b] = _mm512_maskz_loadu_epi16(on ? ~__mmask32{0} : __mmask32{0},
+                                      on ? j.xi + (j.kb0 + 4 * q + b) * kBlock : j.xi);
     }
+    const __m512i lo01 = _mm512_shuffle_i64x2(z[0], z[1], 0x44), hi01 = _mm512_shuffle_i64x2(z[0], z[1], 0xEE);
+    const __m512i lo23 = _mm512_shuffle_i64x2(z[2], z[3], 0x44), hi23 = _mm512_shuffle_i64x2(z[2], z[3], 0xEE);
+    int16_t* dst = j.xp + 4 * kBlock * q;
+    _mm512_storeu_si512(dst, _mm512_shuffle_i64x2(lo01, lo23, 0x88));
+    _mm512_storeu_si512(dst + 32, _mm512_shuffle_i64x2(lo01, lo23, 0xDD));
+    _mm512_storeu_si512(dst + 64, _mm512_shuffle_i64x2(hi01, hi23, 0x88));
+    _mm512_storeu_si512(dst + 96, _mm512_shuffle_i64x2(hi01, hi23, 0xDD));
   }
   const __m512i mant_lo = _mm512_load_si512(pt.mant), mant_hi = _mm512_load_si512(pt.mant + 64);
   const __m512i expo_lo = _mm512_load_si512(rt.expo), expo_hi = _mm512_load_si512(rt.expo + 64);
   const __m512i zero = _mm512_setzero_si512(), low4 = _mm512_set1_epi16(15);
+  const __m512i natural = _mm512_load_si512(rt.natural);
   const int64_t n_end = j.w.N - j.panel * kPanel < kPanel ? j.w.N - j.panel * kPanel : kPanel;
   const int64_t g16 = j.w.groups * kLanes;
   for (int64_t l = 0; l < kPanel; ++l) {
     int32_t* ts = j.tsum + l * kTsumLd;
     if (l >= n_end) {
-      for (int m = 0; m < MR; ++m)
-        std::memset(j.tsum + (m * kPanel + l) * kTsumLd, 0, sizeof(int32_t) * kTsumLd);
+      std::memset(ts, 0, sizeof(int32_t) * kTsumLd);
       continue;
     }
     const int64_t n = j.panel * kPanel + l;
     const uint8_t* row = j.w.w + n * j.w.K + j.kb0 * kBlock;
     const uint8_t* t_row = j.w.shift_rows + n * (j.w.KB + kLanes) + j.kb0;  // padded by 16
     const int64_t kbs = j.kbs;
-    const int16_t* __restrict xp = j.xp;
-    int32_t* __restrict tsm = ts;
     for (int64_t s = 0; s * 16 < kbs; ++s) {
       // 11 + t of the slice's blocks (past the chunk: any value, their codes are zero)
       const __m512i tv = _mm512_castsi128_si512(_mm_add_epi8(
           _mm_loadu_si128(reinterpret_cast<const __m128i*>(t_row + 16 * s)), _mm_set1_epi8(11)));
-      __m512i acc[MR][8];
-#pragma GCC unroll 8
-      for (int p = 0; p < 8; ++p) {
-        const int64_t q = 8 * s + p;
-        if (q >= pairs) {  // past the chunk
-          for (int m = 0; m < MR; ++m) acc[m][p] = zero;
+      __m512i acc[4];
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) {
+        const int64_t b0 = 16 * s + 4 * u;  // the quad's first block in the chunk
+        if (b0 >= kbs) {  // past the chunk
+          acc[u] = zero;
           continue;
         }
-        // the last pair may hold one block (the other: zero codes and X, zero sums)
-        const __mmask64 live = 2 * q + 2 <= kbs ? ~__mmask64{0} : __mmask64{0xFFFFFFFFu};
-        _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchBytes + 64 * q), _MM_HINT_T1);
-        const __m512i codes = _mm512_maskz_loadu_epi8(live, row + 64 * q);
-        __m512i mv = _mm512_permutex2var_epi8(mant_lo, codes, mant_hi);
-        mv = _mm512_mask_sub_epi8(mv, _mm512_movepi8_mask(codes), zero, mv);
-        const __m512i count = _mm512_subs_epu8(
-            _mm512_permutexvar_epi8(_mm512_load_si512(rt.pair_base[p]), tv),
-            _mm512_permutex2var_epi8(expo_lo, codes, expo_hi));
-        const __m512i w0 = _mm512_unpacklo_epi8(count, mv), w1 = _mm512_unpackhi_epi8(count, mv);
-        const __m512i v0 = _mm512_srav_epi16(w0, _mm512_and_si512(w0, low4));
-        const __m512i v1 = _mm512_srav_epi16(w1, _mm512_and_si512(w1, low4));
-#pragma GCC unroll 4
-        for (int m = 0; m < MR; ++m) {
-          const int16_t* x = xp + m * ldx + 64 * q;
-          acc[m][p] = _mm512_madd_epi16(v0, _mm512_loadu_si512(x));
-          CSA_DP16(kVnni, acc[m][p], v1, _mm512_loadu_si512(x + 32));
+        // the last quad may hold fewer blocks (the others: zero codes and X, zero sums)
+        const int64_t nb = kbs - b0;
+        const __mmask64 first = nb >= 2 ? ~__mmask64{0} : __mmask64{0xFFFFFFFFu};
+        const __mmask64 second = nb >= 4 ? ~__mmask64{0} : nb == 3 ? __mmask64{0xFFFFFFFFu} : __mmask64{0};
+        _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchBytes + kBlock * b0), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchBytes + kBlock * b0 + 64), _MM_HINT_T1);
+        const __m512i ca = _mm512_maskz_loadu_epi8(first, row + kBlock * b0);
+        const __m512i cb = _mm512_maskz_loadu_epi8(second, nb >= 3 ? row + kBlock * b0 + 64 : row);
+        const __m512i base = _mm512_permutexvar_epi8(_mm512_load_si512(rt.quad_base[u]), tv);
+        const int16_t* x = j.xp + kBlock * b0;
+        __m512i a = zero;
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+          // lane b: codes 16h..16h+15 of block b0 + b
+          const __m512i codes = _mm512_shuffle_i64x2(ca, cb, h == 0 ? 0x88 : 0xDD);
+          __m512i mv = _mm512_permutex2var_epi8(mant_lo, codes, mant_hi);
+          mv = _mm512_mask_sub_epi8(mv, _mm512_movepi8_mask(codes), zero, mv);
+          const __m512i count = _mm512_subs_epu8(base, _mm512_permutex2var_epi8(expo_lo, codes, expo_hi));
+          const __m512i w0 = _mm512_unpacklo_epi8(count, mv), w1 = _mm512_unpackhi_epi8(count, mv);
+          const __m512i v0 = _mm512_srav_epi16(w0, _mm512_and_si512(w0, low4));
+          const __m512i v1 = _mm512_srav_epi16(w1, _mm512_and_si512(w1, low4));
+          if (h == 0) {
+            a = _mm512_madd_epi16(v0, _mm512_loadu_si512(x));
+          } else {
+            CSA_DP16(kVnni, a, v0, _mm512_loadu_si512(x + 64));
+          }
+          CSA_DP16(kVnni, a, v1, _mm512_loadu_si512(x + 32 + 64 * h));
         }
+        acc[u] = a;
       }
-#pragma GCC unroll 4
-      for (int m = 0; m < MR; ++m)
-        _mm512_storeu_si512(tsm + m * kPanel * kTsumLd + 16 * s, block_sums16(acc[m]));
+      // lane 4b + i of acc[u]: part of block 4u + b; three levels leave block 4u + b in
+      // lane 4b + u, and vpermd puts it in lane 4u + b
+      const __m512i r01 = _mm512_add_epi32(_mm512_unpacklo_epi32(acc[0], acc[1]),
+                                           _mm512_unpackhi_epi32(acc[0], acc[1]));
+      const __m512i r23 = _mm512_add_epi32(_mm512_unpacklo_epi32(acc[2], acc[3]),
+                                           _mm512_unpackhi_epi32(acc[2], acc[3]));
+      const __m512i sums = _mm512_add_epi32(_mm512_unpacklo_epi64(r01, r23), _mm512_unpackhi_epi64(r01, r23));
+      _mm512_storeu_si512(ts + 16 * s, _mm512_permutexvar_epi32(natural, sums));
     }
   }
   // sums per block with lanes over columns, and 2^t per (block, column)
