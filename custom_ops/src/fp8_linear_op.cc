@@ -127,11 +127,14 @@ struct WMeta {
   std::vector<uint8_t> shift;     // [KB][groups * 16]
   std::vector<uint8_t> shift_rows;  // [N][KB + 16]: the same, a column's blocks in a row
   std::vector<uint16_t> bad;      // [groups][KB]
-  std::vector<uint32_t> l1max;    // [groups][KB]
-  std::vector<uint32_t> absmax;   // [groups][KB]
   std::vector<uint8_t> nan_column;  // [groups * 16]
   std::vector<int64_t> nan_columns;
   bool any_bad = false;
+  // per panel (64 columns) and block, [panels][KB][4 groups] (0 past the last group), so
+  // that a task reads its chunk's figures as one run: bad again, and the int16 lanes'
+  // largest sum and max
+  std::vector<uint16_t> panel_bad;
+  std::vector<uint32_t> panel_l1max, panel_absmax;
 
   void reset(int64_t N, int64_t K) {
     n = N;
@@ -141,8 +144,10 @@ struct WMeta {
     shift.assign(static_cast<size_t>(kb * groups * kLanes), 0);
     shift_rows.assign(static_cast<size_t>(N * (kb + kLanes)), 0);
     bad.assign(static_cast<size_t>(groups * kb), 0);
-    l1max.assign(static_cast<size_t>(groups * kb), 0);
-    absmax.assign(static_cast<size_t>(groups * kb), 0);
+    const size_t figures = static_cast<size_t>((groups + kGroups - 1) / kGroups * kGroups * kb);
+    panel_bad.assign(figures, 0);
+    panel_l1max.assign(figures, 0);
+    panel_absmax.assign(figures, 0);
     nan_column.assign(static_cast<size_t>(groups * kLanes), 0);
     nan_columns.clear();
     any_bad = false;
@@ -166,11 +171,13 @@ struct WMeta {
           shift[b * groups * kLanes + col] = static_cast<uint8_t>(bi.shift);
           shift_rows[col * (kb + kLanes) + b] = static_cast<uint8_t>(bi.shift);
           const size_t at = static_cast<size_t>(g * kb + b);
+          const size_t pat = static_cast<size_t>(((g / kGroups) * kb + b) * kGroups + g % kGroups);
           if (!bi.fits()) {
             bad[at] = static_cast<uint16_t>(bad[at] | (1u << lane));
+            panel_bad[pat] = bad[at];
           } else {
-            l1max[at] = bi.l1 > l1max[at] ? bi.l1 : l1max[at];
-            absmax[at] = bi.absmax > absmax[at] ? bi.absmax : absmax[at];
+            panel_l1max[pat] = bi.l1 > panel_l1max[pat] ? bi.l1 : panel_l1max[pat];
+            panel_absmax[pat] = bi.absmax > panel_absmax[pat] ? bi.absmax : panel_absmax[pat];
           }
         }
         nan_column[col] = nan ? 1 : 0;
@@ -454,7 +461,7 @@ struct Call {
 struct Overrides {
   std::vector<float> pool;
   const float* slot[kMaxChunkKb * kGroups] = {};
-  uint16_t bad[kMaxChunkKb * kGroups] = {};
+  const uint16_t* bad = nullptr;  // [kbs][kGroups]: the chunk's run of WMeta::panel_bad
 };
 
 // The slot rows of flagged (row, block, group)s: the row's block in two digits against the
@@ -520,7 +527,7 @@ struct Patch {
             const int64_t col = panel * kPanel + gi * kLanes + i;
             const uint8_t* codes = c.w + col * c.K + kb * kBlock;
             for (int64_t e = 0; e < kBlock; ++e) uw[e] = fp8_int::kUnits.v[codes[e]];
-            const uint32_t tw = meta.shift[kb * meta.groups * kLanes + col];
+            const uint32_t tw = meta.shift_rows[col * (meta.kb + kLanes) + kb];
             job.out[gi][i] = fp8_int::exact_dot(ux, 0, uw, tw);
             ++wide_sums;
           }
@@ -581,24 +588,13 @@ void run_task(const Call& c, int64_t task) {
   for (int64_t kb0 = 0; kb0 < c.KB; kb0 += chunk) {
     const int64_t kbs = c.KB - kb0 < chunk ? c.KB - kb0 : chunk;
 
-    // the groups' figures and the flags of (row, block, group) whose int32 sums may overflow
-    // (the chunk's entries only: a chunk of few rows spans up to 256 blocks)
-    uint32_t l1m[kMaxChunkKb * kGroups], amx[kMaxChunkKb * kGroups];
-    for (int64_t kbi = 0; kbi < kbs; ++kbi) {
-      for (int64_t gi = 0; gi < kGroups; ++gi) {
-        const int64_t grp = panel * kGroups + gi;
-        const size_t at = static_cast<size_t>(kbi * kGroups + gi);
-        ov.bad[at] = 0;
-        l1m[at] = amx[at] = 0;
-        if (grp >= meta.groups) continue;
-        const size_t m = static_cast<size_t>(grp * c.KB + kb0 + kbi);
-        ov.bad[at] = meta.bad[m];
-        l1m[at] = meta.l1max[m];
-        amx[at] = meta.absmax[m];
-      }
-    }
-    c.kern.flags({xc.lim_l1.data() + r0, xc.lim_max.data() + r0, xc.rows, rows, kb0, kbs, l1m,
-                  amx, ov.bad, flags, masks});
+    // the flags of (row, block, group) whose int32 sums may overflow, from the groups'
+    // figures (the chunk's entries only: a chunk of few rows spans up to 256 blocks)
+    const size_t figures = static_cast<size_t>((panel * c.KB + kb0) * kGroups);
+    ov.bad = meta.panel_bad.data() + figures;
+    c.kern.flags({xc.lim_l1.data() + r0, xc.lim_max.data() + r0, xc.rows, rows, kb0, kbs,
+                  meta.panel_l1max.data() + figures, meta.panel_absmax.data() + figures, ov.bad,
+                  flags, masks});
     uint8_t any[kMaxChunkKb] = {};
     for (int64_t kbi = 0; kbi < kbs; ++kbi)
       for (int64_t r = 0; r < rows; ++r) any[kbi] = static_cast<uint8_t>(any[kbi] | flags[kbi * rows + r]);
@@ -646,7 +642,7 @@ void run_task(const Call& c, int64_t task) {
                          xc.rows16,
                          rows,
                          c.w + col * c.K + kb * kBlock,
-                         meta.shift[kb * meta.groups * kLanes + col],
+                         meta.shift_rows[col * (meta.kb + kLanes) + kb],
                          f};
           c.kern.f_lanes(job);
           for (int64_t r = 0; r < rows; ++r) slot[r * kLanes + i] = f[r];
@@ -678,10 +674,12 @@ void run_task(const Call& c, int64_t task) {
   for (int64_t r = 0; r < rows; ++r)
     std::memcpy(c.y + (r0 + r) * c.N + n0, out + r * kPanel,
                 static_cast<size_t>(cols) * sizeof(float));
-  counts.small_tasks.fetch_add(small ? 1 : 0, std::memory_order_relaxed);
-  counts.lane_sums.fetch_add(lane_sums, std::memory_order_relaxed);
-  counts.row_sums.fetch_add(row_sums, std::memory_order_relaxed);
-  counts.wide_sums.fetch_add(wide_sums, std::memory_order_relaxed);
+  // shared counters: touched only when there is something to add (two threads adding to
+  // one cache line at every task measurably slowed the few-rows path)
+  if (small) counts.small_tasks.fetch_add(1, std::memory_order_relaxed);
+  if (lane_sums != 0) counts.lane_sums.fetch_add(lane_sums, std::memory_order_relaxed);
+  if (row_sums != 0) counts.row_sums.fetch_add(row_sums, std::memory_order_relaxed);
+  if (wide_sums != 0) counts.wide_sums.fetch_add(wide_sums, std::memory_order_relaxed);
 }
 
 // Attributes and node I/O, checked when the session creates the kernel; returns whether
