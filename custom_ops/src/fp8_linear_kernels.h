@@ -52,9 +52,13 @@ struct WView {
   const uint8_t* w;        // [N][K] e4m3fn codes, read in place
   int64_t N, K, KB;
   int64_t groups;          // ceil(N / 16)
-  const uint8_t* shift;    // [KB][groups * 16]: t of each (column, block)
+  const uint8_t* shift;    // [panels][KB][64]: t of each (column, block), a panel's run per block
   const uint16_t* bad;     // [groups][KB]: lanes whose block is not int16
   const uint8_t* shift_rows;  // [N][KB + 16]: t of each (column, block), a column in a row
+  // t of columns n.. (within n's panel) at block kb
+  const uint8_t* shift_at(int64_t kb, int64_t n) const {
+    return shift + ((n / kPanel) * KB + kb) * kPanel + n % kPanel;
+  }
 };
 
 struct PackJob {
@@ -172,7 +176,7 @@ CSA_INLINE void pack_generic(const PackJob& j) {
       uint32_t t = 0;
       bool valid = n < j.w.N;
       if (grp < j.w.groups) {
-        t = j.w.shift[kb * j.w.groups * kLanes + n];
+        t = *j.w.shift_at(kb, n);
         valid = valid && ((j.w.bad[grp * j.w.KB + kb] >> (n % kLanes)) & 1u) == 0;
       }
       j.g[kbi * kPanel + lane] = fp8_int::pow2f(static_cast<int>(t));
@@ -641,7 +645,7 @@ struct GroupConverter {
     __m128i t16 = _mm_setzero_si128();
     uint32_t live = 0, bad = 0;  // lanes that exist; lanes whose block is not int16
     if (grp < w.groups) {
-      t16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.shift + kb * w.groups * kLanes + n0));
+      t16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.shift_at(kb, n0)));
       const int64_t count = w.N - n0 < kLanes ? w.N - n0 : kLanes;
       live = count == kLanes ? 0xFFFFu : (1u << count) - 1u;
       bad = w.bad[grp * w.KB + kb];
@@ -872,7 +876,6 @@ CSA_TARGET_AVX512_VBMI __attribute__((noinline)) void dot_row_vbmi(const SmallJo
   const __m512i zero = _mm512_setzero_si512(), low4 = _mm512_set1_epi16(15);
   const __m512i natural = _mm512_load_si512(rt.natural);
   const int64_t n_end = j.w.N - j.panel * kPanel < kPanel ? j.w.N - j.panel * kPanel : kPanel;
-  const int64_t g16 = j.w.groups * kLanes;
   for (int64_t l = 0; l < kPanel; ++l) {
     int32_t* ts = j.tsum + l * kTsumLd;
     if (l >= n_end) {
@@ -941,7 +944,7 @@ CSA_TARGET_AVX512_VBMI __attribute__((noinline)) void dot_row_vbmi(const SmallJo
     for (int64_t c = 0; c < kGroups; ++c) {
       const int64_t n0 = j.panel * kPanel + c * kLanes;
       const __m128i t16 = n0 / kLanes < j.w.groups
-                              ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(j.w.shift + kb * g16 + n0))
+                              ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(j.w.shift_at(kb, n0)))
                               : _mm_setzero_si128();
       _mm512_storeu_ps(j.g + kbi * kPanel + c * kLanes,
                        _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(_mm512_cvtepu8_epi32(t16), 23),

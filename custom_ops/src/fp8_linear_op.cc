@@ -124,7 +124,7 @@ Dims check_shapes(const std::vector<int64_t>& x, const std::vector<int64_t>& w,
 // 16 columns, block) the lanes that are not int16 and the int16 lanes' largest sum and max.
 struct WMeta {
   int64_t n = -1, k = -1, kb = 0, groups = 0;
-  std::vector<uint8_t> shift;     // [KB][groups * 16]
+  std::vector<uint8_t> shift;     // [panels][KB][64] (WView::shift_at), 0 past N
   std::vector<uint8_t> shift_rows;  // [N][KB + 16]: the same, a column's blocks in a row
   std::vector<uint16_t> bad;      // [groups][KB]
   std::vector<uint8_t> nan_column;  // [groups * 16]
@@ -141,7 +141,7 @@ struct WMeta {
     k = K;
     kb = K / kBlock;
     groups = (N + kLanes - 1) / kLanes;
-    shift.assign(static_cast<size_t>(kb * groups * kLanes), 0);
+    shift.assign(static_cast<size_t>((groups + kGroups - 1) / kGroups * kb * kPanel), 0);
     shift_rows.assign(static_cast<size_t>(N * (kb + kLanes)), 0);
     bad.assign(static_cast<size_t>(groups * kb), 0);
     const size_t figures = static_cast<size_t>((groups + kGroups - 1) / kGroups * kGroups * kb);
@@ -168,7 +168,8 @@ struct WMeta {
             nan |= Fp8::is_nan_code(row[b * kBlock + i]);
           }
           const BlockInts bi = fp8_int::analyse_block(u);
-          shift[b * groups * kLanes + col] = static_cast<uint8_t>(bi.shift);
+          shift[static_cast<size_t>(((col / kPanel) * kb + b) * kPanel + col % kPanel)] =
+              static_cast<uint8_t>(bi.shift);
           shift_rows[col * (kb + kLanes) + b] = static_cast<uint8_t>(bi.shift);
           const size_t at = static_cast<size_t>(g * kb + b);
           const size_t pat = static_cast<size_t>(((g / kGroups) * kb + b) * kGroups + g % kGroups);
