@@ -556,7 +556,13 @@ struct Scratch {
   }
 };
 
-void run_task(const Call& c, int64_t task) {
+// What one task adds to the op's counters (summed by the caller once per call: two threads
+// adding to one shared cache line at every task measurably slowed the few-rows path).
+struct TaskCounts {
+  uint64_t small_tasks = 0, lane_sums = 0, row_sums = 0, wide_sums = 0;
+};
+
+void run_task(const Call& c, int64_t task, TaskCounts& tally) {
   const XChunk& xc = *c.xc;
   const WMeta& meta = *c.meta;
   const int64_t panel = task % c.panels;
@@ -675,12 +681,7 @@ void run_task(const Call& c, int64_t task) {
   for (int64_t r = 0; r < rows; ++r)
     std::memcpy(c.y + (r0 + r) * c.N + n0, out + r * kPanel,
                 static_cast<size_t>(cols) * sizeof(float));
-  // shared counters: touched only when there is something to add (two threads adding to
-  // one cache line at every task measurably slowed the few-rows path)
-  if (small) counts.small_tasks.fetch_add(1, std::memory_order_relaxed);
-  if (lane_sums != 0) counts.lane_sums.fetch_add(lane_sums, std::memory_order_relaxed);
-  if (row_sums != 0) counts.row_sums.fetch_add(row_sums, std::memory_order_relaxed);
-  if (wide_sums != 0) counts.wide_sums.fetch_add(wide_sums, std::memory_order_relaxed);
+  tally = {small ? 1u : 0u, lane_sums, row_sums, wide_sums};
 }
 
 // Attributes and node I/O, checked when the session creates the kernel; returns whether
@@ -807,16 +808,28 @@ struct Fp8LinearKernel {
       }
       call.x = x.Data() + m0 * d.K;
       call.y = out + m0 * d.N;
+      const int64_t tasks = call.panels * ((xc.rows + kTaskRows - 1) / kTaskRows);
+      std::vector<TaskCounts> tallies(static_cast<size_t>(tasks));
       auto task = [&](int64_t t) {
         try {
-          run_task(call, t);
+          run_task(call, t, tallies[static_cast<size_t>(t)]);
         } catch (...) {  // allocation failure inside a pool thread: reported below
           failed.store(true);
         }
       };
-      for_each(ctx, work, serial_below::kMultiplyAdds,
-               call.panels * ((xc.rows + kTaskRows - 1) / kTaskRows), task);
+      for_each(ctx, work, serial_below::kMultiplyAdds, tasks, task);
       if (failed.load()) throw std::bad_alloc();
+      TaskCounts sum;
+      for (const TaskCounts& t : tallies) {
+        sum.small_tasks += t.small_tasks;
+        sum.lane_sums += t.lane_sums;
+        sum.row_sums += t.row_sums;
+        sum.wide_sums += t.wide_sums;
+      }
+      counts.small_tasks.fetch_add(sum.small_tasks, std::memory_order_relaxed);
+      counts.lane_sums.fetch_add(sum.lane_sums, std::memory_order_relaxed);
+      counts.row_sums.fetch_add(sum.row_sums, std::memory_order_relaxed);
+      counts.wide_sums.fetch_add(sum.wide_sums, std::memory_order_relaxed);
     }
     for (const int64_t col : meta->nan_columns)
       for (int64_t m = 0; m < d.M; ++m) out[m * d.N + col] = nan;
