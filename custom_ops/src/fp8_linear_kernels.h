@@ -53,11 +53,15 @@ struct WView {
   int64_t N, K, KB;
   int64_t groups;          // ceil(N / 16)
   const uint8_t* shift;    // [panels][KB][64]: t of each (column, block), a panel's run per block
-  const uint16_t* bad;     // [groups][KB]: lanes whose block is not int16
+  const uint16_t* bad;     // [panels][KB][4 groups]: lanes whose block is not int16
   const uint8_t* shift_rows;  // [N][KB + 16]: t of each (column, block), a column in a row
   // t of columns n.. (within n's panel) at block kb
   const uint8_t* shift_at(int64_t kb, int64_t n) const {
     return shift + ((n / kPanel) * KB + kb) * kPanel + n % kPanel;
+  }
+  // the lanes of group grp (16 columns) whose block kb is not int16
+  uint16_t bad_at(int64_t grp, int64_t kb) const {
+    return bad[((grp / (kPanel / kLanes)) * KB + kb) * (kPanel / kLanes) + grp % (kPanel / kLanes)];
   }
 };
 
@@ -177,7 +181,7 @@ CSA_INLINE void pack_generic(const PackJob& j) {
       bool valid = n < j.w.N;
       if (grp < j.w.groups) {
         t = *j.w.shift_at(kb, n);
-        valid = valid && ((j.w.bad[grp * j.w.KB + kb] >> (n % kLanes)) & 1u) == 0;
+        valid = valid && ((j.w.bad_at(grp, kb) >> (n % kLanes)) & 1u) == 0;
       }
       j.g[kbi * kPanel + lane] = fp8_int::pow2f(static_cast<int>(t));
       int16_t* dst = j.pw + (kbi * kPairs * kPanel + lane) * 2;
@@ -648,7 +652,7 @@ struct GroupConverter {
       t16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.shift_at(kb, n0)));
       const int64_t count = w.N - n0 < kLanes ? w.N - n0 : kLanes;
       live = count == kLanes ? 0xFFFFu : (1u << count) - 1u;
-      bad = w.bad[grp * w.KB + kb];
+      bad = w.bad_at(grp, kb);
     }
     _mm512_storeu_ps(g, _mm512_castsi512_ps(_mm512_add_epi32(
                             _mm512_slli_epi32(_mm512_cvtepu8_epi32(t16), 23), _mm512_set1_epi32(127 << 23))));

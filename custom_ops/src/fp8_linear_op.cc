@@ -126,13 +126,12 @@ struct WMeta {
   int64_t n = -1, k = -1, kb = 0, groups = 0;
   std::vector<uint8_t> shift;     // [panels][KB][64] (WView::shift_at), 0 past N
   std::vector<uint8_t> shift_rows;  // [N][KB + 16]: the same, a column's blocks in a row
-  std::vector<uint16_t> bad;      // [groups][KB]
   std::vector<uint8_t> nan_column;  // [groups * 16]
   std::vector<int64_t> nan_columns;
   bool any_bad = false;
-  // per panel (64 columns) and block, [panels][KB][4 groups] (0 past the last group), so
-  // that a task reads its chunk's figures as one run: bad again, and the int16 lanes'
-  // largest sum and max
+  // per (group of 16 columns, block), stored per panel (64 columns) and block,
+  // [panels][KB][4 groups] (0 past the last group), so that a task reads its chunk's as one
+  // run: the lanes that are not int16, and the int16 lanes' largest sum and max
   std::vector<uint16_t> panel_bad;
   std::vector<uint32_t> panel_l1max, panel_absmax;
 
@@ -143,7 +142,6 @@ struct WMeta {
     groups = (N + kLanes - 1) / kLanes;
     shift.assign(static_cast<size_t>((groups + kGroups - 1) / kGroups * kb * kPanel), 0);
     shift_rows.assign(static_cast<size_t>(N * (kb + kLanes)), 0);
-    bad.assign(static_cast<size_t>(groups * kb), 0);
     const size_t figures = static_cast<size_t>((groups + kGroups - 1) / kGroups * kGroups * kb);
     panel_bad.assign(figures, 0);
     panel_l1max.assign(figures, 0);
@@ -171,11 +169,9 @@ struct WMeta {
           shift[static_cast<size_t>(((col / kPanel) * kb + b) * kPanel + col % kPanel)] =
               static_cast<uint8_t>(bi.shift);
           shift_rows[col * (kb + kLanes) + b] = static_cast<uint8_t>(bi.shift);
-          const size_t at = static_cast<size_t>(g * kb + b);
           const size_t pat = static_cast<size_t>(((g / kGroups) * kb + b) * kGroups + g % kGroups);
           if (!bi.fits()) {
-            bad[at] = static_cast<uint16_t>(bad[at] | (1u << lane));
-            panel_bad[pat] = bad[at];
+            panel_bad[pat] = static_cast<uint16_t>(panel_bad[pat] | (1u << lane));
           } else {
             panel_l1max[pat] = bi.l1 > panel_l1max[pat] ? bi.l1 : panel_l1max[pat];
             panel_absmax[pat] = bi.absmax > panel_absmax[pat] ? bi.absmax : panel_absmax[pat];
@@ -189,11 +185,11 @@ struct WMeta {
   void finish() {
     for (int64_t col = 0; col < n; ++col)
       if (nan_column[col]) nan_columns.push_back(col);
-    for (const uint16_t b : bad) any_bad |= b != 0;
+    for (const uint16_t b : panel_bad) any_bad |= b != 0;
   }
 
   WView view(const uint8_t* w) const {
-    return {w, n, k, kb, groups, shift.data(), bad.data(), shift_rows.data()};
+    return {w, n, k, kb, groups, shift.data(), panel_bad.data(), shift_rows.data()};
   }
 };
 
