@@ -811,8 +811,9 @@ CSA_TARGET_AVX512_VBMI __attribute__((noinline)) void dot_groups_vbmi(const Smal
   const GroupConverter conv{kPackTables, j.w};
   // one group's 16 rows through the chunk's blocks, then the next group: 16 sequential
   // streams at a time for the prefetchers (not 64). Two or more rows of X: measured faster
-  // than dot_row_vbmi, whose per-row block sums (a tree per row) cost more than the
-  // transposes saved
+  // than dot_row_vbmi's earlier form, whose per-row block sums (a 4-level tree per row)
+  // cost more than the transposes saved; not yet measured against its quad form, whose
+  // tree is cheaper (counting operations, about even at 4 rows, ahead at 2)
   for (int64_t c = 0; c < kGroups; ++c) {
     for (int64_t kbi = 0; kbi < j.kbs; ++kbi) {
       const int64_t kb = j.kb0 + kbi;
