@@ -72,10 +72,10 @@ struct PackJob {
   float* g;      // [kbs][kPanel]
 };
 
-// Few rows (decode): the pairs go straight from the conversion into vpdpwssd (one row of X:
-// W's rows in order, lanes over k; more: 16 columns at a time), and the int32 sums are
-// stored for the epilogue (after the slots are filled); a group's pairs are stored too
-// where a flagged row needs them (row_patch).
+// Few rows (decode): W's rows are converted in order and go straight into vpdpwssd against
+// every row of X (lanes over k, dot_rows_vbmi), and the int32 sums are stored for the
+// epilogue (after the slots are filled); a group's pairs are stored too where a flagged row
+// needs them (row_patch).
 struct SmallJob {
   WView w;
   int64_t panel, kb0, kbs;
@@ -85,8 +85,8 @@ struct SmallJob {
   int16_t* pw;
   float* g;
   int32_t* sums;              // [kbs][kGroups][rows][16]
-  int16_t* xp;                // one row: scratch [kMaxChunkKb * 32] (X by quads, dot_row_vbmi)
-  int32_t* tsum;              // one row: scratch [kPanel][kTsumLd] (sums, lanes over k)
+  int16_t* xp;                // scratch [rows][kXpRow] (X by quads)
+  int32_t* tsum;              // scratch [rows][kPanel][kTsumLd] (sums, lanes over k)
 };
 constexpr int64_t kSmallRows = 4;
 constexpr int64_t kPrefetchBytes = 16384;  // dot_small asks for W's codes this far ahead (L2)
@@ -722,28 +722,6 @@ struct StorePairs {
   }
 };
 
-// x's pair p of row m is read by the vpdpwssd itself, broadcast from memory ({1to16}): a
-// broadcast from a general register costs a shuffle, which this loop is short of.
-using Int16Pair = int32_t __attribute__((may_alias));  // two int16 of xi read as one
-
-template <int MR, bool kVnni, bool kStore>
-struct DotPairs {
-  __m512i (&acc)[MR];
-  const Int16Pair* x;  // row m's pairs at x + m * ldx
-  int64_t ldx;
-  int16_t* out;      // kStore: the pairs are stored here too
-  CSA_TARGET_AVX512 CSA_INLINE void operator()(int p, __m512i v) const {
-    for (int m = 0; m < MR; ++m) {
-      if (kVnni) {
-        asm("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc[m]) : "v"(v), "m"(x[m * ldx + p]));
-      } else {
-        acc[m] = _mm512_add_epi32(acc[m], _mm512_madd_epi16(_mm512_set1_epi32(x[m * ldx + p]), v));
-      }
-    }
-    if (kStore) _mm512_storeu_si512(out + p * kPanel * 2, v);
-  }
-};
-
 CSA_TARGET_AVX512_VBMI CSA_INLINE void pack_vbmi_body(const PackJob& j) {
   const GroupConverter conv{kPackTables, j.w};
   for (int64_t c = 0; c < kGroups; ++c) {  // as dot_small: a group's rows, then the next
@@ -759,6 +737,7 @@ CSA_TARGET_AVX512_VBMI CSA_INLINE void pack_vbmi_body(const PackJob& j) {
 
 // tsum's row stride: not a power of two (the transposes' loads would share cache sets)
 constexpr int64_t kTsumLd = kMaxChunkKb + 16;
+constexpr int64_t kXpRow = kMaxChunkKb * kBlock;  // xp's row: a chunk of X by quads
 
 // A 16 x 16 int32 transpose in registers.
 CSA_TARGET_AVX512 CSA_INLINE void transpose16(__m512i (&r)[16]) {
@@ -788,7 +767,7 @@ CSA_TARGET_AVX512 CSA_INLINE void transpose16(__m512i (&r)[16]) {
   }
 }
 
-// dot_row_vbmi's tables.
+// dot_rows_vbmi's tables.
 struct RowTables {
   alignas(64) uint8_t expo[128];         // E of a nonzero code, 255 for zero (and NaN) codes
   alignas(64) uint8_t quad_base[4][64];  // vpermb index: quad u's 128-bit lane b takes block 4u + b
@@ -806,39 +785,12 @@ struct RowTables {
 };
 inline const RowTables kRowTables;
 
-template <int MR, bool kVnni>
-CSA_TARGET_AVX512_VBMI __attribute__((noinline)) void dot_groups_vbmi(const SmallJob& j) {
-  const GroupConverter conv{kPackTables, j.w};
-  // one group's 16 rows through the chunk's blocks, then the next group: 16 sequential
-  // streams at a time for the prefetchers (not 64). Two or more rows of X: measured faster
-  // than dot_row_vbmi's earlier form, whose per-row block sums (a 4-level tree per row)
-  // cost more than the transposes saved; not yet measured against its quad form, whose
-  // tree is cheaper (counting operations, about even at 4 rows, ahead at 2)
-  for (int64_t c = 0; c < kGroups; ++c) {
-    for (int64_t kbi = 0; kbi < j.kbs; ++kbi) {
-      const int64_t kb = j.kb0 + kbi;
-      __m512i acc[MR];
-      for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_si512();
-      // X's int16 pairs (xi rows are K int16 values: K / 2 pairs)
-      const Int16Pair* x = reinterpret_cast<const Int16Pair*>(j.xi + kb * kBlock);
-      int16_t* out = j.pw + (kbi * kPairs * kPanel + c * kLanes) * 2;
-      const bool store = j.keep_pw[kbi * kGroups + c] != 0;
-      const int64_t n0 = j.panel * kPanel + c * kLanes;
-      float* g = j.g + kbi * kPanel + c * kLanes;
-      const bool any = store ? conv.run(n0, kb, g, DotPairs<MR, kVnni, true>{acc, x, j.K / 2, out})
-                             : conv.run(n0, kb, g, DotPairs<MR, kVnni, false>{acc, x, j.K / 2, nullptr});
-      if (!any && store)
-        for (int64_t p = 0; p < kPairs; ++p) _mm512_storeu_si512(out + p * kPanel * 2, _mm512_setzero_si512());
-      for (int m = 0; m < MR; ++m)
-        _mm512_storeu_si512(j.sums + ((kbi * kGroups + c) * j.rows + m) * kLanes, acc[m]);
-    }
-  }
-}
-
-// One row of X (decode), lanes over k: each W row's codes are read in order (one sequential
-// stream: the panel's rows follow each other), four K blocks (a "quad", 128 codes) at a time,
-// converted to int16 units >> t with the tables of the packing (no transpose), and
-// multiplied with X's blocks by vpdpwssd. The quad's two zmm of codes are regrouped by
+// MR rows of X (decode, 1..4), lanes over k: each W row's codes are read in order (one
+// sequential stream: the panel's rows follow each other), four K blocks (a "quad", 128
+// codes) at a time, converted once to int16 units >> t with the tables of the packing (no
+// transpose), and multiplied with each row's blocks by vpdpwssd (measured in a harness
+// against the former 16-column path for 2..4 rows, which transposed W's codes: 1.35-2.1x
+// faster, the same sums). The quad's two zmm of codes are regrouped by
 // 128-bit lanes (vshufi64x2) so that lane b of each holds 16 codes of block 4u + b: then
 // each int32 lane gathers 8 products of one block, a block's sum is 4 lanes, and a tree of
 // three add levels over a slice's four quads (16 blocks) makes one zmm of 16 block sums
@@ -854,27 +806,28 @@ CSA_TARGET_AVX512_VBMI __attribute__((noinline)) void dot_groups_vbmi(const Smal
 // 8c..8c+7 of block 4u + b). Lanes past N are 0, NaN codes count 0 (their columns are set
 // to NaN at the end), and lanes that are not int16 give sums the epilogue does not read (it
 // takes their slot).
-template <bool kVnni>
-CSA_TARGET_AVX512_VBMI __attribute__((noinline)) void dot_row_vbmi(const SmallJob& j) {
-  constexpr int MR = 1;  // one row of X (more: dot_groups_vbmi)
+template <int MR, bool kVnni>
+CSA_TARGET_AVX512_VBMI __attribute__((noinline)) void dot_rows_vbmi(const SmallJob& j) {
   const PackTables& pt = kPackTables;
   const RowTables& rt = kRowTables;
   // X's chunk by quads, zero past the last block: a 4 x 4 transpose of 128-bit lanes
   const int64_t quads = (j.kbs + 3) / 4;
-  for (int64_t q = 0; q < quads; ++q) {
+  for (int m = 0; m < MR; ++m) {
+   for (int64_t q = 0; q < quads; ++q) {
     __m512i z[4];
     for (int b = 0; b < 4; ++b) {
       const bool on = 4 * q + b < j.kbs;
       z[b] = _mm512_maskz_loadu_epi16(on ? ~__mmask32{0} : __mmask32{0},
-                                      on ? j.xi + (j.kb0 + 4 * q + b) * kBlock : j.xi);
+                                      on ? j.xi + m * j.K + (j.kb0 + 4 * q + b) * kBlock : j.xi);
     }
     const __m512i lo01 = _mm512_shuffle_i64x2(z[0], z[1], 0x44), hi01 = _mm512_shuffle_i64x2(z[0], z[1], 0xEE);
     const __m512i lo23 = _mm512_shuffle_i64x2(z[2], z[3], 0x44), hi23 = _mm512_shuffle_i64x2(z[2], z[3], 0xEE);
-    int16_t* dst = j.xp + 4 * kBlock * q;
+    int16_t* dst = j.xp + m * kXpRow + 4 * kBlock * q;
     _mm512_storeu_si512(dst, _mm512_shuffle_i64x2(lo01, lo23, 0x88));
     _mm512_storeu_si512(dst + 32, _mm512_shuffle_i64x2(lo01, lo23, 0xDD));
     _mm512_storeu_si512(dst + 64, _mm512_shuffle_i64x2(hi01, hi23, 0x88));
     _mm512_storeu_si512(dst + 96, _mm512_shuffle_i64x2(hi01, hi23, 0xDD));
+   }
   }
   const __m512i mant_lo = _mm512_load_si512(pt.mant), mant_hi = _mm512_load_si512(pt.mant + 64);
   const __m512i expo_lo = _mm512_load_si512(rt.expo), expo_hi = _mm512_load_si512(rt.expo + 64);
@@ -884,7 +837,7 @@ CSA_TARGET_AVX512_VBMI __attribute__((noinline)) void dot_row_vbmi(const SmallJo
   for (int64_t l = 0; l < kPanel; ++l) {
     int32_t* ts = j.tsum + l * kTsumLd;
     if (l >= n_end) {
-      std::memset(ts, 0, sizeof(int32_t) * kTsumLd);
+      for (int m = 0; m < MR; ++m) std::memset(ts + m * kPanel * kTsumLd, 0, sizeof(int32_t) * kTsumLd);
       continue;
     }
     const int64_t n = j.panel * kPanel + l;
@@ -895,12 +848,12 @@ CSA_TARGET_AVX512_VBMI __attribute__((noinline)) void dot_row_vbmi(const SmallJo
       // 11 + t of the slice's blocks (past the chunk: any value, their codes are zero)
       const __m512i tv = _mm512_castsi128_si512(_mm_add_epi8(
           _mm_loadu_si128(reinterpret_cast<const __m128i*>(t_row + 16 * s)), _mm_set1_epi8(11)));
-      __m512i acc[4];
+      __m512i acc[MR][4];
 #pragma GCC unroll 4
       for (int u = 0; u < 4; ++u) {
         const int64_t b0 = 16 * s + 4 * u;  // the quad's first block in the chunk
         if (b0 >= kbs) {  // past the chunk
-          acc[u] = zero;
+          for (int m = 0; m < MR; ++m) acc[m][u] = zero;
           continue;
         }
         // the last quad may hold fewer blocks (the others: zero codes and X, zero sums)
@@ -912,35 +865,39 @@ CSA_TARGET_AVX512_VBMI __attribute__((noinline)) void dot_row_vbmi(const SmallJo
         const __m512i ca = _mm512_maskz_loadu_epi8(first, row + kBlock * b0);
         const __m512i cb = _mm512_maskz_loadu_epi8(second, nb >= 3 ? row + kBlock * b0 + 64 : row);
         const __m512i base = _mm512_permutexvar_epi8(_mm512_load_si512(rt.quad_base[u]), tv);
-        const int16_t* x = j.xp + kBlock * b0;
-        __m512i a = zero;
+        // lane b of v[2h + i]: words 8i..8i+7 of codes 16h..16h+15 of block b0 + b
+        __m512i v[4];
 #pragma GCC unroll 2
         for (int h = 0; h < 2; ++h) {
-          // lane b: codes 16h..16h+15 of block b0 + b
           const __m512i codes = _mm512_shuffle_i64x2(ca, cb, h == 0 ? 0x88 : 0xDD);
           __m512i mv = _mm512_permutex2var_epi8(mant_lo, codes, mant_hi);
           mv = _mm512_mask_sub_epi8(mv, _mm512_movepi8_mask(codes), zero, mv);
           const __m512i count = _mm512_subs_epu8(base, _mm512_permutex2var_epi8(expo_lo, codes, expo_hi));
           const __m512i w0 = _mm512_unpacklo_epi8(count, mv), w1 = _mm512_unpackhi_epi8(count, mv);
-          const __m512i v0 = _mm512_srav_epi16(w0, _mm512_and_si512(w0, low4));
-          const __m512i v1 = _mm512_srav_epi16(w1, _mm512_and_si512(w1, low4));
-          if (h == 0) {
-            a = _mm512_madd_epi16(v0, _mm512_loadu_si512(x));
-          } else {
-            CSA_DP16(kVnni, a, v0, _mm512_loadu_si512(x + 64));
-          }
-          CSA_DP16(kVnni, a, v1, _mm512_loadu_si512(x + 32 + 64 * h));
+          v[2 * h] = _mm512_srav_epi16(w0, _mm512_and_si512(w0, low4));
+          v[2 * h + 1] = _mm512_srav_epi16(w1, _mm512_and_si512(w1, low4));
         }
-        acc[u] = a;
+#pragma GCC unroll 4
+        for (int m = 0; m < MR; ++m) {  // each row of X against the same converted codes
+          const int16_t* x = j.xp + m * kXpRow + kBlock * b0;
+          __m512i a = _mm512_madd_epi16(v[0], _mm512_loadu_si512(x));
+          CSA_DP16(kVnni, a, v[1], _mm512_loadu_si512(x + 32));
+          CSA_DP16(kVnni, a, v[2], _mm512_loadu_si512(x + 64));
+          CSA_DP16(kVnni, a, v[3], _mm512_loadu_si512(x + 96));
+          acc[m][u] = a;
+        }
       }
-      // lane 4b + i of acc[u]: part of block 4u + b; three levels leave block 4u + b in
+      // lane 4b + i of acc[m][u]: part of block 4u + b; three levels leave block 4u + b in
       // lane 4b + u, and vpermd puts it in lane 4u + b
-      const __m512i r01 = _mm512_add_epi32(_mm512_unpacklo_epi32(acc[0], acc[1]),
-                                           _mm512_unpackhi_epi32(acc[0], acc[1]));
-      const __m512i r23 = _mm512_add_epi32(_mm512_unpacklo_epi32(acc[2], acc[3]),
-                                           _mm512_unpackhi_epi32(acc[2], acc[3]));
-      const __m512i sums = _mm512_add_epi32(_mm512_unpacklo_epi64(r01, r23), _mm512_unpackhi_epi64(r01, r23));
-      _mm512_storeu_si512(ts + 16 * s, _mm512_permutexvar_epi32(natural, sums));
+#pragma GCC unroll 4
+      for (int m = 0; m < MR; ++m) {
+        const __m512i r01 = _mm512_add_epi32(_mm512_unpacklo_epi32(acc[m][0], acc[m][1]),
+                                             _mm512_unpackhi_epi32(acc[m][0], acc[m][1]));
+        const __m512i r23 = _mm512_add_epi32(_mm512_unpacklo_epi32(acc[m][2], acc[m][3]),
+                                             _mm512_unpackhi_epi32(acc[m][2], acc[m][3]));
+        const __m512i sums = _mm512_add_epi32(_mm512_unpacklo_epi64(r01, r23), _mm512_unpackhi_epi64(r01, r23));
+        _mm512_storeu_si512(ts + m * kPanel * kTsumLd + 16 * s, _mm512_permutexvar_epi32(natural, sums));
+      }
     }
   }
   // sums per block with lanes over columns, and 2^t per (block, column)
@@ -985,10 +942,10 @@ CSA_TARGET_AVX512_VBMI __attribute__((noinline)) void dot_row_vbmi(const SmallJo
 template <bool kVnni>
 CSA_TARGET_AVX512_VBMI CSA_INLINE void dot_small_body(const SmallJob& j) {
   switch (j.rows) {
-    case 1: dot_row_vbmi<kVnni>(j); break;
-    case 2: dot_groups_vbmi<2, kVnni>(j); break;
-    case 3: dot_groups_vbmi<3, kVnni>(j); break;
-    default: dot_groups_vbmi<4, kVnni>(j); break;
+    case 1: dot_rows_vbmi<1, kVnni>(j); break;
+    case 2: dot_rows_vbmi<2, kVnni>(j); break;
+    case 3: dot_rows_vbmi<3, kVnni>(j); break;
+    default: dot_rows_vbmi<4, kVnni>(j); break;
   }
 }
 

@@ -577,11 +577,9 @@ void run_task(const Call& c, int64_t task, TaskCounts& tally) {
   int32_t* sums =
       small ? Scratch::at_least(scratch.sums, static_cast<size_t>(chunk * kGroups * rows * kLanes))
             : nullptr;
-  // one row: dot_row_vbmi's scratch
-  int16_t* xp = small && rows == 1 ? Scratch::at_least(scratch.xp, static_cast<size_t>(kMaxChunkKb * kBlock))
-                                   : nullptr;
-  int32_t* tsum = small && rows == 1 ? Scratch::at_least(scratch.tsum, static_cast<size_t>(kPanel * kTsumLd))
-                                     : nullptr;
+  // dot_rows_vbmi's scratch
+  int16_t* xp = small ? Scratch::at_least(scratch.xp, static_cast<size_t>(rows * kXpRow)) : nullptr;
+  int32_t* tsum = small ? Scratch::at_least(scratch.tsum, static_cast<size_t>(rows * kPanel * kTsumLd)) : nullptr;
   Overrides& ov = scratch.ov;
   uint64_t lane_sums = 0, row_sums = 0, wide_sums = 0;
   std::memset(out, 0, static_cast<size_t>(rows * kPanel) * sizeof(float));
