@@ -402,11 +402,11 @@ def test_each_exact_fallback_is_taken(fed_sessions, kind: str, count: str, m: in
         assert (grew["small_tasks"] > 0) == (m <= 4 and isa == "avx512" and HAS_VBMI), (isa, grew)
 
 
-# The few-rows kernel (AVX512-VBMI, M <= 4) reads each W row in order (one row of X: four K
-# blocks at a time) and sums lanes over k; these shapes reach its edges: block counts that
-# leave a last quad of one, two or three blocks, one block, K past one chunk of 256 blocks (a
-# chunk of one block after it), N off the 16-column groups, and W rows whose blocks need each
-# fallback, with NaN codes.
+# The few-rows kernel (AVX512-VBMI, M <= 4) reads each W row in order, four K blocks at a
+# time, and sums lanes over k; these shapes reach its edges: block counts that leave a last
+# quad of one, two or three blocks, one block, K past one chunk of 256 blocks (a chunk of one
+# block after it), N off the 16-column groups, and W rows whose blocks need each fallback,
+# with NaN codes.
 DECODE_SHAPES = [(1, 17, 96), (2, 65, 32), (3, 1, 800), (4, 130, 544), (1, 40, 32 * 257),
                  (2, 33, 32 * 300), (1, 23, 32 * 6), (1, 70, 32 * 21), (1, 9, 32)]
 

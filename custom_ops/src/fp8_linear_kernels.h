@@ -48,6 +48,16 @@ constexpr int64_t kSmallChunkKb = 256;      // K blocks converted at a time (few
 constexpr int64_t kMaxChunkKb = kSmallChunkKb;
 
 // W's per-block figures, computed once for a constant W (else per call).
+// W's figures are stored per panel: a panel's entries for one block are one run.
+// Index of (column n, block kb) in a [panels][KB][64] array:
+inline int64_t panel_column_index(int64_t KB, int64_t kb, int64_t n) {
+  return ((n / kPanel) * KB + kb) * kPanel + n % kPanel;
+}
+// and of (group grp of 16 columns, block kb) in a [panels][KB][4] array.
+inline int64_t panel_group_index(int64_t KB, int64_t kb, int64_t grp) {
+  return ((grp / kGroups) * KB + kb) * kGroups + grp % kGroups;
+}
+
 struct WView {
   const uint8_t* w;        // [N][K] e4m3fn codes, read in place
   int64_t N, K, KB;
@@ -56,13 +66,9 @@ struct WView {
   const uint16_t* bad;     // [panels][KB][4 groups]: lanes whose block is not int16
   const uint8_t* shift_rows;  // [N][KB + 16]: t of each (column, block), a column in a row
   // t of columns n.. (within n's panel) at block kb
-  const uint8_t* shift_at(int64_t kb, int64_t n) const {
-    return shift + ((n / kPanel) * KB + kb) * kPanel + n % kPanel;
-  }
+  const uint8_t* shift_at(int64_t kb, int64_t n) const { return shift + panel_column_index(KB, kb, n); }
   // the lanes of group grp (16 columns) whose block kb is not int16
-  uint16_t bad_at(int64_t grp, int64_t kb) const {
-    return bad[((grp / (kPanel / kLanes)) * KB + kb) * (kPanel / kLanes) + grp % (kPanel / kLanes)];
-  }
+  uint16_t bad_at(int64_t grp, int64_t kb) const { return bad[panel_group_index(KB, kb, grp)]; }
 };
 
 struct PackJob {
@@ -724,7 +730,7 @@ struct StorePairs {
 
 CSA_TARGET_AVX512_VBMI CSA_INLINE void pack_vbmi_body(const PackJob& j) {
   const GroupConverter conv{kPackTables, j.w};
-  for (int64_t c = 0; c < kGroups; ++c) {  // as dot_small: a group's rows, then the next
+  for (int64_t c = 0; c < kGroups; ++c) {  // a group's rows through the chunk, then the next
     for (int64_t kbi = 0; kbi < j.kbs; ++kbi) {
       int16_t* out = j.pw + kbi * kPairs * kPanel * 2 + c * kLanes * 2;
       const bool any = conv.run(j.panel * kPanel + c * kLanes, j.kb0 + kbi, j.g + kbi * kPanel + c * kLanes,
@@ -813,21 +819,21 @@ CSA_TARGET_AVX512_VBMI __attribute__((noinline)) void dot_rows_vbmi(const SmallJ
   // X's chunk by quads, zero past the last block: a 4 x 4 transpose of 128-bit lanes
   const int64_t quads = (j.kbs + 3) / 4;
   for (int m = 0; m < MR; ++m) {
-   for (int64_t q = 0; q < quads; ++q) {
-    __m512i z[4];
-    for (int b = 0; b < 4; ++b) {
-      const bool on = 4 * q + b < j.kbs;
-      z[b] = _mm512_maskz_loadu_epi16(on ? ~__mmask32{0} : __mmask32{0},
-                                      on ? j.xi + m * j.K + (j.kb0 + 4 * q + b) * kBlock : j.xi);
+    for (int64_t q = 0; q < quads; ++q) {
+      __m512i z[4];
+      for (int b = 0; b < 4; ++b) {
+        const bool on = 4 * q + b < j.kbs;
+        z[b] = _mm512_maskz_loadu_epi16(on ? ~__mmask32{0} : __mmask32{0},
+                                        on ? j.xi + m * j.K + (j.kb0 + 4 * q + b) * kBlock : j.xi);
+      }
+      const __m512i lo01 = _mm512_shuffle_i64x2(z[0], z[1], 0x44), hi01 = _mm512_shuffle_i64x2(z[0], z[1], 0xEE);
+      const __m512i lo23 = _mm512_shuffle_i64x2(z[2], z[3], 0x44), hi23 = _mm512_shuffle_i64x2(z[2], z[3], 0xEE);
+      int16_t* dst = j.xp + m * kXpRow + 4 * kBlock * q;
+      _mm512_storeu_si512(dst, _mm512_shuffle_i64x2(lo01, lo23, 0x88));
+      _mm512_storeu_si512(dst + 32, _mm512_shuffle_i64x2(lo01, lo23, 0xDD));
+      _mm512_storeu_si512(dst + 64, _mm512_shuffle_i64x2(hi01, hi23, 0x88));
+      _mm512_storeu_si512(dst + 96, _mm512_shuffle_i64x2(hi01, hi23, 0xDD));
     }
-    const __m512i lo01 = _mm512_shuffle_i64x2(z[0], z[1], 0x44), hi01 = _mm512_shuffle_i64x2(z[0], z[1], 0xEE);
-    const __m512i lo23 = _mm512_shuffle_i64x2(z[2], z[3], 0x44), hi23 = _mm512_shuffle_i64x2(z[2], z[3], 0xEE);
-    int16_t* dst = j.xp + m * kXpRow + 4 * kBlock * q;
-    _mm512_storeu_si512(dst, _mm512_shuffle_i64x2(lo01, lo23, 0x88));
-    _mm512_storeu_si512(dst + 32, _mm512_shuffle_i64x2(lo01, lo23, 0xDD));
-    _mm512_storeu_si512(dst + 64, _mm512_shuffle_i64x2(hi01, hi23, 0x88));
-    _mm512_storeu_si512(dst + 96, _mm512_shuffle_i64x2(hi01, hi23, 0xDD));
-   }
   }
   const __m512i mant_lo = _mm512_load_si512(pt.mant), mant_hi = _mm512_load_si512(pt.mant + 64);
   const __m512i expo_lo = _mm512_load_si512(rt.expo), expo_hi = _mm512_load_si512(rt.expo + 64);

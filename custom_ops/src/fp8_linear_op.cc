@@ -166,10 +166,9 @@ struct WMeta {
             nan |= Fp8::is_nan_code(row[b * kBlock + i]);
           }
           const BlockInts bi = fp8_int::analyse_block(u);
-          shift[static_cast<size_t>(((col / kPanel) * kb + b) * kPanel + col % kPanel)] =
-              static_cast<uint8_t>(bi.shift);
+          shift[static_cast<size_t>(panel_column_index(kb, b, col))] = static_cast<uint8_t>(bi.shift);
           shift_rows[col * (kb + kLanes) + b] = static_cast<uint8_t>(bi.shift);
-          const size_t pat = static_cast<size_t>(((g / kGroups) * kb + b) * kGroups + g % kGroups);
+          const size_t pat = static_cast<size_t>(panel_group_index(kb, b, g));
           if (!bi.fits()) {
             panel_bad[pat] = static_cast<uint16_t>(panel_bad[pat] | (1u << lane));
           } else {
@@ -591,7 +590,7 @@ void run_task(const Call& c, int64_t task, TaskCounts& tally) {
 
     // the flags of (row, block, group) whose int32 sums may overflow, from the groups'
     // figures (the chunk's entries only: a chunk of few rows spans up to 256 blocks)
-    const size_t figures = static_cast<size_t>((panel * c.KB + kb0) * kGroups);
+    const size_t figures = static_cast<size_t>(panel_group_index(c.KB, kb0, panel * kGroups));
     ov.bad = meta.panel_bad.data() + figures;
     c.kern.flags({xc.lim_l1.data() + r0, xc.lim_max.data() + r0, xc.rows, rows, kb0, kbs,
                   meta.panel_l1max.data() + figures, meta.panel_absmax.data() + figures, ov.bad,
