@@ -76,6 +76,10 @@ class SideResult:
     held_mib: float = 0.0  # resident memory this side added (setup to end of its run)
     loaded_mib: float = 0.0  # resident memory its setup added (sessions / layers built)
     setup_s: float = 0.0  # csa2onnx: session creation; upstream: building the layers
+    # bytes/s read from the weights where they lie, right after each decode step (csa2onnx,
+    # large weights only): the host's bandwidth moves by half within a run, so each step is
+    # judged against the bandwidth of its own moment
+    read_bandwidths: list[float] = field(default_factory=list)
 
     @property
     def decode_median_ms(self) -> float:
@@ -100,6 +104,7 @@ class BenchResult:
     export_s: float
     ours: SideResult
     read_bandwidth: float = 0.0  # bytes/s this machine reads at the bench's thread count
+    # (the median of ours.read_bandwidths when measured between steps)
     upstream: SideResult | None = None
     agreement: dict[str, float] = field(default_factory=dict)
     separate_peaks: bool = False  # each side's peak RSS is its own (reset before it)
@@ -112,6 +117,18 @@ class BenchResult:
     def weight_read_limit_ms(self) -> float:
         """The least a decode step can take: every weight read once from memory."""
         return self.weight_bytes / self.read_bandwidth * 1e3 if self.read_bandwidth else 0.0
+
+    @property
+    def x_limit(self) -> float:
+        """csa2onnx's decode time over the weight-read limit: the median over steps of each
+        step against the bandwidth measured right after it, where that was measured."""
+        o = self.ours
+        if o.read_bandwidths and len(o.read_bandwidths) == len(o.decode_ms):
+            return statistics.median(ms * 1e-3 * bw / self.weight_bytes
+                                     for ms, bw in zip(o.decode_ms, o.read_bandwidths,
+                                                          strict=True))
+        limit = self.weight_read_limit_ms
+        return o.decode_median_ms / limit if limit else float("nan")
 
     def table(self) -> str:
         o, u = self.ours, self.upstream
@@ -153,10 +170,14 @@ class BenchResult:
         lines.append(row("decode p90 ms", o.decode_p90_ms, u.decode_p90_ms if u else None,
                          ".1f"))
         if self.read_bandwidth:
+            between = (f", the median of reads of the weights between decode steps "
+                       f"({min(o.read_bandwidths) / 1e9:.1f}-"
+                       f"{max(o.read_bandwidths) / 1e9:.1f} GB/s)" if o.read_bandwidths else "")
             lines.append(f"{'decode weight-read limit':<24}{self.weight_read_limit_ms:>12.1f}"
                          f"  ms (weights / {self.read_bandwidth / 1e9:.1f} GB/s read bandwidth, "
-                         f"{self.options['threads']} threads); csa2onnx's median is "
-                         f"{o.decode_median_ms / self.weight_read_limit_ms:.2f}x it")
+                         f"{self.options['threads']} threads{between}); csa2onnx's steps are "
+                         f"{self.x_limit:.2f}x it (median over steps, each against its own "
+                         "moment's bandwidth where measured)")
         lines.append(row("memory loaded MiB", o.loaded_mib, u.loaded_mib if u else None,
                          ".0f"))
         lines.append(row("memory held MiB", o.held_mib, u.held_mib if u else None, ".0f"))
@@ -196,30 +217,56 @@ def machine_info() -> dict[str, Any]:
             "onnxruntime": ort.__version__, "python": platform.python_version()}
 
 
+class ReadProbe:
+    """Times reads of memory with `threads` onnxruntime threads: one ReduceSum over a
+    float32 [64, n] array (one output per row: the rows spread over the threads)."""
+
+    ROWS = 64
+
+    def __init__(self, threads: int) -> None:
+        from onnx import TensorProto, helper
+
+        graph = helper.make_graph(
+            [helper.make_node("ReduceSum", ["X", "axes"], ["Y"], keepdims=0)], "bandwidth",
+            [helper.make_tensor_value_info("X", TensorProto.FLOAT, [self.ROWS, None])],
+            [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [self.ROWS])],
+            [helper.make_tensor("axes", TensorProto.INT64, [1], [1])])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        self.session = ort.InferenceSession(model.SerializeToString(), options,
+                                            providers=["CPUExecutionProvider"])
+
+    def bytes_per_s(self, x: np.ndarray) -> float:
+        t0 = time.perf_counter()
+        self.session.run(None, {"X": x})
+        return x.nbytes / (time.perf_counter() - t0)
+
+
 def read_bandwidth(threads: int, mib: int = 512, repeat: int = 5) -> float:
     """Bytes per second this machine reads from memory with `threads` onnxruntime threads:
-    the best of `repeat` ReduceSums over `mib` MiB of float32, larger than any cache."""
-    from onnx import TensorProto, helper
+    the best of `repeat` reads of `mib` MiB of float32, larger than any cache."""
+    probe = ReadProbe(threads)
+    x = np.ones((ReadProbe.ROWS, mib * 2**20 // 4 // ReadProbe.ROWS), np.float32)
+    probe.bytes_per_s(x)
+    return max(probe.bytes_per_s(x) for _ in range(repeat))
 
-    rows = 64  # one output per row: the rows spread over the threads
-    graph = helper.make_graph(
-        [helper.make_node("ReduceSum", ["X", "axes"], ["Y"], keepdims=0)], "bandwidth",
-        [helper.make_tensor_value_info("X", TensorProto.FLOAT, [rows, None])],
-        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [rows])],
-        [helper.make_tensor("axes", TensorProto.INT64, [1], [1])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    session = ort.InferenceSession(model.SerializeToString(), options,
-                                   providers=["CPUExecutionProvider"])
-    x = np.ones((rows, mib * 2**20 // 4 // rows), np.float32)
-    session.run(None, {"X": x})
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        session.run(None, {"X": x})
-        best = min(best, time.perf_counter() - t0)
-    return x.nbytes / best
+
+# Weights at least this large are read in place between decode steps to measure the
+# bandwidth (8x a large L3: a read of them comes from memory); smaller ones by a separate
+# buffer after the run.
+IN_PLACE_PROBE_BYTES = 256 * 2**20
+
+
+def weights_as_floats(runtime: AttentionRuntime) -> np.ndarray | None:
+    """The runtime's mapped weights file as float32 [64, n] (its bytes as they lie, only
+    read), or None when it has none or is too small to be read from memory."""
+    if runtime.weights is None or runtime.weights.nbytes < IN_PLACE_PROBE_BYTES:
+        return None
+    raw = runtime.weights.bytes
+    row = raw.size // (4 * ReadProbe.ROWS) * 4
+    return raw[:row * ReadProbe.ROWS].view(np.float32).reshape(ReadProbe.ROWS, -1)
 
 
 def reset_peak_rss() -> bool:
@@ -339,7 +386,9 @@ def run_bench(opts: BenchOptions, progress: Callable[[str], None] | None = None,
         setup_s = time.perf_counter() - t0
         loaded_mib = rss_mib() - rss_before
         slots = outside_slots(runtime, config, opts.batch)
-        ours, out_ours = _run_csa2onnx(runtime, opts, layers, config.dim, say, slots)
+        in_place = weights_as_floats(runtime)
+        probe = (ReadProbe(opts.threads), in_place) if in_place is not None else None
+        ours, out_ours = _run_csa2onnx(runtime, opts, layers, config.dim, say, slots, probe)
         ours.setup_s, ours.held_mib = setup_s, rss_mib() - rss_before
         ours.loaded_mib = loaded_mib
         state_bytes = runtime.state_bytes()
@@ -351,7 +400,9 @@ def run_bench(opts: BenchOptions, progress: Callable[[str], None] | None = None,
                          machine=machine, layers=layers, weight_format=config.weight_format,
                          weight_bytes=weight_bytes, state_bytes=state_bytes,
                          export_s=export_s, ours=ours,
-                         read_bandwidth=read_bandwidth(opts.threads),
+                         read_bandwidth=(statistics.median(ours.read_bandwidths)
+                                         if ours.read_bandwidths
+                                         else read_bandwidth(opts.threads)),
                          separate_peaks=peaks_reset)
     if opts.baseline == "upstream":
         say("upstream")
@@ -367,8 +418,11 @@ def run_bench(opts: BenchOptions, progress: Callable[[str], None] | None = None,
 
 
 def _run_csa2onnx(runtime: AttentionRuntime, opts: BenchOptions, layers: list[int], dim: int,
-                  say: Callable[[str], None], slots: dict[str, np.ndarray] | None = None
+                  say: Callable[[str], None], slots: dict[str, np.ndarray] | None = None,
+                  probe: tuple[ReadProbe, np.ndarray] | None = None
                   ) -> tuple[SideResult, dict[str, np.ndarray]]:
+    """Prefill and decode steps timed; `probe` (a ReadProbe and the weights as they lie)
+    reads the weights once after each decode step, untimed by the step."""
     rng = np.random.default_rng(opts.seed + 1)
     warm = min(16, opts.prefill)
     # warm-up, not timed
@@ -385,16 +439,19 @@ def _run_csa2onnx(runtime: AttentionRuntime, opts: BenchOptions, layers: list[in
         prefill_s += time.perf_counter() - t0
         if start == 0:  # the call upstream makes too
             outputs = {f"prefill.L{k}": v for k, v in out.items()}
-    decode_ms = []
+    decode_ms, bandwidths = [], []
     for step in range(opts.decode):
         xs = bench_inputs(rng, layers, opts.batch, 1, dim)
         say(f"decode {step + 1}/{opts.decode}")
         t0 = time.perf_counter()
         out = runtime.decode(xs, slots).out
         decode_ms.append((time.perf_counter() - t0) * 1e3)
+        if probe is not None:
+            bandwidths.append(probe[0].bytes_per_s(probe[1]))
     if context == opts.prefill:  # upstream decodes at another context otherwise
         outputs.update({f"last decode.L{k}": v for k, v in out.items()})
-    return SideResult(prefill_s, decode_ms, peak_rss_mib()), outputs
+    return SideResult(prefill_s, decode_ms, peak_rss_mib(),
+                      read_bandwidths=bandwidths), outputs
 
 
 def load_upstream(path: Path | None) -> ModuleType:

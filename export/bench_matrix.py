@@ -74,7 +74,8 @@ class MatrixResult:
         both = len({s.numerics for s, _ in self.rows}) > 1
         bandwidth: dict[int, list[float]] = {}
         for s, r in self.rows:
-            bandwidth.setdefault(s.threads, []).append(r.read_bandwidth / 1e9)
+            bandwidth.setdefault(s.threads, []).extend(
+                b / 1e9 for b in (r.ours.read_bandwidths or [r.read_bandwidth]))
         lines = [f"csa2onnx bench matrix: layers {first.layers[0]}..{first.layers[-1]}, "
                  f"{first.weight_format} weights ({first.weight_bytes / 2**20:.1f} MiB), "
                  f"{self.options['decode']} decode steps per scenario"
@@ -83,7 +84,8 @@ class MatrixResult:
                  f"machine: {self.machine['cpu']} ({', '.join(self.machine['isa'])}), "
                  f"{self.machine['cores']} cores; onnxruntime {self.machine['onnxruntime']}"
                  + (f", torch {self.machine['torch']}" if "torch" in self.machine else ""),
-                 "read bandwidth, measured with each scenario (its limit uses its own): "
+                 "read bandwidth, measured with each scenario (its limit uses its own; "
+                 "large weights: read in place after each decode step): "
                  + ", ".join(f"{t} threads {min(bw):.1f}-{max(bw):.1f} GB/s"
                              for t, bw in sorted(bandwidth.items())),
                  "", f"{'threads':>7}{'batch':>6}{'context':>8}{'':<13}{'numerics':>9}"
@@ -114,12 +116,14 @@ class MatrixResult:
                 line += f"{u.decode_median_ms:>10.1f}{decode / u.decode_median_ms:>7.2f}"
             line += vs_exact(decode, base.ours.decode_median_ms if base else None)
             limit = r.weight_read_limit_ms
-            line += f"{limit:>9.1f}{decode / limit:>8.2f}{o.peak_rss_mib:>9.0f}"
+            line += f"{limit:>9.1f}{r.x_limit:>8.2f}{o.peak_rss_mib:>9.0f}"
             if u is not None:
                 line += f"{u.peak_rss_mib:>9.0f}"
             lines.append(line)
         lines.append("x up: csa2onnx's time / upstream's (below 1: csa2onnx is faster); x limit: "
-                     "decode median / (weight bytes / read bandwidth at that thread count); "
+                     "decode time / (weight bytes / read bandwidth at that thread count), "
+                     "the median over steps of each step against the read right after it "
+                     "(limit ms: at the median bandwidth); "
                      "peak: the process's resident high-water mark during each side's run "
                      "(each holds the bench's copy of the weights"
                      + ("" if first.separate_peaks else "; not reset between sides here")

@@ -175,3 +175,8 @@ class SharedWeights:
     @property
     def nbytes(self) -> int:
         return int(self._map.size)
+
+    @property
+    def bytes(self) -> np.ndarray:
+        """The whole file as uint8 over the one mapping (read-only)."""
+        return np.asarray(self._map)

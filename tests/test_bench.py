@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from helpers import GOLDENS
 
+from csa2onnx.export import bench, stack
 from csa2onnx.export.bench import BenchError, BenchOptions, read_bandwidth, run_bench
 from csa2onnx.export.cli import main
 
@@ -37,6 +38,32 @@ def test_bench_command_json(capsys, tmp_path: Path) -> None:
 
 def test_read_bandwidth_is_measured() -> None:
     assert read_bandwidth(1, mib=64, repeat=2) > 1e8
+
+
+def test_bench_reads_the_weights_in_place_between_decode_steps(monkeypatch) -> None:
+    """Large weights are read where they lie after each step (here: any size, in a weights
+    file), and each step is judged against its own moment's bandwidth."""
+    monkeypatch.setattr(bench, "IN_PLACE_PROBE_BYTES", 1)
+    monkeypatch.setattr(stack, "EXTERNAL_DATA_BYTES", 0)
+    opts = BenchOptions(source=GOLDENS / "case1_r2_r1.json", layers=(0, 3), prefill=12,
+                        decode=3, threads=1)
+    result = run_bench(opts)
+    o = result.ours
+    assert len(o.read_bandwidths) == 3 and min(o.read_bandwidths) > 0
+    assert result.read_bandwidth == sorted(o.read_bandwidths)[1]
+    assert "reads of the weights between decode steps" in result.table()
+
+
+def test_x_limit_takes_each_step_against_its_own_bandwidth() -> None:
+    side = bench.SideResult(prefill_s=1.0, decode_ms=[10.0, 30.0, 20.0], peak_rss_mib=0.0,
+                            read_bandwidths=[1e9, 0.5e9, 2e9])
+    result = bench.BenchResult(options={}, machine={}, layers=[0], weight_format="bf16",
+                               weight_bytes=10**7, state_bytes=0, export_s=0.0, ours=side,
+                               read_bandwidth=1e9)
+    # limits per step 10, 20 and 5 ms: ratios 1.0, 1.5 and 4.0
+    assert result.x_limit == 1.5 and result.weight_read_limit_ms == 10.0
+    side.read_bandwidths = []  # none measured between steps: the median against the limit
+    assert result.x_limit == 2.0
 
 
 def test_bench_reaches_a_context_by_chunked_prefill() -> None:
