@@ -556,4 +556,5 @@ def to_json(result: BenchResult) -> str:
             data[side] |= {"decode_median_ms": value.decode_median_ms,
                            "decode_p90_ms": value.decode_p90_ms}
     data["weight_read_limit_ms"] = result.weight_read_limit_ms
+    data["x_limit"] = result.x_limit
     return json.dumps(data, indent=1)

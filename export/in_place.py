@@ -18,7 +18,8 @@ from csa2onnx.custom_ops.library import DOMAIN
 
 
 def in_place_writes(graph: ir.Graph) -> dict[str, ir.Node]:
-    """present.* output name -> the WriteRows node that writes its past.* input in place."""
+    """present.* output name -> the WriteRows node that writes its past.* input: in place
+    where the runtime binds both to one buffer (the caches), else onto a copy."""
     writes = {}
     for value in graph.outputs:
         node = value.producer()

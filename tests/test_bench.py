@@ -34,6 +34,7 @@ def test_bench_command_json(capsys, tmp_path: Path) -> None:
     data = json.loads(capsys.readouterr().out)
     assert data["weight_format"] == "fp8" and data["layers"] == [0, 1]
     assert data["weight_read_limit_ms"] > 0 and data["ours"]["decode_median_ms"] > 0
+    assert data["x_limit"] > 0
 
 
 def test_read_bandwidth_is_measured() -> None:
