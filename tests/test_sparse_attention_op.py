@@ -55,9 +55,9 @@ def _oracle_module():
 
 
 def oracle(q, kv, sink, idx, scale) -> np.ndarray:
+    ref = _oracle_module()  # skips the test where torch is missing
     import torch
 
-    ref = _oracle_module()
     o = ref.sparse_attn(torch.from_numpy(q), torch.from_numpy(kv), torch.from_numpy(sink),
                         torch.from_numpy(idx.astype(np.int64)), scale)
     return o.float().numpy()
