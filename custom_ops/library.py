@@ -87,6 +87,21 @@ def torch_linear_dp_calls() -> int:
     return int(fn())
 
 
+SPARSE_ATTENTION_PAIR_COUNTS = ("pairs", "pv_fmaf", "fmaf")
+
+
+def sparse_attention_pair_counts() -> dict[str, int]:
+    """SparseAttention's exact vdpbf16ps tiles in this process, in blocks of 64 indices:
+    logits and P @ V on vdpbf16ps; logits only (some bf16(p) too small); neither (q or the
+    rows not bf16 values, or too small)."""
+    fn = ctypes.CDLL(str(library_path())).csa2onnx_sparse_attention_pair_counts
+    fn.restype = None
+    fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_uint64]
+    out = (ctypes.c_uint64 * len(SPARSE_ATTENTION_PAIR_COUNTS))()
+    fn(out, len(SPARSE_ATTENTION_PAIR_COUNTS))
+    return dict(zip(SPARSE_ATTENTION_PAIR_COUNTS, (int(v) for v in out), strict=True))
+
+
 FP8_LINEAR_COUNTS = ("calls", "small_tasks", "lane_sums", "row_sums", "wide_sums",
                      "fast_calls")
 

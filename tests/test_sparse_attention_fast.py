@@ -259,9 +259,11 @@ def test_avx512bf16_forces_the_fast_kernel_only_where_fast(monkeypatch) -> None:
     for variable in ISA_VARIABLES:
         forced = run(monkeypatch, "fast", q, kv, sink, idx, isa=(variable, "avx512bf16"))
         np.testing.assert_array_equal(bits(forced), bits(default))
-    # An exact node has no such path: the op's own variable rejects it, as before.
-    with pytest.raises(Exception, match=r"expected avx512, avx2, scalar or reference"):
-        session(monkeypatch, None, 0.1, isa=("CSA_SPARSE_ATTENTION_ISA", "avx512bf16"))
+    # An exact node forced there runs the exact vdpbf16ps tiles: the exact bits.
+    exact = run(monkeypatch, None, q, kv, sink, idx, isa=("CSA_SPARSE_ATTENTION_ISA", "reference"))
+    for variable in ISA_VARIABLES:
+        forced = run(monkeypatch, None, q, kv, sink, idx, isa=(variable, "avx512bf16"))
+        np.testing.assert_array_equal(bits(forced), bits(exact))
 
 
 def test_numerics_attribute_errors(monkeypatch) -> None:

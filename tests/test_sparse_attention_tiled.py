@@ -9,6 +9,7 @@ import re
 import subprocess
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -17,9 +18,9 @@ from onnx import TensorProto
 from test_sparse_attention_op import sa_model
 
 from csa2onnx.custom_ops import make_session, session_options
-from csa2onnx.custom_ops.library import cpu_isas
+from csa2onnx.custom_ops.library import cpu_isas, sparse_attention_pair_counts
 
-PATHS = [isa for isa in ("avx512", "avx2", "scalar") if isa in cpu_isas()]
+PATHS = [isa for isa in ("avx512bf16", "avx512", "avx2", "scalar") if isa in cpu_isas()]
 
 
 def _session(monkeypatch, isa: str, scale: float, idx_type: int, threads: int = 0,
@@ -113,6 +114,34 @@ def test_released_dims_decode_and_prefill(monkeypatch) -> None:
     _compare(monkeypatch, q, kv, sink, idx, 512**-0.5, paths=PATHS[:1], threads=(2,))
 
 
+def _bf16(x: np.ndarray) -> np.ndarray:
+    return x.astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+@pytest.mark.skipif("avx512bf16" not in PATHS, reason="needs a CPU with AVX512-BF16")
+def test_bf16_inputs_take_the_vdpbf16ps_tiles(monkeypatch) -> None:
+    """The model's inputs (bf16 q and rows) on the avx512bf16 path: logits and P @ V on
+    vdpbf16ps (counted), the definition's bits. Values so small that a product could be
+    denormal (flushed by vdpbf16ps) send blocks to the fmaf tiles: a tiny q value all of its
+    task's blocks, a tiny row value its block, a steep softmax (tiny p) the block's P @ V;
+    still the same bits."""
+    q, kv, sink, idx = _random(21, 4, 1, 64, 512, 700, 640, minus_one=0.05)
+    q, kv = _bf16(q), _bf16(kv)
+    before = sparse_attention_pair_counts()
+    _compare(monkeypatch, q, kv, sink, idx, 512**-0.5, paths=["avx512bf16"], threads=(1, 2))
+    after = sparse_attention_pair_counts()
+    assert after["pairs"] - before["pairs"] >= 2 * 4 * 10  # both runs, 4 rows x 10 blocks
+    assert after["fmaf"] == before["fmaf"] and after["pv_fmaf"] == before["pv_fmaf"]
+    q[1, 0, 5, 7] = np.float32(2.0**-120)  # row 1: a q value too small, its task on fmaf
+    kv[2, idx[2, 0, 70]] = np.float32(2.0**-100)  # row 2: one row too small, its block
+    q[3, 0] = _bf16(q[3, 0] * 60.0)  # row 3: a steep softmax, p far below 2^-56 in places
+    before = sparse_attention_pair_counts()
+    _compare(monkeypatch, q, kv, sink, idx, 512**-0.5, paths=["avx512bf16"], threads=(2,))
+    after = sparse_attention_pair_counts()
+    assert after["fmaf"] - before["fmaf"] >= 10 + 1
+    assert after["pv_fmaf"] > before["pv_fmaf"]
+
+
 def test_global_variable_forces_the_path(monkeypatch) -> None:
     q, kv, sink, idx = _random(3, 1, 2, 8, 64, 50, 100)
     feeds = {"Q": q, "KV": kv, "S": sink, "I": idx}
@@ -121,7 +150,7 @@ def test_global_variable_forces_the_path(monkeypatch) -> None:
         got = _session(monkeypatch, isa, 0.125, TensorProto.INT64,
                        variable="CSA2ONNX_ISA").run(None, feeds)[0]
         np.testing.assert_array_equal(_bits(got), _bits(want))
-    with pytest.raises(Exception, match=r"expected avx512, avx2, scalar or reference"):
+    with pytest.raises(Exception, match=r"expected avx512, avx2, scalar, reference or avx512bf16"):
         _session(monkeypatch, "sse9", 0.125, TensorProto.INT64)
 
 
@@ -145,3 +174,6 @@ def test_unrounded_quotients_match_definition(tiles_driver: Path, seed: int) -> 
     assert run.returncode == 0 and counts["mismatches"] == 0, run.stdout[-3000:]
     assert counts["cases"] > 400 and counts["values"] > 5_000_000
     assert f"path {PATHS[0]}" in run.stdout  # the widest path this CPU has was compared
+    if "avx512bf16" in PATHS:  # the vdpbf16ps tiles and both of their fallbacks ran
+        pairs = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", run.stdout.splitlines()[-2])}
+        assert pairs["pairs"] > 100 and pairs["pv_fmaf"] > 0 and pairs["fmaf"] > 0, pairs

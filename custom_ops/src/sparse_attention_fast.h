@@ -327,7 +327,7 @@ CSA_TARGET_AVX512BF16 inline void task(const Problem& pr, const Shape& s, int64_
     alpha[i] = 0.0f;
   }
   // tiled::softmax reads the head counts only.
-  const tiled::Shape soft{g, gp, d, dp, dp, true, false};
+  const tiled::Shape soft{g, gp, d, dp, dp, true, false, false};
 
   for (int64_t j0 = 0; j0 < k; j0 += kBlock) {
     const int64_t len = k - j0 < kBlock ? k - j0 : kBlock;

@@ -17,7 +17,8 @@
 // format without Compressed means no packed rows); output O (float [b, s, h, d], bf16
 // values).
 // CSA_SPARSE_ATTENTION_ISA (or CSA2ONNX_ISA; read when a session creates the kernel) forces
-// a path for tests: "avx512", "avx2", "scalar" (the tiles without SIMD) or "reference" (the
+// a path for tests: "avx512bf16" (the tiles with vdpbf16ps where exact: the default on a CPU
+// with AVX512-BF16), "avx512", "avx2", "scalar" (the tiles without SIMD) or "reference" (the
 // definition's `row`, one row per task, on the widest instruction set this CPU has); all
 // give the same bits (the reference path unpacks Compressed into the concatenated float
 // rows first).
@@ -26,7 +27,7 @@
 // summed in another order: outputs within a bf16 ulp or so of exact's, most identical; same
 // bits for any thread count); on every other path (a CPU without AVX512-BF16, or avx512,
 // avx2, scalar, reference forced) the exact kernel. CSA_SPARSE_ATTENTION_ISA=avx512bf16
-// forces the fast kernel where numerics="fast" (an exact node has no such path).
+// forces the fast kernel where numerics="fast", the exact vdpbf16ps tiles where "exact".
 // Compiled with -ffp-contract=off: the orders keep some multiplies and adds apart.
 #include "ort_api.h"
 
@@ -122,6 +123,12 @@ CSA_TARGET_AVX512 __attribute__((flatten)) void tiles_avx512(
   sa::tiled::task<sa::tiled::CfgAvx512, I>(pr, s, h0, q, kv, idx, sink, scratch, out);
 }
 template <typename I>
+CSA_TARGET_AVX512BF16 __attribute__((flatten)) void tiles_avx512bf16(
+    const sa::Problem& pr, const sa::tiled::Shape& s, int64_t h0, const float* q,
+    const sa::tiled::Source& kv, const I* idx, const float* sink, float* scratch, float* out) {
+  sa::tiled::task<sa::tiled::CfgAvx512Bf16, I>(pr, s, h0, q, kv, idx, sink, scratch, out);
+}
+template <typename I>
 CSA_TARGET_AVX2 __attribute__((flatten)) void tiles_avx2(
     const sa::Problem& pr, const sa::tiled::Shape& s, int64_t h0, const float* q,
     const sa::tiled::Source& kv, const I* idx, const float* sink, float* scratch, float* out) {
@@ -196,6 +203,10 @@ void task_scalar(Job<I>& j, size_t t, std::vector<float>& s) {
 template <typename I>
 void task_avx512(Job<I>& j, size_t t, std::vector<float>& s) {
   run_task<sa::tiled::CfgAvx512>(j, t, s, tiles_avx512<I>);
+}
+template <typename I>
+void task_avx512bf16(Job<I>& j, size_t t, std::vector<float>& s) {
+  run_task<sa::tiled::CfgAvx512Bf16>(j, t, s, tiles_avx512bf16<I>);
 }
 template <typename I>
 void task_avx2(Job<I>& j, size_t t, std::vector<float>& s) {
@@ -341,7 +352,7 @@ struct SparseAttentionKernel {
   SparseAttentionKernel(const OrtApi*, const OrtKernelInfo* info) {
     require_node_io(info, kOp, 4, 1);  // Compressed is optional
     fast = numerics_is_fast(info, kOp);
-    isa = select_isa("CSA_SPARSE_ATTENTION_ISA", /*has_reference=*/true, /*has_bf16=*/fast);
+    isa = select_isa("CSA_SPARSE_ATTENTION_ISA", /*has_reference=*/true, /*has_bf16=*/true);
     scale = required_attribute<float>(info, kOp, "softmax_scale", "a float");
     if (!(scale > 0.0f)) fail(kOp, "softmax_scale must be > 0, got " + std::to_string(scale));
     // absent: no packed cache
@@ -440,7 +451,7 @@ struct SparseAttentionKernel {
     using Fn = void (*)(Job<I>&, size_t, std::vector<float>&);
     Fn fn = task_scalar<I>;
 #ifdef CSA_X86
-    if (isa == Isa::kAvx512Bf16) fn = task_fast<I>;
+    if (isa == Isa::kAvx512Bf16) fn = fast ? task_fast<I> : task_avx512bf16<I>;
     if (isa == Isa::kAvx512) fn = task_avx512<I>;
     if (isa == Isa::kAvx2) fn = task_avx2<I>;
 #endif
@@ -479,7 +490,7 @@ struct SparseAttentionKernel {
                 &pass);
     }
 #ifdef CSA_X86
-    if (isa == Isa::kAvx512Bf16) convert_for_fast(ctx, job, b, rows);
+    if (isa == Isa::kAvx512Bf16 && fast) convert_for_fast(ctx, job, b, rows);
 #endif
     run_tasks_with_scratch(ctx, rows * h * (k > 0 ? k : 1) * d, serial_below::kAttentionTerms,
                            static_cast<size_t>(rows * splits), fn, job);
@@ -488,6 +499,17 @@ struct SparseAttentionKernel {
 };
 
 }  // namespace
+
+// The exact vdpbf16ps tiles' block counts (sparse_attention_tiled.h PairCounts): out[0..2] =
+// blocks on pairs, blocks with P @ V on fmaf, blocks all on fmaf (the tests check that a case
+// built for a path took it).
+extern "C" __attribute__((visibility("default"))) void csa2onnx_sparse_attention_pair_counts(
+    uint64_t* out, uint64_t n) {
+  const uint64_t counts[3] = {sa::tiled::pair_counts.pairs.load(std::memory_order_relaxed),
+                              sa::tiled::pair_counts.pv_fmaf.load(std::memory_order_relaxed),
+                              sa::tiled::pair_counts.fmaf.load(std::memory_order_relaxed)};
+  for (uint64_t i = 0; i < n && i < 3; ++i) out[i] = counts[i];
+}
 
 void AppendSparseAttentionOps(std::vector<std::unique_ptr<Ort::Custom::OrtLiteCustomOp>>& ops) {
   ops.emplace_back(Ort::Custom::CreateLiteCustomOp<SparseAttentionKernel<int64_t>>(

@@ -23,6 +23,19 @@
 //   - P @ V: a tile of HB heads x EC columns of d in registers, vectorised across d; each
 //     output element is the definition's chain over the block's valid entries in order,
 //     then acc * alpha + chain.
+//   - On CPUs with AVX512-BF16 (CfgAvx512Bf16), h >= 4: both products on vdpbf16ps, which per
+//     float lane adds the product of a pair's second bf16 elements, then of its first, each
+//     with one rounding (an fmaf: a product of two bf16 values is exact in float), reading
+//     denormals as zero and flushing denormal results (TorchLinear's kOneDnnPairs order rests
+//     on the same, on both CPU classes). Pairs stored swapped, (x[e+1], x[e]) as (low, high),
+//     make one instruction two steps of the definition's chain, in order. Where every value
+//     is a finite bf16 value and the smallest nonzero magnitudes of the two sides have
+//     biased exponents summing to 142 or more (q and the block's rows; bf16(p) and the rows),
+//     every product is a multiple of 2^-126 and so is every partial sum (a rounding keeps a
+//     multiple of 2^-126 one): no denormal ever arises and the result is the fmaf chain's,
+//     bit for bit. A task whose q is not bf16, a block whose rows are not (or too small), and
+//     a block's P @ V whose bf16(p) are too small take the fmaf tiles instead (counted:
+//     csa2onnx_sparse_attention_pair_counts).
 // Padding (heads up to GP, entries up to a multiple of 16, columns up to dp) computes
 // values nobody reads: each output's chain involves only its own head, entry and column.
 // Tile shapes come from a Cfg per instruction set, sized so the accumulators fit the
@@ -35,6 +48,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <atomic>
 #include <limits>
 
 #include "packed_quant.h"
@@ -137,6 +151,11 @@ struct CfgAvx512 {
   static constexpr int kG1 = 64, kJ1 = 4, kG2 = 32, kJ2 = 8, kG3 = 16, kJ3 = 16;
   static constexpr int kLaneJ = 4;
   static constexpr int kPvHeads = 4, kPvCols = 64;
+  static constexpr bool kPairs = false;
+};
+// AVX-512 with AVX512-BF16: the same tiles, both products on vdpbf16ps where exact.
+struct CfgAvx512Bf16 : CfgAvx512 {
+  static constexpr bool kPairs = true;
 };
 // AVX2 (16 ymm): 8 accumulators per tile.
 struct CfgAvx2 {
@@ -149,6 +168,7 @@ struct CfgAvx2 {
   static constexpr int kG1 = 32, kJ1 = 2, kG2 = 16, kJ2 = 4, kG3 = 8, kJ3 = 8;
   static constexpr int kLaneJ = 2;
   static constexpr int kPvHeads = 2, kPvCols = 32;
+  static constexpr bool kPairs = false;
 };
 #endif
 // Without SIMD: small tiles (fmaf is a libm call there; this path is for checking).
@@ -161,6 +181,7 @@ struct CfgScalar {
   static constexpr int kG1 = 4, kJ1 = 4, kG2 = 4, kJ2 = 4, kG3 = 4, kJ3 = 4;
   static constexpr int kLaneJ = 1;
   static constexpr int kPvHeads = 4, kPvCols = 4;
+  static constexpr bool kPairs = false;
 };
 
 // Entries are computed in groups of J (every J above divides this); the tile's rows past
@@ -177,12 +198,15 @@ struct Shape {
                   // the L1 cache's sets instead of aliasing at a 2 KiB stride
   bool direct;    // d == dp: the tiles read kv's rows in place, nothing is copied
   bool tile;      // rows are copied or unpacked into a tile (!direct, or a packed cache)
+  bool pairs;     // vdpbf16ps tiles where exact (CfgAvx512Bf16; d a multiple of 32, so that
+                  // every chunk of the h >= 4 order starts at an even feature)
 };
 
 template <typename Cfg>
 inline Shape shape_of(int64_t g, int64_t d, bool packed_rows = false) {
   const int64_t gp = round_up(g, Cfg::kPad), dp = round_up(d, Cfg::kPad);
-  return {g, gp, d, dp, dp + 16, d == dp, d != dp || packed_rows};
+  const bool pairs = Cfg::kPairs && d % 32 == 0 && torch_linear::mkl_chunk(d) % 2 == 0;
+  return {g, gp, d, dp, dp + 16, d == dp, d != dp || packed_rows, pairs};
 }
 
 // Where a task's rows come from: index i < n_window reads kv's row i; with a packed
@@ -225,7 +249,12 @@ inline int64_t scratch_floats(const Shape& s) {
          + kBlock * s.gp       // bf16(p) of the valid entries [entry][head]
          + s.gp * s.dp         // acc
          + 3 * s.gp            // m, total, alpha
-         + s.dp;               // a zero row
+         + s.dp                // a zero row
+         + (s.pairs ? s.d / 2 * s.gp            // q2: Q's swapped pairs [d/2][gp]
+                          + kBlock * (s.d / 2)  // r2: the rows' swapped pairs [64][d/2]
+                          + kBlock / 2 * s.dp   // v2: entry pairs [32][dp]
+                          + kBlock / 2 * s.gp   // p2: bf16(p) of entry pairs [32][gp]
+                    : 0);
 }
 
 // One chunk [e0, e1) of the h >= 4 order for GV heads x J entries: fmaf chains from 0,
@@ -333,6 +362,165 @@ inline void pv_columns(const Shape& s, const float* pb, const float* const* rows
     pv_tile<typename Cfg::V, Cfg::kPvHeads, EC, kFma>(pb + i, s.gp, rows, nv, e0, alpha + i,
                                                        acc + i * s.dp, s.dp);
 }
+
+#ifdef CSA_X86
+// ------------------------------------------------------------ vdpbf16ps where exact
+// (CfgAvx512Bf16; see the header comment for why these chains are the fmaf chains.)
+namespace pairs {
+
+using u32 = uint32_t __attribute__((may_alias));  // float scratch read and written as bits
+
+// Every product of two bf16 values with biased exponents E1, E2 is a multiple of
+// 2^(E1 + E2 - 268); at E1 + E2 >= 142 that is 2^-126 or more: no denormal can arise.
+constexpr uint32_t kMinExponentSum = 142;
+
+// What the chains need to know of some values (float bits): whether each is a finite bf16
+// value, and the smallest biased exponent of the nonzero ones (255: none).
+struct Scan {
+  uint16_t bad = 0;
+  alignas(64) uint32_t emin[16];
+  Scan() {
+    for (uint32_t& e : emin) e = 255;
+  }
+  CSA_TARGET_AVX512BF16 inline void add(__m512i x) {
+    const __m512i a = _mm512_and_si512(x, _mm512_set1_epi32(0x7fffffff));
+    const __mmask16 huge = _mm512_cmpge_epu32_mask(a, _mm512_set1_epi32(0x7f800000));
+    bad = static_cast<uint16_t>(bad | huge | _mm512_test_epi32_mask(x, _mm512_set1_epi32(0xffff)));
+    const __m512i e = _mm512_load_si512(emin);
+    _mm512_store_si512(emin, _mm512_mask_min_epu32(e, _mm512_test_epi32_mask(a, a), e,
+                                                   _mm512_maskz_srli_epi32(0xffff, a, 23)));
+  }
+  bool fine() const { return bad == 0; }
+  uint32_t exponent() const {
+    uint32_t m = 255;
+    for (uint32_t e : emin) m = e < m ? e : m;
+    return m;
+  }
+};
+
+// Word indices taking 32 floats (two zmm, 64 words) to their 16 pairs swapped: word 2e of the
+// result is x[2e + 1]'s high half (word 4e + 3), word 2e + 1 is x[2e]'s (word 4e + 1).
+struct SwapIndex {
+  alignas(64) uint16_t w[32];
+  constexpr SwapIndex() : w() {
+    for (int e = 0; e < 16; ++e) {
+      w[2 * e] = static_cast<uint16_t>(4 * e + 3);
+      w[2 * e + 1] = static_cast<uint16_t>(4 * e + 1);
+    }
+  }
+};
+inline constexpr SwapIndex kSwapIndex{};
+
+// x (n floats, n a multiple of 32) as n/2 swapped pairs (x[2e+1] low, x[2e] high) at out.
+CSA_TARGET_AVX512BF16 inline void swap_row(const float* x, int64_t n, u32* out, Scan& scan) {
+  const __m512i idx = _mm512_load_si512(kSwapIndex.w);
+  for (int64_t c = 0; c < n; c += 32) {
+    const __m512i x0 = _mm512_loadu_si512(x + c), x1 = _mm512_loadu_si512(x + c + 16);
+    scan.add(x0);
+    scan.add(x1);
+    _mm512_storeu_si512(out + c / 2, _mm512_permutex2var_epi16(x0, idx, x1));
+  }
+}
+
+// Rows [0, rows) x [0, n) (n a multiple of 16, stride ld) into scan.
+CSA_TARGET_AVX512BF16 inline void scan_rows(const float* x, int64_t rows, int64_t n, int64_t ld,
+                                            Scan& scan) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < n; c += 16) scan.add(_mm512_loadu_si512(x + r * ld + c));
+}
+
+// Two rows of n bf16 values as floats (n a multiple of 16; b null: zeros) as n pairs
+// (b[c] low, a[c] high).
+CSA_TARGET_AVX512BF16 inline void pair_rows(const float* a, const float* b, int64_t n, u32* out) {
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int64_t c = 0; c < n; c += 16) {
+    const __m512i va = _mm512_and_si512(_mm512_loadu_si512(a + c), high);
+    const __m512i vb = b != nullptr ? _mm512_maskz_srli_epi32(0xffff, _mm512_loadu_si512(b + c), 16)
+                                    : _mm512_setzero_si512();
+    _mm512_storeu_si512(out + c, _mm512_or_si512(va, vb));
+  }
+}
+
+// logit_chunk on pairs: GV heads x J entries over pairs [p0, p1) of one chunk (q2 [pairs][ldq]
+// swapped, r2 [entry][ldr] swapped); chains from 0, then sum += chain.
+template <int GV, int J>
+CSA_TARGET_AVX512BF16 inline void logit_chunk(const u32* q2, int64_t ldq, const u32* r2,
+                                              int64_t ldr, int64_t p0, int64_t p1, float* sum,
+                                              int64_t ldl) {
+  constexpr int NV = GV / 16;
+  __m512 acc[J][NV];
+  for (int j = 0; j < J; ++j)
+    for (int v = 0; v < NV; ++v) acc[j][v] = _mm512_setzero_ps();
+  for (int64_t p = p0; p < p1; ++p) {
+    __m512bh qv[NV];
+    for (int v = 0; v < NV; ++v) qv[v] = (__m512bh)_mm512_loadu_si512(q2 + p * ldq + 16 * v);
+    for (int j = 0; j < J; ++j) {
+      const __m512bh kv = (__m512bh)_mm512_set1_epi32(static_cast<int>(r2[j * ldr + p]));
+      for (int v = 0; v < NV; ++v) acc[j][v] = _mm512_dpbf16_ps(acc[j][v], qv[v], kv);
+    }
+  }
+  for (int j = 0; j < J; ++j)
+    for (int v = 0; v < NV; ++v) {
+      float* o = sum + j * ldl + 16 * v;
+      _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), acc[j][v]));
+    }
+}
+
+template <int GV, int J>
+CSA_TARGET_AVX512BF16 inline void logit_heads(const Shape& s, const u32* q2, const u32* r2,
+                                              int64_t nvp, int64_t g0, int64_t p0, int64_t p1,
+                                              float* sum) {
+  for (int64_t j = 0; j < nvp; j += J)
+    logit_chunk<GV, J>(q2 + g0, s.gp, r2 + j * (s.d / 2), s.d / 2, p0, p1,
+                       sum + j * s.gp + g0, s.gp);
+}
+
+// pv_tile on pairs: HB heads x EC columns from e0 over entry pairs [0, np) (p2 [pair][ldp],
+// v2 [pair][ldv]); then acc = acc * alpha + chain.
+template <int HB, int EC>
+CSA_TARGET_AVX512BF16 inline void pv_tile(const u32* p2, int64_t ldp, const u32* v2,
+                                          int64_t ldv, int64_t np, int64_t e0,
+                                          const float* alpha, float* acc, int64_t dp) {
+  constexpr int NV = EC / 16;
+  __m512 blk[HB][NV];
+  for (int i = 0; i < HB; ++i)
+    for (int v = 0; v < NV; ++v) blk[i][v] = _mm512_setzero_ps();
+  for (int64_t q = 0; q < np; ++q) {
+    __m512bh r[NV];
+    for (int v = 0; v < NV; ++v) r[v] = (__m512bh)_mm512_loadu_si512(v2 + q * ldv + e0 + 16 * v);
+    for (int i = 0; i < HB; ++i) {
+      const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(p2[q * ldp + i]));
+      for (int v = 0; v < NV; ++v) blk[i][v] = _mm512_dpbf16_ps(blk[i][v], r[v], p);
+    }
+  }
+  for (int i = 0; i < HB; ++i) {
+    const __m512 a = _mm512_set1_ps(alpha[i]);
+    for (int v = 0; v < NV; ++v) {
+      float* o = acc + i * dp + e0 + 16 * v;
+      _mm512_storeu_ps(o, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(o), a), blk[i][v]));
+    }
+  }
+}
+
+template <int EC>
+CSA_TARGET_AVX512BF16 inline void pv_columns(const Shape& s, const u32* p2, const u32* v2,
+                                             int64_t np, int64_t e0, const float* alpha,
+                                             float* acc) {
+  constexpr int HB = CfgAvx512::kPvHeads;
+  for (int64_t i = 0; i < s.gp; i += HB)
+    pv_tile<HB, EC>(p2 + i, s.gp, v2, s.dp, np, e0, alpha + i, acc + i * s.dp, s.dp);
+}
+
+}  // namespace pairs
+#endif
+
+// Blocks of CfgAvx512Bf16 tasks by path, over the process (tests read them): logits and
+// P @ V on pairs; logits on pairs, P @ V on fmaf (some p too small); all on fmaf (the
+// task's q or the block's rows do not fit).
+struct PairCounts {
+  std::atomic<uint64_t> pairs{0}, pv_fmaf{0}, fmaf{0};
+};
+inline PairCounts pair_counts;
 
 // torch_sum::sum's order for n = 64, lane by lane over V::W heads: p [entries][ld] holds
 // the block's valid entries, slot[j] the entry at position j (-1: p is 0 there). For 64
@@ -447,6 +635,30 @@ inline void task(const Problem& pr, const Shape& s, int64_t h0, const float* q,
   const int64_t chunk = torch_linear::mkl_chunk(d);
   const int64_t head = pr.h == 1 && d > 0 ? (d - 1) % 4 + 1 : 0;
 
+  // vdpbf16ps: Q's swapped pairs [d/2][gp], if every value of the task's q fits
+  bool q_pairs = false;
+#ifdef CSA_X86
+  pairs::u32* q2 = nullptr;
+  pairs::u32* r2 = nullptr;  // the block's rows, swapped pairs [64][d/2]
+  pairs::u32* v2 = nullptr;  // the block's entry pairs [32][dp]
+  pairs::u32* p2 = nullptr;  // bf16(p) of the entry pairs [32][gp]
+  uint64_t n_pairs = 0, n_pv_fmaf = 0, n_fmaf = 0;
+  pairs::Scan q_scan, kv_scan;
+  if constexpr (Cfg::kPairs) {
+    if (s.pairs && blocked) {
+      q2 = reinterpret_cast<pairs::u32*>(zero + dp);
+      r2 = q2 + d / 2 * gp;
+      v2 = r2 + kBlock * (d / 2);
+      p2 = v2 + kBlock / 2 * dp;
+      for (int64_t i = 0; i < gp; ++i) {
+        if (i < g) pairs::swap_row(q + (h0 + i) * d, d, r2, q_scan);
+        for (int64_t p = 0; p < d / 2; ++p) q2[p * gp + i] = i < g ? r2[p] : 0u;
+      }
+      q_pairs = q_scan.fine();
+    }
+  }
+#endif
+
   for (int64_t j0 = 0; j0 < k; j0 += kBlock) {
     const int64_t len = k - j0 < kBlock ? k - j0 : kBlock;
     int slot[kBlock];           // the valid entry at each block position, -1 for none
@@ -476,17 +688,48 @@ inline void task(const Problem& pr, const Shape& s, int64_t h0, const float* q,
     const int64_t nvp = round_up(nv, kRowPad);
     for (int64_t j = nv; j < nvp; ++j) rows[j] = zero;
 
+    // the block on vdpbf16ps: its rows as swapped pairs, if every value fits
+    bool block_pairs = false;
+#ifdef CSA_X86
+    if constexpr (Cfg::kPairs) {
+      if (q_pairs) {
+        kv_scan = pairs::Scan{};
+        for (int64_t j = 0; j < nv; ++j) pairs::swap_row(rows[j], d, r2 + j * (d / 2), kv_scan);
+        block_pairs = kv_scan.fine() &&
+                      q_scan.exponent() + kv_scan.exponent() >= pairs::kMinExponentSum;
+        if (block_pairs)
+          std::memset(r2 + nv * (d / 2), 0, static_cast<size_t>((nvp - nv) * (d / 2)) * 4);
+        else
+          ++n_fmaf;
+      } else if (s.pairs && blocked) {
+        ++n_fmaf;
+      }
+    }
+#endif
+
     // logit sums [entry][head]
     if (blocked) {
       for (int64_t i = 0; i < nvp * gp; ++i) lsum[i] = 0.0f;
       for (int64_t e0 = 0; e0 < d; e0 += chunk) {
         const int64_t e1 = e0 + chunk < d ? e0 + chunk : d;
         int64_t g0 = 0;
-        for (; g0 + Cfg::kG1 <= gp; g0 += Cfg::kG1)
+#ifdef CSA_X86
+        if constexpr (Cfg::kPairs) {
+          if (block_pairs) {
+            for (; g0 + Cfg::kG1 <= gp; g0 += Cfg::kG1)
+              pairs::logit_heads<Cfg::kG1, Cfg::kJ1>(s, q2, r2, nvp, g0, e0 / 2, e1 / 2, lsum);
+            for (; g0 + Cfg::kG2 <= gp; g0 += Cfg::kG2)
+              pairs::logit_heads<Cfg::kG2, Cfg::kJ2>(s, q2, r2, nvp, g0, e0 / 2, e1 / 2, lsum);
+            for (; g0 < gp; g0 += Cfg::kG3)
+              pairs::logit_heads<Cfg::kG3, Cfg::kJ3>(s, q2, r2, nvp, g0, e0 / 2, e1 / 2, lsum);
+          }
+        }
+#endif
+        for (; !block_pairs && g0 + Cfg::kG1 <= gp; g0 += Cfg::kG1)
           logit_heads<typename Cfg::V, Cfg::kG1, Cfg::kJ1>(s, qt, rows, nvp, g0, e0, e1, lsum);
-        for (; g0 + Cfg::kG2 <= gp; g0 += Cfg::kG2)
+        for (; !block_pairs && g0 + Cfg::kG2 <= gp; g0 += Cfg::kG2)
           logit_heads<typename Cfg::V, Cfg::kG2, Cfg::kJ2>(s, qt, rows, nvp, g0, e0, e1, lsum);
-        for (; g0 < gp; g0 += Cfg::kG3)
+        for (; !block_pairs && g0 < gp; g0 += Cfg::kG3)
           logit_heads<typename Cfg::V, Cfg::kG3, Cfg::kJ3>(s, qt, rows, nvp, g0, e0, e1, lsum);
       }
     } else {
@@ -500,6 +743,27 @@ inline void task(const Problem& pr, const Shape& s, int64_t h0, const float* q,
 
     // P @ V: column blocks outer, so a column slice of the tile serves every head
     int64_t e0 = 0;
+#ifdef CSA_X86
+    if constexpr (Cfg::kPairs) {
+      pairs::Scan p_scan;
+      if (block_pairs) pairs::scan_rows(pb, nv, gp, gp, p_scan);
+      if (block_pairs && p_scan.fine() &&
+          p_scan.exponent() + kv_scan.exponent() >= pairs::kMinExponentSum) {
+        const int64_t np = (nv + 1) / 2;  // an odd last entry pairs with p = 0 and a zero row
+        for (int64_t q = 0; q < np; ++q) {
+          const bool two = 2 * q + 1 < nv;
+          pairs::pair_rows(pb + 2 * q * gp, two ? pb + (2 * q + 1) * gp : nullptr, gp, p2 + q * gp);
+          pairs::pair_rows(rows[2 * q], two ? rows[2 * q + 1] : nullptr, dp, v2 + q * dp);
+        }
+        for (; e0 + Cfg::kPvCols <= dp; e0 += Cfg::kPvCols)
+          pairs::pv_columns<Cfg::kPvCols>(s, p2, v2, np, e0, alpha, acc);
+        for (; e0 < dp; e0 += 16) pairs::pv_columns<16>(s, p2, v2, np, e0, alpha, acc);
+        ++n_pairs;
+        continue;
+      }
+      if (block_pairs) ++n_pv_fmaf;
+    }
+#endif
     if (blocked) {
       for (; e0 + Cfg::kPvCols <= dp; e0 += Cfg::kPvCols)
         pv_columns<Cfg, Cfg::kPvCols, true>(s, pb, rows, nv, e0, alpha, acc);
@@ -512,6 +776,13 @@ inline void task(const Problem& pr, const Shape& s, int64_t h0, const float* q,
         pv_columns<Cfg, Cfg::kPad, false>(s, pb, rows, nv, e0, alpha, acc);
     }
   }
+#ifdef CSA_X86
+  if constexpr (Cfg::kPairs) {
+    if (n_pairs) pair_counts.pairs.fetch_add(n_pairs, std::memory_order_relaxed);
+    if (n_pv_fmaf) pair_counts.pv_fmaf.fetch_add(n_pv_fmaf, std::memory_order_relaxed);
+    if (n_fmaf) pair_counts.fmaf.fetch_add(n_fmaf, std::memory_order_relaxed);
+  }
+#endif
   for (int64_t i = 0; i < g; ++i) {
     const float denom = total[i] + std::exp(sink[h0 + i] - m[i]);
     for (int64_t e = 0; e < d; ++e) {

@@ -2,8 +2,8 @@
 // (sparse_attention.h `row`) on the float32 quotient acc / denom, before the op's final bf16
 // rounding: there every last-bit difference in a logit, a block sum, a probability or a P @ V
 // chain shows, where the bf16 outputs would hide all but about one in 2^16.
-// Every instruction-set path this CPU has; random and adversarial inputs; h 1, 3, 4, 5, 16,
-// 64; d 8, 13, 128, 512; k with -1 entries anywhere, whole blocks of -1, duplicates. Then a
+// Every instruction-set path this CPU has (avx512bf16: vdpbf16ps where exact, and its
+// fallbacks, counted); random and adversarial inputs; h 1, 3, 4, 5, 16, 64; d 8, 13, 128, 512; k with -1 entries anywhere, whole blocks of -1, duplicates. Then a
 // packed compressed cache (tiled::Source, every packed format, d 32 .. 512, window rows from
 // 0 to 200): the tiles gathering and unpacking packed rows against the definition on the
 // concatenated float rows (window, then the packed rows unpacked).
@@ -49,6 +49,11 @@ CSA_TARGET_AVX512 __attribute__((flatten)) void tiles_avx512(
     const int64_t* idx, const float* sink, float* w, float* out) {
   tl::task<tl::CfgAvx512, int64_t, false>(pr, s, h0, q, kv, idx, sink, w, out);
 }
+CSA_TARGET_AVX512BF16 __attribute__((flatten)) void tiles_avx512bf16(
+    const sa::Problem& pr, const tl::Shape& s, int64_t h0, const float* q, const tl::Source& kv,
+    const int64_t* idx, const float* sink, float* w, float* out) {
+  tl::task<tl::CfgAvx512Bf16, int64_t, false>(pr, s, h0, q, kv, idx, sink, w, out);
+}
 #endif
 
 struct Path {
@@ -61,7 +66,9 @@ float bf16(float x) { return sa::round_bf16(x); }
 
 struct Case {
   int64_t h, d, k, n;
-  int kind;  // 0 random, 1 large logits, 2 all logits tied, 3 wide p range, 4 sparse rows
+  int kind;  // 0 random, 1 large logits, 2 all logits tied, 3 wide p range, 4 sparse rows,
+             // 5 tiny bf16 values here and there (2^-60: the vdpbf16ps tiles' fallbacks),
+             // 6 denormal bf16 values in a few rows
 };
 
 // One query row: the definition vs every path, all head groups of 16 and the whole row.
@@ -79,6 +86,12 @@ int64_t check(const Case& c, std::mt19937_64& rng, const std::vector<Path>& path
   for (float& x : q) x = c.kind == 2 ? 0.0f : full ? normal(rng) * qs : bf16(normal(rng) * qs);
   for (float& x : kv) x = full ? normal(rng) : bf16(normal(rng));
   for (float& x : sink) x = normal(rng);
+  if (c.kind == 5) {  // a few tiny values: some tasks' q and some blocks' rows too small
+    for (float& x : q) x = unit(rng) < 0.002f ? bf16(x * 0x1p-60f) : x;
+    for (float& x : kv) x = unit(rng) < 0.0005f ? bf16(x * 0x1p-60f) : x;
+  }
+  if (c.kind == 6)  // denormal values (flushed by vdpbf16ps: those blocks must fall back)
+    for (int64_t r = 0; r < c.n; r += 37) kv[r * d] = bf16(0x1p-130f);
   std::vector<int64_t> idx(k);
   for (int64_t j = 0; j < k; ++j) idx[j] = unit(rng) < (c.kind == 4 ? 0.8f : 0.2f) ? -1 : row(rng);
   if (k > 70) {
@@ -184,12 +197,14 @@ int main(int argc, char** argv) {
   if (csa::cpu_has_x86_64_v3()) paths.push_back({"avx2", tiles_avx2, tl::shape_of<tl::CfgAvx2>});
   if (csa::cpu_has_x86_64_v4())
     paths.push_back({"avx512", tiles_avx512, tl::shape_of<tl::CfgAvx512>});
+  if (csa::cpu_has_avx512bf16())
+    paths.push_back({"avx512bf16", tiles_avx512bf16, tl::shape_of<tl::CfgAvx512Bf16>});
 #endif
   int64_t cases = 0, mismatches = 0, compared = 0;
   for (int64_t h : {1, 3, 4, 5, 16, 64})
     for (int64_t d : {8, 13, 128, 512})
       for (int64_t k : {1, 64, 100, 200})
-        for (int kind = 0; kind < 5; ++kind) {
+        for (int kind = 0; kind < 7; ++kind) {
           if (h * d * k > 64 * 512 * 100 && kind > 0) continue;  // keep the run short
           mismatches += check({h, d, k, 300, kind}, rng, paths, &compared);
           ++cases;
@@ -203,6 +218,11 @@ int main(int argc, char** argv) {
           ++cases;
         }
   for (const Path& p : paths) std::printf("path %s\n", p.name);
+  const tl::PairCounts& pc = tl::pair_counts;
+  std::printf("pairs=%llu pv_fmaf=%llu fmaf=%llu\n",
+              static_cast<unsigned long long>(pc.pairs.load()),
+              static_cast<unsigned long long>(pc.pv_fmaf.load()),
+              static_cast<unsigned long long>(pc.fmaf.load()));
   std::printf("cases=%lld values=%lld mismatches=%lld\n", static_cast<long long>(cases),
               static_cast<long long>(compared), static_cast<long long>(mismatches));
   return mismatches == 0 ? 0 : 1;
