@@ -102,6 +102,17 @@ def sparse_attention_pair_counts() -> dict[str, int]:
     return dict(zip(SPARSE_ATTENTION_PAIR_COUNTS, (int(v) for v in out), strict=True))
 
 
+def indexer_score_pair_counts() -> dict[str, int]:
+    """IndexerScore's avx512bf16 path in this process, in key blocks (8 rows) per query row:
+    on vdpbf16ps ("pairs"), on fma ("fmaf": the row or the block not fit for it)."""
+    fn = ctypes.CDLL(str(library_path())).csa2onnx_indexer_score_pair_counts
+    fn.restype = None
+    fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_uint64]
+    out = (ctypes.c_uint64 * 2)()
+    fn(out, 2)
+    return {"pairs": int(out[0]), "fmaf": int(out[1])}
+
+
 FP8_LINEAR_COUNTS = ("calls", "small_tasks", "lane_sums", "row_sums", "wide_sums",
                      "fast_calls")
 

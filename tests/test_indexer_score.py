@@ -17,11 +17,11 @@ from helpers import custom_op_model
 from onnx import TensorProto, helper
 
 from csa2onnx.custom_ops import make_session, session_options
-from csa2onnx.custom_ops.library import cpu_isas
+from csa2onnx.custom_ops.library import cpu_isas, indexer_score_pair_counts
 from csa2onnx.custom_ops.reference import pack_quantized, round_bf16, unpack_quantized
 
 FORMAT = "fp4_e8m0_32"
-PATHS = [isa for isa in ("avx512", "avx2", "scalar", "reference")
+PATHS = [isa for isa in ("avx512bf16", "avx512", "avx2", "scalar", "reference")
          if isa in cpu_isas() or isa == "reference"]
 E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6], np.float32)
 _vi = helper.make_tensor_value_info
@@ -194,6 +194,26 @@ def tie_case(s: int, b: int = 1) -> tuple:
     keys[:, 1, 127] = 1.0
     q[..., 127] = np.array([1, 2 ** -8, 0, 0] + [2 ** -25] * 4, np.float32)
     return q, np.ones((b, s, h), np.float32), keys, pack_quantized(keys, FORMAT)
+
+
+@pytest.mark.skipif("avx512bf16" not in PATHS, reason="needs a CPU with AVX512-BF16")
+def test_avx512bf16_takes_vdpbf16ps_where_exact(monkeypatch):
+    """The model's fp4 values run on vdpbf16ps (counted), the standard ops' bits; key blocks
+    or query rows with values so small that a product could be denormal (flushed by
+    vdpbf16ps) run the fma chains, the same bits."""
+    q, w, keys, packed = case(5, 4, 1, 64, 128, 300, adversarial=False)
+    before = indexer_score_pair_counts()
+    check(monkeypatch, q, w, keys, packed, 300, paths=["avx512bf16"], threads=(2,))
+    after = indexer_score_pair_counts()
+    assert after["pairs"] - before["pairs"] >= 2 * 4 * 37 and after["fmaf"] == before["fmaf"]
+    keys[1, 17] *= np.float32(2.0**-120)  # batch entry 1: one key row (so its block) tiny
+    q[2, 0, 3, 9] = np.float32(2.0**-120)  # batch entry 2: a query row too small
+    packed = pack_quantized(keys, FORMAT)
+    keys = unpack_quantized(packed, FORMAT, 128)
+    before = indexer_score_pair_counts()
+    check(monkeypatch, q, w, keys, packed, 300, paths=["avx512bf16"], threads=(1,))
+    after = indexer_score_pair_counts()
+    assert after["fmaf"] - before["fmaf"] == 2 * (1 + 38)  # float and packed keys
 
 
 def test_orders_decide_ties(monkeypatch):

@@ -273,6 +273,94 @@ __attribute__((always_inline)) inline void tile_row(const Tile& tile, int64_t r,
   }
 }
 
+#ifdef CSA_X86
+// ---------------------------------------------------------------- vdpbf16ps tiles
+// On CPUs with AVX512-BF16 the dots' fma chains run two steps an instruction, as
+// SparseAttention's (sparse_attention_tiled.h, namespace pairs): pairs stored swapped make
+// vdpbf16ps add the product of term 2e, then of 2e + 1, one rounding each, the chain in
+// order, exact where every value is a finite bf16 value and the smallest nonzero exponents
+// of the query row and of the key block sum to 142 or more (the model's fp4 values are
+// such). Any other query row or key block runs tile_heads' fma chains.
+namespace pairs = sparse_attention::tiled::pairs;
+
+// A query row's pairs: q2 [D/2][hp] swapped, and whether they may be used with a key block
+// whose smallest nonzero biased exponent is e.
+struct PairRow {
+  const pairs::u32* q2;
+  bool fine;
+  uint32_t exponent;
+  bool with(bool keys_fine, uint32_t e) const {
+    return fine && keys_fine && exponent + e >= pairs::kMinExponentSum;
+  }
+};
+
+// tile_heads on pairs: keys2 [kKeys][D/2] swapped.
+template <int kHv, int kKeys>
+CSA_TARGET_AVX512BF16 inline void tile_heads_pairs(const Tile& tile, const PairRow& row,
+                                                   int64_t r, int64_t v0,
+                                                   const pairs::u32* keys2, float* terms) {
+  using V = tv::VAvx512;
+  const int64_t half = tile.pr->d / 2, hp = tile.hp;
+  __m512 acc[kHv][kKeys];
+  for (int v = 0; v < kHv; ++v)
+    for (int j = 0; j < kKeys; ++j) acc[v][j] = _mm512_setzero_ps();
+  const pairs::u32* qp = row.q2 + v0 * V::W;
+  for (int64_t p = 0; p < half; ++p, qp += hp) {
+    __m512bh qv[kHv];
+    for (int v = 0; v < kHv; ++v) qv[v] = (__m512bh)_mm512_loadu_si512(qp + v * V::W);
+    for (int j = 0; j < kKeys; ++j) {
+      const __m512bh kb = (__m512bh)_mm512_set1_epi32(static_cast<int>(keys2[j * half + p]));
+      for (int v = 0; v < kHv; ++v) acc[v][j] = _mm512_dpbf16_ps(acc[v][j], qv[v], kb);
+    }
+  }
+  const float* w = tile.w + r * hp + v0 * V::W;
+  for (int v = 0; v < kHv; ++v) {
+    const __m512 wv = V::load(w + v * V::W);
+    for (int j = 0; j < kKeys; ++j) {
+      const __m512 x = Ops<V>::cast_bf16(V::mul(Ops<V>::relu(Ops<V>::cast_bf16(acc[v][j])), wv));
+      V::store(terms + j * hp + (v0 + v) * V::W, x);
+    }
+  }
+}
+
+// tile_row with each key block on pairs where the row and the block allow it: keys2
+// [blocks][kKeys][D/2], keys_fine and keys_e per block. Counts the blocks of each kind.
+CSA_TARGET_AVX512BF16 inline void tile_row_pairs(const Tile& tile, const PairRow& row,
+                                                 int64_t r, const pairs::u32* keys2,
+                                                 const bool* keys_fine,
+                                                 const uint32_t* keys_e, float* terms,
+                                                 uint64_t* on_pairs, uint64_t* on_fma) {
+  using V = tv::VAvx512;
+  constexpr int kHv = Cfg<V>::kHeadVecs, kKeys = Cfg<V>::kKeys;
+  const Problem& pr = *tile.pr;
+  const int64_t vecs = tile.hp / V::W;
+  const SumOrder order = pr.sum_order();
+  float* out = tile.out + r * pr.t;
+  for (int64_t c = 0; c < tile.cols; c += kKeys) {
+    const int64_t blk = c / kKeys;
+    int64_t v0 = 0;
+    if (row.with(keys_fine[blk], keys_e[blk])) {
+      const pairs::u32* k2 = keys2 + blk * kKeys * (pr.d / 2);
+      for (; v0 + kHv <= vecs; v0 += kHv) tile_heads_pairs<kHv, kKeys>(tile, row, r, v0, k2, terms);
+      for (; v0 < vecs; ++v0) tile_heads_pairs<1, kKeys>(tile, row, r, v0, k2, terms);
+      ++*on_pairs;
+    } else {
+      const float* keys = tile.blocks[blk];
+      for (; v0 + kHv <= vecs; v0 += kHv) tile_heads<V, kHv, kKeys>(tile, r, v0, keys, terms);
+      for (; v0 < vecs; ++v0) tile_heads<V, 1, kKeys>(tile, r, v0, keys, terms);
+      ++*on_fma;
+    }
+    const int64_t n = tile.cols - c < kKeys ? tile.cols - c : kKeys;
+    for (int64_t j = 0; j < n; ++j)
+      out[c + j] = cast_bf16(sum_heads(order, terms + j * tile.hp, pr.h));
+  }
+}
+#endif
+
+// Key blocks by path, over the process (tests read them): on vdpbf16ps, on fma (a query
+// row or the block not fit for it). Counted only on the avx512bf16 path.
+inline tv::PairCounts pair_counts;
+
 }  // namespace csa::indexer_score
 
 #pragma GCC diagnostic pop

@@ -9,8 +9,10 @@
 // In parallel over (batch entry, block of 16 queries, tile of 64 key rows), heads in vector
 // lanes: each query row is transposed once per call, each task unpacks its key tile once
 // (row-major) for its queries. CSA_INDEXER_SCORE_ISA (or CSA2ONNX_ISA; read when a session
-// creates the kernel) forces a path: "avx512", "avx2", "scalar" (the tiles without SIMD) or
-// "reference" (the scalar definition, one query row per task); all give the same bits.
+// creates the kernel) forces a path: "avx512bf16" (the tiles with vdpbf16ps where exact:
+// indexer_score.h; the default on a CPU with AVX512-BF16), "avx512", "avx2", "scalar" (the
+// tiles without SIMD) or "reference" (the scalar definition, one query row per task); all
+// give the same bits.
 // Compiled with -ffp-contract=off: the orders keep multiplies and adds apart.
 #include "ort_api.h"
 
@@ -49,6 +51,13 @@ struct Job {
   const float* qt = nullptr;
   const float* wt = nullptr;
   int64_t hp = 0;
+#ifdef CSA_X86
+  // The avx512bf16 path: the query rows as swapped pairs [rows][D/2][hp], and per row
+  // whether they are fit for vdpbf16ps and their smallest nonzero biased exponent.
+  const is::pairs::u32* q2 = nullptr;
+  const uint8_t* q_fine = nullptr;
+  const uint32_t* q_exponent = nullptr;
+#endif
   std::atomic<bool> out_of_memory{false};
 };
 
@@ -111,6 +120,88 @@ CSA_TARGET_AVX2 __attribute__((flatten)) void tiled_avx2(const Job& j, size_t t,
 }
 #endif
 
+#ifdef CSA_X86
+// tiled_task on the avx512bf16 path: the tile's key blocks also as swapped pairs (with their
+// fitness), each query row against each block on vdpbf16ps where both allow it.
+CSA_TARGET_AVX512BF16 __attribute__((flatten)) void tiled_avx512bf16(const Job& j, size_t task,
+                                                                     std::vector<float>& scratch) {
+  using V = is::tv::VAvx512;
+  constexpr int64_t kKeys = is::Cfg<V>::kKeys, kBlocks = is::kTileT / kKeys;
+  const is::Problem& pr = j.pr;
+  const int64_t half = pr.d / 2;
+  const int64_t tb = static_cast<int64_t>(task) % j.t_blocks;
+  const int64_t sb = static_cast<int64_t>(task) / j.t_blocks % j.s_blocks;
+  const int64_t bi = static_cast<int64_t>(task) / j.t_blocks / j.s_blocks;
+  const int64_t t0 = tb * is::kTileT, s0 = sb * is::kTileS;
+  const int64_t cols = std::min(is::kTileT, pr.t - t0);
+  const int64_t rows = std::min(is::kTileS, pr.s - s0);
+  const size_t need = static_cast<size_t>(is::kTileT * pr.d + kKeys * j.hp + is::kTileT * half);
+  if (scratch.size() < need) scratch.resize(need);
+  float* unpacked = scratch.data();
+  float* terms = unpacked + is::kTileT * pr.d;
+  is::pairs::u32* keys2 = reinterpret_cast<is::pairs::u32*>(terms + kKeys * j.hp);
+  const float* blocks[kBlocks];
+  bool fine[kBlocks];
+  uint32_t exponent[kBlocks];
+  for (int64_t c = 0; c < cols; c += kKeys) {
+    const int64_t n = std::min(kKeys, cols - c);
+    const int64_t first_key = bi * j.r + t0 + c;
+    const float* keys = j.keys != nullptr ? j.keys + first_key * pr.d : nullptr;
+    float* block = unpacked + c * pr.d;
+    if (keys == nullptr || n < kKeys) {
+      for (int64_t k = 0; k < n; ++k) {
+        if (keys != nullptr)
+          std::memcpy(block + k * pr.d, keys + k * pr.d, static_cast<size_t>(pr.d) * 4);
+        else
+          is::Cfg<V>::unpack(j.format, j.packed + (first_key + k) * j.row_bytes, pr.d,
+                             block + k * pr.d);
+      }
+      std::fill(block + n * pr.d, block + kKeys * pr.d, 0.0f);
+      keys = block;
+    }
+    blocks[c / kKeys] = keys;
+    is::pairs::Scan scan;
+    for (int64_t k = 0; k < kKeys; ++k)
+      is::pairs::swap_row(keys + k * pr.d, pr.d, keys2 + (c + k) * half, scan);
+    fine[c / kKeys] = scan.fine();
+    exponent[c / kKeys] = scan.exponent();
+  }
+  const int64_t first_row = bi * pr.s + s0;
+  const is::Tile tile{&pr, j.qt + first_row * pr.d * j.hp, j.wt + first_row * j.hp, j.hp,
+                      blocks, cols, j.out + first_row * pr.t + t0};
+  uint64_t on_pairs = 0, on_fma = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t row = first_row + r;
+    const is::PairRow pair_row{j.q2 + row * half * j.hp, j.q_fine[row] != 0, j.q_exponent[row]};
+    is::tile_row_pairs(tile, pair_row, r, keys2, fine, exponent, terms, &on_pairs, &on_fma);
+  }
+  is::pair_counts.pairs.fetch_add(on_pairs, std::memory_order_relaxed);
+  is::pair_counts.fmaf.fetch_add(on_fma, std::memory_order_relaxed);
+}
+
+// The query rows as the avx512bf16 tiles read them: q2 [rows][D/2][hp] (qt's pairs, swapped),
+// and each row's fitness and smallest nonzero biased exponent.
+CSA_TARGET_AVX512BF16 void pair_queries(const float* q, int64_t rows, int64_t h, int64_t d,
+                                        int64_t hp, std::vector<uint32_t>& q2,
+                                        std::vector<uint8_t>& fine,
+                                        std::vector<uint32_t>& exponent) {
+  const int64_t half = d / 2;
+  q2.assign(static_cast<size_t>(rows * half * hp), 0u);
+  fine.assign(static_cast<size_t>(rows), 0);
+  exponent.assign(static_cast<size_t>(rows), 255u);
+  std::vector<uint32_t> swapped(static_cast<size_t>(half));
+  for (int64_t i = 0; i < rows; ++i) {
+    is::pairs::Scan scan;
+    for (int64_t hh = 0; hh < h; ++hh) {
+      is::pairs::swap_row(q + (i * h + hh) * d, d, swapped.data(), scan);
+      for (int64_t p = 0; p < half; ++p) q2[(i * half + p) * hp + hh] = swapped[p];
+    }
+    fine[i] = scan.fine() ? 1 : 0;
+    exponent[i] = scan.exponent();
+  }
+}
+#endif
+
 // Q [rows][H][D] and W [rows][H] as the tiles read them: qt [rows][D][hp] and
 // wt [rows][hp], zeros in the padding heads.
 void transpose_queries(const float* q, const float* w, int64_t rows, int64_t h, int64_t d,
@@ -153,7 +244,7 @@ struct IndexerScoreKernel {
   packed::Format format = packed::Format::kFp4E8m0;
 
   IndexerScoreKernel(const OrtApi*, const OrtKernelInfo* info)
-      : isa(select_isa("CSA_INDEXER_SCORE_ISA", /*has_reference=*/true)) {
+      : isa(select_isa("CSA_INDEXER_SCORE_ISA", /*has_reference=*/true, /*has_bf16=*/true)) {
     require_node_io(info, kOp, 4, 1);
     const auto name = optional_attribute<std::string>(info, kOp, "keys_format", "a string");
     if (kPacked && !name.has_value())
@@ -231,13 +322,25 @@ struct IndexerScoreKernel {
     Fn fn = row_task;
     int64_t tasks = b * s;
     std::vector<float> qt, wt;
+#ifdef CSA_X86
+    std::vector<uint32_t> q2, q_exponent;
+    std::vector<uint8_t> q_fine;
+#endif
     if (isa != Isa::kReference && job.pr.tiled()) {
       fn = tiled_scalar;
       int64_t width = 1;  // heads are padded to a multiple of the vector width
 #ifdef CSA_X86
-      if (isa == Isa::kAvx512) {
+      if (isa == Isa::kAvx512 || isa == Isa::kAvx512Bf16) {
         fn = tiled_avx512;
         width = is::tv::VAvx512::W;
+      }
+      if (isa == Isa::kAvx512Bf16 && d % 32 == 0) {  // pairs of 32 values at a time
+        fn = tiled_avx512bf16;
+        pair_queries(job.q, b * s, h, d, (h + width - 1) / width * width, q2, q_fine,
+                     q_exponent);
+        job.q2 = q2.data();
+        job.q_fine = q_fine.data();
+        job.q_exponent = q_exponent.data();
       }
       if (isa == Isa::kAvx2) {
         fn = tiled_avx2;
@@ -257,6 +360,15 @@ struct IndexerScoreKernel {
 };
 
 }  // namespace
+
+// The avx512bf16 path's key blocks (indexer_score.h pair_counts): out[0] on vdpbf16ps,
+// out[1] on fma (the tests check that a case built for a path took it).
+extern "C" __attribute__((visibility("default"))) void csa2onnx_indexer_score_pair_counts(
+    uint64_t* out, uint64_t n) {
+  const uint64_t counts[2] = {is::pair_counts.pairs.load(std::memory_order_relaxed),
+                              is::pair_counts.fmaf.load(std::memory_order_relaxed)};
+  for (uint64_t i = 0; i < n && i < 2; ++i) out[i] = counts[i];
+}
 
 void AppendIndexerScoreOps(std::vector<std::unique_ptr<Ort::Custom::OrtLiteCustomOp>>& ops) {
   ops.emplace_back(Ort::Custom::CreateLiteCustomOp<IndexerScoreKernel<float>>(
