@@ -21,7 +21,7 @@ from csa2onnx.export.weights import LayerWeights
 from csa2onnx.graphs.attention_q import QueryProjection, WindowKVProjection
 from csa2onnx.graphs.common import Mode
 from csa2onnx.graphs.compressor import Compressor
-from csa2onnx.graphs.indexer import CandidateConfig, Indexer
+from csa2onnx.graphs.indexer import CandidateConfig, Indexer, KeyCacheChoice
 from csa2onnx.graphs.kv_cache import (
     COMPRESSED_KV_FORMAT,
     WINDOW_FORMAT,
@@ -90,7 +90,7 @@ class SlotReads(NamedTuple):
     from (others), the candidates (candidate users)."""
 
     compress_kv: ir.Value
-    index_k: ir.Value | None = None
+    index_k: ir.Value | KeyCacheChoice | None = None
     topk_idxs: ir.Value | None = None
     candidates: ir.Value | None = None
 

@@ -73,9 +73,10 @@ class Slots:
         index_k = candidates = None
         if p.index_source:
             # The packed key cache, read in place by the indexer's IndexerScore (its first
-            # end_pos // r rows); index_keys="own": an owner reads its own cache.
-            index_k = (self._read_index_k(op, op.Div(end_pos, p.ratio))
-                       if self.plan.reads_index_k_slot(p) else self.index_k[p.layer])
+            # end_pos // r rows); index_keys="own": an owner reads its own cache; the shared
+            # slot: whichever cache it points to at run time (KeySlotRead).
+            index_k = (self._read_index_k() if self.plan.reads_index_k_slot(p)
+                       else self.index_k[p.layer])
             topk = None  # it selects its own
         if p.uses_candidates:
             candidates = self.candidates if self.candidates is not None \
@@ -87,10 +88,9 @@ class Slots:
                        else topk),
             candidates=candidates)
 
-    def _read_index_k(self, op: OpBuilder, rows: ir.Value) -> ir.Value:
-        """The first `rows` rows (packed) of the key cache the index_k slot points to: an in-range
-        owner's current cache when `publisher` names it, else the external slot input (or,
-        with none, the last owner). Slicing clamps, as the reference's [:end_pos // r]."""
+    def _read_index_k(self) -> KeySlotRead:
+        """The key cache the index_k slot points to: an in-range owner's current cache when
+        `publisher` names it, else the external slot input (or, with none, the last owner)."""
         owners = list(self.index_k.items())
         fallback = self.external.get("index_k")
         if not owners and fallback is None:
@@ -99,27 +99,46 @@ class Slots:
             raise ValueError("index_k publisher state missing for a stack with owners")
         if fallback is None:
             *owners, (_, fallback) = owners
-        result = op.Slice(fallback, [0], rows, [1])
-        for layer, cache in reversed(owners):
-            result = _if(op, op.Equal(self.publisher, layer),
-                         lambda o, c=cache: o.Slice(c, [0], rows, [1]), result)
+        return KeySlotRead(self, owners, fallback)
+
+
+@dataclass
+class KeySlotRead:
+    """The index_k slot as one indexer reads it (graphs.indexer.KeyCacheChoice): the score
+    is computed in an If branch per candidate cache, on that cache in place, so only the
+    [b, s, T] scores leave the branches: the caches (O(context) rows) are never copied."""
+
+    slots: Slots
+    owners: list[tuple[int, ir.Value]]  # (layer, its cache), chosen when publisher == layer
+    fallback: ir.Value  # chosen when no owner is named
+
+    def apply(self, op: OpBuilder, fn: Callable[[OpBuilder, ir.Value], ir.Value]) -> ir.Value:
+        def choose(o: OpBuilder, owners: list[tuple[int, ir.Value]]) -> ir.Value:
+            if not owners:
+                return fn(o, self.fallback)
+            (layer, cache), rest = owners[0], owners[1:]
+            return _if(o, o.Equal(self.slots.publisher, layer), lambda b: fn(b, cache),
+                       lambda b: choose(b, rest))
+
+        result = choose(op, self.owners)
         # Owners later in the stack have not written yet: this read sees their previous
         # call's cache, so their in-place writes must wait for it.
-        for layer in self.index_k:
-            if layer not in self._written:
-                self._old_reads.setdefault(layer, []).append(result)
+        for layer in self.slots.index_k:
+            if layer not in self.slots._written:
+                self.slots._old_reads.setdefault(layer, []).append(result)
         return result
 
 
 def _if(op: OpBuilder, condition: ir.Value, then: Callable[[OpBuilder], ir.Value],
-        otherwise: ir.Value) -> ir.Value:
-    """If(condition) then the `then` subgraph else `otherwise`: the candidate caches differ
-    in rows, so Where cannot choose between them; only the chosen rows are copied."""
+        otherwise: Callable[[OpBuilder], ir.Value]) -> ir.Value:
+    """If(condition) then `then` else `otherwise`, each a subgraph of one float output (the
+    candidate caches differ in rows, so Where cannot choose between them)."""
     builder = op.builder
-    then_graph = builder.subgraph(then, inputs=[], outputs=[ir.Value(name="k_rows")],
+    then_graph = builder.subgraph(then, inputs=[], outputs=[ir.Value(name="score")],
                                   name="slot_is_this_owner")
-    else_graph = builder.subgraph(lambda o: o.Identity(otherwise), inputs=[],
-                                  outputs=[ir.Value(name="k_rows")], name="slot_is_another")
+    else_graph = builder.subgraph(otherwise, inputs=[], outputs=[ir.Value(name="score")],
+                                  name="slot_is_another")
     result = op.If(op.Squeeze(condition, [0]), then_branch=then_graph, else_branch=else_graph)
-    result.type = ir.TensorType(ir.DataType.UINT8)  # packed key rows
+    result.type = ir.TensorType(ir.DataType.FLOAT)  # the indexer's scores [b, s, T]
+    result.shape = ir.Shape([None, None, None])
     return result

@@ -11,8 +11,9 @@ Two entry points, both through the module's __call__ (so parameter names get its
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import onnx_ir as ir
@@ -26,6 +27,15 @@ from csa2onnx.graphs.kv_cache import INDEX_KEY_FORMAT
 from csa2onnx.graphs.numerics import Linear, RMSNorm, TorchWeight, Weight, linear, round_bf16
 from csa2onnx.graphs.quant import fp4_e8m0
 from csa2onnx.graphs.rope import FreqsCis, RopeParams, apply_rotary_emb
+
+
+class KeyCacheChoice(Protocol):
+    """A key cache chosen at run time among several (the shared index_k slot,
+    export/slots.py): `apply(op, fn)` is fn(op, cache) for whichever cache it is, each
+    candidate read in place, so that no cache is copied to be chosen."""
+
+    def apply(self, op: OpBuilder,
+              fn: Callable[[OpBuilder, ir.Value], ir.Value]) -> ir.Value: ...
 
 
 @dataclass(frozen=True)
@@ -142,16 +152,17 @@ class Indexer(nn.Module):
             raise ValueError("keys() needs an index-key owner (built with wk and k_norm)")
         return self.key_projection(op, latent, positions)
 
-    def select(self, op: OpBuilder, x: ir.Value, qr: ir.Value, index_k: ir.Value, *,
+    def select(self, op: OpBuilder, x: ir.Value, qr: ir.Value,
+               index_k: ir.Value | KeyCacheChoice, *,
                start_pos: ir.Value | None = None, candidates: ir.Value | None = None,
                window_rows: ir.Value | None = None, mode: Mode = "prefill") -> IndexerOutput:
         """x [b, s, dim], qr [b, s, q_lora_rank]; index_k the key cache in the shared slot,
         float [b, R, D] or packed (uint8 [b, R, row_bytes], INDEX_KEY_FORMAT, read in place)
-        (R >= end_pos // r); start_pos int64 scalar or [1] (decode; in prefill
-        only when continuing a sequence, else 0); candidates bool [b, s, end_pos // r] when
-        uses_candidates; window_rows int64 [1]: how many window rows precede the compressed
-        ones in this call's KV list (the selection's offset; default s in prefill, the
-        window size in decode)."""
+        (R >= end_pos // r), or a KeyCacheChoice among such caches; start_pos int64 scalar
+        or [1] (decode; in prefill only when continuing a sequence, else 0); candidates
+        bool [b, s, end_pos // r] when uses_candidates; window_rows int64 [1]: how many
+        window rows precede the compressed ones in this call's KV list (the selection's
+        offset; default s in prefill, the window size in decode)."""
         if mode not in ("prefill", "decode"):
             raise ValueError(f"mode must be 'prefill' or 'decode', got {mode!r}")
         if mode == "decode" and start_pos is None:
@@ -164,12 +175,14 @@ class Indexer(nn.Module):
         cos, sin = self.freqs_cis(op, positions)
         return apply_rotary_emb(op, x, cos, sin, self.rope_head_dim)
 
-    def _score(self, op: OpBuilder, q: ir.Value, w: ir.Value, index_k: ir.Value,
-               width: ir.Value) -> ir.Value:
+    def _score(self, op: OpBuilder, q: ir.Value, w: ir.Value,
+               index_k: ir.Value | KeyCacheChoice, width: ir.Value) -> ir.Value:
         """score[b,t,p] = bf16(sum_h bf16(relu(bf16(q[b,t,h] . k[p])) * w[b,t,h])) for the
         first `width` rows of index_k (float rows, or the packed cache read in place): the
         IndexerScore op (bit for bit the standard ops below as onnxruntime runs them, with no
         [b, s, H, T] intermediate), or those standard ops where D is past the op's limit."""
+        if not isinstance(index_k, ir.Value):  # chosen at run time: scored where it lies
+            return index_k.apply(op, lambda o, cache: self._score(o, q, w, cache, width))
         packed = index_k.dtype == ir.DataType.UINT8
         if self.head_dim <= INDEXER_SCORE_MAX_DIM:
             return indexer_score(op, q, w, index_k, width,
@@ -181,7 +194,8 @@ class Indexer(nn.Module):
         weighted = round_bf16(op, op.Mul(op.Relu(dots), op.Unsqueeze(w, [-1])))  # [b,s,H,T]
         return round_bf16(op, op.ReduceSum(weighted, [2], keepdims=0))
 
-    def forward(self, op: OpBuilder, x: ir.Value, qr: ir.Value, index_k: ir.Value,
+    def forward(self, op: OpBuilder, x: ir.Value, qr: ir.Value,
+                index_k: ir.Value | KeyCacheChoice,
                 start_pos: ir.Value | None, candidates: ir.Value | None,
                 window_rows: ir.Value | None, *, mode: Mode) -> IndexerOutput:
         """select(): called through __call__, so the parameters are realised in scope."""

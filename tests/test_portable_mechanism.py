@@ -97,6 +97,17 @@ def test_topk_body_is_onnx_topk() -> None:
     assert not np.array_equal(low, torch_order)  # else the tie proves nothing
 
 
+def _all_nodes(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
+    """The graph's nodes and its subgraphs' (the index_k slot's If branches)."""
+    nodes = []
+    for n in graph.node:
+        nodes.append(n)
+        for a in n.attribute:
+            if a.type == onnx.AttributeProto.GRAPH:
+                nodes += _all_nodes(a.g)
+    return nodes
+
+
 @pytest.fixture(scope="module")
 def case1_exports(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, Path]:
     g = golden("case1_r2_r1")
@@ -120,9 +131,8 @@ def test_an_exported_stack_differs_only_where_a_body_cannot_serve(case1_exports)
     for mode in ("prefill", "decode"):
         count, packed_reads = {}, {}
         for portable, folder in case1_exports.items():
-            nodes = [n for n in onnx.load(str(folder / f"{mode}.onnx"),
-                                          load_external_data=False).graph.node
-                     if n.domain == "csa2onnx"]
+            graph = onnx.load(str(folder / f"{mode}.onnx"), load_external_data=False).graph
+            nodes = [n for n in _all_nodes(graph) if n.domain == "csa2onnx"]
             count[portable] = collections.Counter(n.op_type for n in nodes)
             packed_reads[portable] = sum(
                 (n.op_type == "SparseAttention" and len(n.input) == 5) or
