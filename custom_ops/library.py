@@ -133,7 +133,8 @@ def fp8_linear_counts() -> dict[str, int]:
 def cpu_isas() -> list[str]:
     """The kernels' instruction-set paths this CPU runs ("avx512bf16", "avx512", "avx2",
     "scalar"): values for CSA2ONNX_ISA, which forces every kernel onto one (all give the same
-    bits; "avx512bf16" is TorchLinear's vdpbf16ps path, the other kernels' avx512 one)."""
+    bits; "avx512bf16" is the vdpbf16ps path of TorchLinear, SparseAttention and IndexerScore,
+    the other kernels' avx512 one)."""
     flags: set[str] = set()
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file():
