@@ -224,6 +224,23 @@ struct Tile {
   float* out;                  // score[block's first query][tile's first key]
 };
 
+// The dots of head vectors [v0, v0 + kHv) x kKeys keys, as the weighted terms into terms
+// [kKeys][hp]: bf16(relu(bf16(dot)) * w) lane by lane.
+template <typename V, int kHv, int kKeys>
+__attribute__((always_inline)) inline void store_terms(const Tile& tile, int64_t r, int64_t v0,
+                                                       const typename V::T (&acc)[kHv][kKeys],
+                                                       float* terms) {
+  using T = typename V::T;
+  const float* w = tile.w + r * tile.hp + v0 * V::W;
+  for (int v = 0; v < kHv; ++v) {
+    const T wv = V::load(w + v * V::W);
+    for (int j = 0; j < kKeys; ++j) {
+      const T x = Ops<V>::cast_bf16(V::mul(Ops<V>::relu(Ops<V>::cast_bf16(acc[v][j])), wv));
+      V::store(terms + j * tile.hp + (v0 + v) * V::W, x);
+    }
+  }
+}
+
 // Head vectors [v0, v0 + kHv) of query row r against kKeys key rows keys [kKeys][D]:
 // the weighted terms into terms [kKeys][hp].
 template <typename V, int kHv, int kKeys>
@@ -243,34 +260,41 @@ __attribute__((always_inline)) inline void tile_heads(const Tile& tile, int64_t 
       for (int v = 0; v < kHv; ++v) acc[v][j] = V::fma(qv[v], kb, acc[v][j]);
     }
   }
-  const float* w = tile.w + r * hp + v0 * V::W;
-  for (int v = 0; v < kHv; ++v) {
-    const T wv = V::load(w + v * V::W);
-    for (int j = 0; j < kKeys; ++j) {
-      const T x = Ops<V>::cast_bf16(V::mul(Ops<V>::relu(Ops<V>::cast_bf16(acc[v][j])), wv));
-      V::store(terms + j * hp + (v0 + v) * V::W, x);
-    }
-  }
+  store_terms<V, kHv, kKeys>(tile, r, v0, acc, terms);
 }
 
 // Query row r against the tile's key blocks, one block at a time (the row's qt stays in
-// L1): the row's scores of the tile. terms: scratch [kKeys][hp].
+// L1): the row's scores of the tile. terms: scratch [kKeys][hp]. block(c, terms) writes
+// the weighted terms of the block of key rows from c (by default tile_heads' fma chains).
 template <typename V>
-__attribute__((always_inline)) inline void tile_row(const Tile& tile, int64_t r, float* terms) {
+__attribute__((always_inline)) inline void fma_block(const Tile& tile, int64_t r, int64_t c,
+                                                     float* terms) {
   constexpr int kHv = Cfg<V>::kHeadVecs, kKeys = Cfg<V>::kKeys;
-  const Problem& pr = *tile.pr;
   const int64_t vecs = tile.hp / V::W;
+  const float* keys = tile.blocks[c / kKeys];
+  int64_t v0 = 0;
+  for (; v0 + kHv <= vecs; v0 += kHv) tile_heads<V, kHv, kKeys>(tile, r, v0, keys, terms);
+  for (; v0 < vecs; ++v0) tile_heads<V, 1, kKeys>(tile, r, v0, keys, terms);
+}
+
+template <typename V, typename Block>
+__attribute__((always_inline)) inline void tile_row(const Tile& tile, int64_t r, float* terms,
+                                                    Block&& block) {
+  constexpr int kKeys = Cfg<V>::kKeys;
+  const Problem& pr = *tile.pr;
   const SumOrder order = pr.sum_order();
   float* out = tile.out + r * pr.t;
   for (int64_t c = 0; c < tile.cols; c += kKeys) {
-    const float* keys = tile.blocks[c / kKeys];
-    int64_t v0 = 0;
-    for (; v0 + kHv <= vecs; v0 += kHv) tile_heads<V, kHv, kKeys>(tile, r, v0, keys, terms);
-    for (; v0 < vecs; ++v0) tile_heads<V, 1, kKeys>(tile, r, v0, keys, terms);
+    block(c, terms);
     const int64_t n = tile.cols - c < kKeys ? tile.cols - c : kKeys;
     for (int64_t j = 0; j < n; ++j)
       out[c + j] = cast_bf16(sum_heads(order, terms + j * tile.hp, pr.h));
   }
+}
+
+template <typename V>
+__attribute__((always_inline)) inline void tile_row(const Tile& tile, int64_t r, float* terms) {
+  tile_row<V>(tile, r, terms, [&](int64_t c, float* t) { fma_block<V>(tile, r, c, t); });
 }
 
 #ifdef CSA_X86
@@ -313,14 +337,7 @@ CSA_TARGET_AVX512BF16 inline void tile_heads_pairs(const Tile& tile, const PairR
       for (int v = 0; v < kHv; ++v) acc[v][j] = _mm512_dpbf16_ps(acc[v][j], qv[v], kb);
     }
   }
-  const float* w = tile.w + r * hp + v0 * V::W;
-  for (int v = 0; v < kHv; ++v) {
-    const __m512 wv = V::load(w + v * V::W);
-    for (int j = 0; j < kKeys; ++j) {
-      const __m512 x = Ops<V>::cast_bf16(V::mul(Ops<V>::relu(Ops<V>::cast_bf16(acc[v][j])), wv));
-      V::store(terms + j * hp + (v0 + v) * V::W, x);
-    }
-  }
+  store_terms<V, kHv, kKeys>(tile, r, v0, acc, terms);
 }
 
 // tile_row with each key block on pairs where the row and the block allow it: keys2
@@ -332,28 +349,20 @@ CSA_TARGET_AVX512BF16 inline void tile_row_pairs(const Tile& tile, const PairRow
                                                  uint64_t* on_pairs, uint64_t* on_fma) {
   using V = tv::VAvx512;
   constexpr int kHv = Cfg<V>::kHeadVecs, kKeys = Cfg<V>::kKeys;
-  const Problem& pr = *tile.pr;
-  const int64_t vecs = tile.hp / V::W;
-  const SumOrder order = pr.sum_order();
-  float* out = tile.out + r * pr.t;
-  for (int64_t c = 0; c < tile.cols; c += kKeys) {
+  const int64_t vecs = tile.hp / V::W, half = tile.pr->d / 2;
+  tile_row<V>(tile, r, terms, [&](int64_t c, float* t) {
     const int64_t blk = c / kKeys;
-    int64_t v0 = 0;
-    if (row.with(keys_fine[blk], keys_e[blk])) {
-      const pairs::u32* k2 = keys2 + blk * kKeys * (pr.d / 2);
-      for (; v0 + kHv <= vecs; v0 += kHv) tile_heads_pairs<kHv, kKeys>(tile, row, r, v0, k2, terms);
-      for (; v0 < vecs; ++v0) tile_heads_pairs<1, kKeys>(tile, row, r, v0, k2, terms);
-      ++*on_pairs;
-    } else {
-      const float* keys = tile.blocks[blk];
-      for (; v0 + kHv <= vecs; v0 += kHv) tile_heads<V, kHv, kKeys>(tile, r, v0, keys, terms);
-      for (; v0 < vecs; ++v0) tile_heads<V, 1, kKeys>(tile, r, v0, keys, terms);
+    if (!row.with(keys_fine[blk], keys_e[blk])) {
+      fma_block<V>(tile, r, c, t);
       ++*on_fma;
+      return;
     }
-    const int64_t n = tile.cols - c < kKeys ? tile.cols - c : kKeys;
-    for (int64_t j = 0; j < n; ++j)
-      out[c + j] = cast_bf16(sum_heads(order, terms + j * tile.hp, pr.h));
-  }
+    const pairs::u32* k2 = keys2 + blk * kKeys * half;
+    int64_t v0 = 0;
+    for (; v0 + kHv <= vecs; v0 += kHv) tile_heads_pairs<kHv, kKeys>(tile, row, r, v0, k2, t);
+    for (; v0 < vecs; ++v0) tile_heads_pairs<1, kKeys>(tile, row, r, v0, k2, t);
+    ++*on_pairs;
+  });
 }
 #endif
 

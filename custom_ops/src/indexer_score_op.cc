@@ -61,6 +61,36 @@ struct Job {
   std::atomic<bool> out_of_memory{false};
 };
 
+// Tiled task t's batch entry, first key and query rows, and how many of each.
+struct TaskTile {
+  int64_t bi, t0, s0, cols, rows;
+};
+inline TaskTile task_tile(const Job& j, size_t task) {
+  const int64_t t = static_cast<int64_t>(task);
+  const int64_t t0 = t % j.t_blocks * is::kTileT, s0 = t / j.t_blocks % j.s_blocks * is::kTileS;
+  return {t / j.t_blocks / j.s_blocks, t0, s0, std::min(is::kTileT, j.pr.t - t0),
+          std::min(is::kTileS, j.pr.s - s0)};
+}
+
+// The n (<= kKeys) key rows from `first_key` as one block [kKeys][D]: float keys where they
+// lie when the block is whole, else copied or unpacked into `block` and padded with zero rows.
+template <typename V>
+__attribute__((always_inline)) inline const float* key_block(const Job& j, int64_t first_key,
+                                                             int64_t n, float* block) {
+  constexpr int64_t kKeys = is::Cfg<V>::kKeys;
+  const int64_t d = j.pr.d;
+  const float* keys = j.keys != nullptr ? j.keys + first_key * d : nullptr;
+  if (keys != nullptr && n == kKeys) return keys;
+  for (int64_t k = 0; k < n; ++k) {
+    if (keys != nullptr)
+      std::memcpy(block + k * d, keys + k * d, static_cast<size_t>(d) * 4);
+    else
+      is::Cfg<V>::unpack(j.format, j.packed + (first_key + k) * j.row_bytes, d, block + k * d);
+  }
+  std::fill(block + n * d, block + kKeys * d, 0.0f);
+  return block;
+}
+
 // Tiled task t = (batch entry, query block, key tile): the tile's blocks of kKeys key rows
 // are read in place (float keys) or unpacked once (packed keys, and a last partial block,
 // padded with zero rows) into row-major scratch; then each query row of the block runs over
@@ -71,35 +101,16 @@ __attribute__((always_inline)) inline void tiled_task(const Job& j, size_t task,
   constexpr int64_t kKeys = is::Cfg<V>::kKeys;
   static_assert(is::kTileT % kKeys == 0, "a tile is whole key blocks");
   const is::Problem& pr = j.pr;
-  const int64_t tb = static_cast<int64_t>(task) % j.t_blocks;
-  const int64_t sb = static_cast<int64_t>(task) / j.t_blocks % j.s_blocks;
-  const int64_t bi = static_cast<int64_t>(task) / j.t_blocks / j.s_blocks;
-  const int64_t t0 = tb * is::kTileT, s0 = sb * is::kTileS;
-  const int64_t cols = std::min(is::kTileT, pr.t - t0);
-  const int64_t rows = std::min(is::kTileS, pr.s - s0);
+  const TaskTile tt = task_tile(j, task);
+  const int64_t bi = tt.bi, t0 = tt.t0, s0 = tt.s0, cols = tt.cols, rows = tt.rows;
   const size_t need = static_cast<size_t>(is::kTileT * pr.d + kKeys * j.hp);
   if (scratch.size() < need) scratch.resize(need);
   float* unpacked = scratch.data();
   float* terms = unpacked + is::kTileT * pr.d;
   const float* blocks[is::kTileT / kKeys];
-  for (int64_t c = 0; c < cols; c += kKeys) {
-    const int64_t n = std::min(kKeys, cols - c);
-    const int64_t first_key = bi * j.r + t0 + c;
-    const float* keys = j.keys != nullptr ? j.keys + first_key * pr.d : nullptr;
-    float* block = unpacked + c * pr.d;
-    if (keys == nullptr || n < kKeys) {
-      for (int64_t k = 0; k < n; ++k) {
-        if (keys != nullptr)
-          std::memcpy(block + k * pr.d, keys + k * pr.d, static_cast<size_t>(pr.d) * 4);
-        else
-          is::Cfg<V>::unpack(j.format, j.packed + (first_key + k) * j.row_bytes, pr.d,
-                             block + k * pr.d);
-      }
-      std::fill(block + n * pr.d, block + kKeys * pr.d, 0.0f);
-      keys = block;
-    }
-    blocks[c / kKeys] = keys;
-  }
+  for (int64_t c = 0; c < cols; c += kKeys)
+    blocks[c / kKeys] = key_block<V>(j, bi * j.r + t0 + c, std::min(kKeys, cols - c),
+                                     unpacked + c * pr.d);
   const int64_t first_row = bi * pr.s + s0;
   const is::Tile tile{&pr, j.qt + first_row * pr.d * j.hp, j.wt + first_row * j.hp, j.hp,
                       blocks, cols, j.out + first_row * pr.t + t0};
@@ -129,12 +140,8 @@ CSA_TARGET_AVX512BF16 __attribute__((flatten)) void tiled_avx512bf16(const Job& 
   constexpr int64_t kKeys = is::Cfg<V>::kKeys, kBlocks = is::kTileT / kKeys;
   const is::Problem& pr = j.pr;
   const int64_t half = pr.d / 2;
-  const int64_t tb = static_cast<int64_t>(task) % j.t_blocks;
-  const int64_t sb = static_cast<int64_t>(task) / j.t_blocks % j.s_blocks;
-  const int64_t bi = static_cast<int64_t>(task) / j.t_blocks / j.s_blocks;
-  const int64_t t0 = tb * is::kTileT, s0 = sb * is::kTileS;
-  const int64_t cols = std::min(is::kTileT, pr.t - t0);
-  const int64_t rows = std::min(is::kTileS, pr.s - s0);
+  const TaskTile tt = task_tile(j, task);
+  const int64_t bi = tt.bi, t0 = tt.t0, s0 = tt.s0, cols = tt.cols, rows = tt.rows;
   const size_t need = static_cast<size_t>(is::kTileT * pr.d + kKeys * j.hp + is::kTileT * half);
   if (scratch.size() < need) scratch.resize(need);
   float* unpacked = scratch.data();
@@ -144,21 +151,8 @@ CSA_TARGET_AVX512BF16 __attribute__((flatten)) void tiled_avx512bf16(const Job& 
   bool fine[kBlocks];
   uint32_t exponent[kBlocks];
   for (int64_t c = 0; c < cols; c += kKeys) {
-    const int64_t n = std::min(kKeys, cols - c);
-    const int64_t first_key = bi * j.r + t0 + c;
-    const float* keys = j.keys != nullptr ? j.keys + first_key * pr.d : nullptr;
-    float* block = unpacked + c * pr.d;
-    if (keys == nullptr || n < kKeys) {
-      for (int64_t k = 0; k < n; ++k) {
-        if (keys != nullptr)
-          std::memcpy(block + k * pr.d, keys + k * pr.d, static_cast<size_t>(pr.d) * 4);
-        else
-          is::Cfg<V>::unpack(j.format, j.packed + (first_key + k) * j.row_bytes, pr.d,
-                             block + k * pr.d);
-      }
-      std::fill(block + n * pr.d, block + kKeys * pr.d, 0.0f);
-      keys = block;
-    }
+    const float* keys = key_block<V>(j, bi * j.r + t0 + c, std::min(kKeys, cols - c),
+                                     unpacked + c * pr.d);
     blocks[c / kKeys] = keys;
     is::pairs::Scan scan;
     for (int64_t k = 0; k < kKeys; ++k)

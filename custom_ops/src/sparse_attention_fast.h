@@ -178,39 +178,14 @@ CSA_TARGET_AVX512BF16 inline void logit_heads(const Shape& s, const uint32_t* qp
     logit_tile<GV, J>(qp + g0, s.gp, kr + j, d2, lsum + j * s.gp + g0);
 }
 
-// P @ V for HB heads x EC columns from e0: pp [32][gp] bf16(p) pairs, vp [32][ldv] row pairs;
-// acc [HB][dp] = acc * alpha + chain over the nv2 entry pairs.
-template <int HB, int EC>
-CSA_TARGET_AVX512BF16 inline void pv_tile(const uint32_t* pp, int64_t gp, const uint32_t* vp,
-                                          int64_t ldv, int64_t nv2, int64_t e0,
-                                          const float* alpha, float* acc, int64_t dp) {
-  constexpr int NV = EC / 16;
-  __m512 blk[HB][NV];
-  zero_tile(blk);
-  for (int64_t jj = 0; jj < nv2; ++jj) {
-    __m512bh r[NV];
-    for (int v = 0; v < NV; ++v) r[v] = as_bh(_mm512_loadu_si512(vp + jj * ldv + e0 + v * 16));
-    for (int i = 0; i < HB; ++i) {
-      const __m512bh p = as_bh(_mm512_set1_epi32(static_cast<int>(pp[jj * gp + i])));
-      for (int v = 0; v < NV; ++v) blk[i][v] = _mm512_dpbf16_ps(blk[i][v], r[v], p);
-    }
-  }
-  for (int i = 0; i < HB; ++i) {
-    const __m512 a = _mm512_set1_ps(alpha[i]);
-    for (int v = 0; v < NV; ++v) {
-      float* o = acc + i * dp + e0 + v * 16;
-      _mm512_storeu_ps(o, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(o), a), blk[i][v]));
-    }
-  }
-}
-
 template <int EC>
 CSA_TARGET_AVX512BF16 inline void pv_columns(const Shape& s, const uint32_t* pp,
                                              const uint32_t* vp, int64_t nv2, int64_t e0,
                                              const float* alpha, float* acc) {
   constexpr int kHeads = 4;
   for (int64_t i = 0; i < s.gp; i += kHeads)
-    pv_tile<kHeads, EC>(pp + i, s.gp, vp, s.ldv, nv2, e0, alpha + i, acc + i * s.dp, s.dp);
+    tiled::pairs::pv_tile<kHeads, EC>(pp + i, s.gp, vp, s.ldv, nv2, e0, alpha + i,
+                                      acc + i * s.dp, s.dp);  // pp, vp: [pair][gp], [pair][ldv]
 }
 
 // 32 values to bf16 (RNE): x[0, left) and zeros past it (left <= 0: all zero).

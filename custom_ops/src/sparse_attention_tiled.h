@@ -476,7 +476,8 @@ CSA_TARGET_AVX512BF16 inline void logit_heads(const Shape& s, const u32* q2, con
 }
 
 // pv_tile on pairs: HB heads x EC columns from e0 over entry pairs [0, np) (p2 [pair][ldp],
-// v2 [pair][ldv]); then acc = acc * alpha + chain.
+// v2 [pair][ldv]); then acc = acc * alpha + chain. (The fast kernel's P @ V too, on pairs
+// in its own order.)
 template <int HB, int EC>
 CSA_TARGET_AVX512BF16 inline void pv_tile(const u32* p2, int64_t ldp, const u32* v2,
                                           int64_t ldv, int64_t np, int64_t e0,
