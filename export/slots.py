@@ -64,7 +64,7 @@ class Slots:
         if out.candidates is not None:
             self.candidates = out.candidates
 
-    def reads(self, op: OpBuilder, p: LayerPlan, end_pos: ir.Value) -> SlotReads | None:
+    def reads(self, p: LayerPlan) -> SlotReads | None:
         """What compressed layer `p` reads (None for a window-only layer)."""
         if not p.compressed:
             return None

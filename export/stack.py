@@ -142,8 +142,7 @@ def build_stack_model(plan: StackPlan, weights: dict[int, LayerWeights] | StackW
                                        after=slots.reads_before_write(p.layer))
             slots.publish(op, p.layer, published)
             states[p.layer] = published.state
-        end_pos = op.Add(pos, op.Slice(op.Shape(x), [1], [2]))
-        result = layer(op, x, pos, states[p.layer], slots.reads(op, p, end_pos), mode, debug)
+        result = layer(op, x, pos, states[p.layer], slots.reads(p), mode, debug)
         slots.publish_selection(p.layer, result)
         states[p.layer] = result.state
         outputs.append((layer_output(p.layer), result.out))
