@@ -200,7 +200,7 @@ def tie_case(s: int, b: int = 1) -> tuple:
 def test_avx512bf16_takes_vdpbf16ps_where_exact(monkeypatch):
     """The model's fp4 values run on vdpbf16ps (counted), the standard ops' bits; key blocks
     or query rows with values so small that a product could be denormal (flushed by
-    vdpbf16ps) run the fma chains, the same bits."""
+    vdpbf16ps), or so large that a sum could overflow, run the fma chains, the same bits."""
     q, w, keys, packed = case(5, 4, 1, 64, 128, 300, adversarial=False)
     before = indexer_score_pair_counts()
     check(monkeypatch, q, w, keys, packed, 300, paths=["avx512bf16"], threads=(2,))
@@ -208,12 +208,13 @@ def test_avx512bf16_takes_vdpbf16ps_where_exact(monkeypatch):
     assert after["pairs"] - before["pairs"] >= 2 * 4 * 37 and after["fmaf"] == before["fmaf"]
     keys[1, 17] *= np.float32(2.0**-120)  # batch entry 1: one key row (so its block) tiny
     q[2, 0, 3, 9] = np.float32(2.0**-120)  # batch entry 2: a query row too small
+    q[3, 0, 5] *= np.float32(2.0**124)  # batch entry 3: dots that overflow to inf
     packed = pack_quantized(keys, FORMAT)
     keys = unpack_quantized(packed, FORMAT, 128)
     before = indexer_score_pair_counts()
     check(monkeypatch, q, w, keys, packed, 300, paths=["avx512bf16"], threads=(1,))
     after = indexer_score_pair_counts()
-    assert after["fmaf"] - before["fmaf"] == 2 * (1 + 38)  # float and packed keys
+    assert after["fmaf"] - before["fmaf"] == 2 * (1 + 38 + 38)  # float and packed keys
 
 
 def test_orders_decide_ties(monkeypatch):

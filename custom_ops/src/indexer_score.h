@@ -302,20 +302,15 @@ __attribute__((always_inline)) inline void tile_row(const Tile& tile, int64_t r,
 // On CPUs with AVX512-BF16 the dots' fma chains run two steps an instruction, as
 // SparseAttention's (sparse_attention_tiled.h, namespace pairs): pairs stored swapped make
 // vdpbf16ps add the product of term 2e, then of 2e + 1, one rounding each, the chain in
-// order, exact where every value is a finite bf16 value and the smallest nonzero exponents
-// of the query row and of the key block sum to 142 or more (the model's fp4 values are
-// such). Any other query row or key block runs tile_heads' fma chains.
+// order, exact where every value is a finite bf16 value and the exponents of the query row
+// and of the key block rule out denormals and overflow (pairs::chains_exact; the model's fp4
+// values always do). Any other query row or key block runs tile_heads' fma chains.
 namespace pairs = sparse_attention::tiled::pairs;
 
-// A query row's pairs: q2 [D/2][hp] swapped, and whether they may be used with a key block
-// whose smallest nonzero biased exponent is e.
+// A query row's pairs, q2 [D/2][hp] swapped, and the range of its values.
 struct PairRow {
   const pairs::u32* q2;
-  bool fine;
-  uint32_t exponent;
-  bool with(bool keys_fine, uint32_t e) const {
-    return fine && keys_fine && exponent + e >= pairs::kMinExponentSum;
-  }
+  pairs::Range range;
 };
 
 // tile_heads on pairs: keys2 [kKeys][D/2] swapped.
@@ -341,18 +336,17 @@ CSA_TARGET_AVX512BF16 inline void tile_heads_pairs(const Tile& tile, const PairR
 }
 
 // tile_row with each key block on pairs where the row and the block allow it: keys2
-// [blocks][kKeys][D/2], keys_fine and keys_e per block. Counts the blocks of each kind.
+// [blocks][kKeys][D/2], keys_range per block. Counts the blocks of each kind.
 CSA_TARGET_AVX512BF16 inline void tile_row_pairs(const Tile& tile, const PairRow& row,
                                                  int64_t r, const pairs::u32* keys2,
-                                                 const bool* keys_fine,
-                                                 const uint32_t* keys_e, float* terms,
+                                                 const pairs::Range* keys_range, float* terms,
                                                  uint64_t* on_pairs, uint64_t* on_fma) {
   using V = tv::VAvx512;
   constexpr int kHv = Cfg<V>::kHeadVecs, kKeys = Cfg<V>::kKeys;
   const int64_t vecs = tile.hp / V::W, half = tile.pr->d / 2;
   tile_row<V>(tile, r, terms, [&](int64_t c, float* t) {
     const int64_t blk = c / kKeys;
-    if (!row.with(keys_fine[blk], keys_e[blk])) {
+    if (!pairs::chains_exact(row.range, keys_range[blk], tile.pr->d)) {
       fma_block<V>(tile, r, c, t);
       ++*on_fma;
       return;

@@ -52,11 +52,10 @@ struct Job {
   const float* wt = nullptr;
   int64_t hp = 0;
 #ifdef CSA_X86
-  // The avx512bf16 path: the query rows as swapped pairs [rows][D/2][hp], and per row
-  // whether they are fit for vdpbf16ps and their smallest nonzero biased exponent.
+  // The avx512bf16 path: the query rows as swapped pairs [rows][D/2][hp], and the range of
+  // each row's values (pairs::chains_exact).
   const is::pairs::u32* q2 = nullptr;
-  const uint8_t* q_fine = nullptr;
-  const uint32_t* q_exponent = nullptr;
+  const is::pairs::Range* q_range = nullptr;
 #endif
   std::atomic<bool> out_of_memory{false};
 };
@@ -148,8 +147,7 @@ CSA_TARGET_AVX512BF16 __attribute__((flatten)) void tiled_avx512bf16(const Job& 
   float* terms = unpacked + is::kTileT * pr.d;
   is::pairs::u32* keys2 = reinterpret_cast<is::pairs::u32*>(terms + kKeys * j.hp);
   const float* blocks[kBlocks];
-  bool fine[kBlocks];
-  uint32_t exponent[kBlocks];
+  is::pairs::Range range[kBlocks];
   for (int64_t c = 0; c < cols; c += kKeys) {
     const float* keys = key_block<V>(j, bi * j.r + t0 + c, std::min(kKeys, cols - c),
                                      unpacked + c * pr.d);
@@ -157,8 +155,7 @@ CSA_TARGET_AVX512BF16 __attribute__((flatten)) void tiled_avx512bf16(const Job& 
     is::pairs::Scan scan;
     for (int64_t k = 0; k < kKeys; ++k)
       is::pairs::swap_row(keys + k * pr.d, pr.d, keys2 + (c + k) * half, scan);
-    fine[c / kKeys] = scan.fine();
-    exponent[c / kKeys] = scan.exponent();
+    range[c / kKeys] = scan.range();
   }
   const int64_t first_row = bi * pr.s + s0;
   const is::Tile tile{&pr, j.qt + first_row * pr.d * j.hp, j.wt + first_row * j.hp, j.hp,
@@ -166,23 +163,21 @@ CSA_TARGET_AVX512BF16 __attribute__((flatten)) void tiled_avx512bf16(const Job& 
   uint64_t on_pairs = 0, on_fma = 0;
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t row = first_row + r;
-    const is::PairRow pair_row{j.q2 + row * half * j.hp, j.q_fine[row] != 0, j.q_exponent[row]};
-    is::tile_row_pairs(tile, pair_row, r, keys2, fine, exponent, terms, &on_pairs, &on_fma);
+    const is::PairRow pair_row{j.q2 + row * half * j.hp, j.q_range[row]};
+    is::tile_row_pairs(tile, pair_row, r, keys2, range, terms, &on_pairs, &on_fma);
   }
   is::pair_counts.pairs.fetch_add(on_pairs, std::memory_order_relaxed);
   is::pair_counts.fmaf.fetch_add(on_fma, std::memory_order_relaxed);
 }
 
 // The query rows as the avx512bf16 tiles read them: q2 [rows][D/2][hp] (qt's pairs, swapped),
-// and each row's fitness and smallest nonzero biased exponent.
+// and the range of each row's values.
 CSA_TARGET_AVX512BF16 void pair_queries(const float* q, int64_t rows, int64_t h, int64_t d,
                                         int64_t hp, std::vector<uint32_t>& q2,
-                                        std::vector<uint8_t>& fine,
-                                        std::vector<uint32_t>& exponent) {
+                                        std::vector<is::pairs::Range>& range) {
   const int64_t half = d / 2;
   q2.assign(static_cast<size_t>(rows * half * hp), 0u);
-  fine.assign(static_cast<size_t>(rows), 0);
-  exponent.assign(static_cast<size_t>(rows), 255u);
+  range.resize(static_cast<size_t>(rows));
   std::vector<uint32_t> swapped(static_cast<size_t>(half));
   for (int64_t i = 0; i < rows; ++i) {
     is::pairs::Scan scan;
@@ -190,8 +185,7 @@ CSA_TARGET_AVX512BF16 void pair_queries(const float* q, int64_t rows, int64_t h,
       is::pairs::swap_row(q + (i * h + hh) * d, d, swapped.data(), scan);
       for (int64_t p = 0; p < half; ++p) q2[(i * half + p) * hp + hh] = swapped[p];
     }
-    fine[i] = scan.fine() ? 1 : 0;
-    exponent[i] = scan.exponent();
+    range[i] = scan.range();
   }
 }
 #endif
@@ -317,8 +311,8 @@ struct IndexerScoreKernel {
     int64_t tasks = b * s;
     std::vector<float> qt, wt;
 #ifdef CSA_X86
-    std::vector<uint32_t> q2, q_exponent;
-    std::vector<uint8_t> q_fine;
+    std::vector<uint32_t> q2;
+    std::vector<is::pairs::Range> q_range;
 #endif
     if (isa != Isa::kReference && job.pr.tiled()) {
       fn = tiled_scalar;
@@ -330,11 +324,9 @@ struct IndexerScoreKernel {
       }
       if (isa == Isa::kAvx512Bf16 && d % 32 == 0) {  // pairs of 32 values at a time
         fn = tiled_avx512bf16;
-        pair_queries(job.q, b * s, h, d, (h + width - 1) / width * width, q2, q_fine,
-                     q_exponent);
+        pair_queries(job.q, b * s, h, d, (h + width - 1) / width * width, q2, q_range);
         job.q2 = q2.data();
-        job.q_fine = q_fine.data();
-        job.q_exponent = q_exponent.data();
+        job.q_range = q_range.data();
       }
       if (isa == Isa::kAvx2) {
         fn = tiled_avx2;

@@ -29,12 +29,11 @@
 //     denormals as zero and flushing denormal results (TorchLinear's kOneDnnPairs order rests
 //     on the same, on both CPU classes). Pairs stored swapped, (x[e+1], x[e]) as (low, high),
 //     make one instruction two steps of the definition's chain, in order. Where every value
-//     is a finite bf16 value and the smallest nonzero magnitudes of the two sides have
-//     biased exponents summing to 142 or more (q and the block's rows; bf16(p) and the rows),
-//     every product is a multiple of 2^-126 and so is every partial sum (a rounding keeps a
-//     multiple of 2^-126 one): no denormal ever arises and the result is the fmaf chain's,
-//     bit for bit. A task whose q is not bf16, a block whose rows are not (or too small), and
-//     a block's P @ V whose bf16(p) are too small take the fmaf tiles instead (counted:
+//     is a finite bf16 value and the exponents of the two sides (q and the block's rows;
+//     bf16(p) and the rows) rule out a denormal or an overflow anywhere in the chains
+//     (pairs::chains_exact), the result is the fmaf chain's, bit for bit. A task whose q is
+//     not bf16, a block whose rows are not (or too small or large), and a block's P @ V whose
+//     bf16(p) are too small take the fmaf tiles instead (counted:
 //     csa2onnx_sparse_attention_pair_counts).
 // Padding (heads up to GP, entries up to a multiple of 16, columns up to dp) computes
 // values nobody reads: each output's chain involves only its own head, entry and column.
@@ -370,31 +369,47 @@ namespace pairs {
 
 using u32 = uint32_t __attribute__((may_alias));  // float scratch read and written as bits
 
-// Every product of two bf16 values with biased exponents E1, E2 is a multiple of
-// 2^(E1 + E2 - 268); at E1 + E2 >= 142 that is 2^-126 or more: no denormal can arise.
-constexpr uint32_t kMinExponentSum = 142;
+// A finite bf16 value of biased exponent E is a multiple of 2^(E - 134) below 2^(E - 126).
+// So a chain of n products of values from two sets is exact on vdpbf16ps when (lo: smallest
+// exponent of a nonzero value, hi: largest exponent)
+//   lo1 + lo2 >= 142: every product and partial sum is 0 or a multiple of 2^-126 (a rounding
+//     keeps that), never denormal, so nothing is flushed;
+//   hi1 + hi2 + ceil(log2 n) <= 379: every partial sum stays below 2^127: no overflow (inf
+//     and NaN would arise alike, but not necessarily with the same NaN bits).
+struct Range {
+  bool fine;         // every value a finite bf16 value
+  uint32_t lo, hi;   // smallest nonzero and largest biased exponent (255, 0: all zero)
+};
+inline bool chains_exact(const Range& a, const Range& b, int64_t n) {
+  uint32_t log2n = 0;
+  while ((int64_t{1} << log2n) < n) ++log2n;
+  return a.fine && b.fine && a.lo + b.lo >= 142 && a.hi + b.hi + log2n <= 379;
+}
 
-// What the chains need to know of some values (float bits): whether each is a finite bf16
-// value, and the smallest biased exponent of the nonzero ones (255: none).
+// Range of the values (float bits) added.
 struct Scan {
   uint16_t bad = 0;
   alignas(64) uint32_t emin[16];
+  alignas(64) uint32_t emax[16];
   Scan() {
     for (uint32_t& e : emin) e = 255;
+    for (uint32_t& e : emax) e = 0;
   }
   CSA_TARGET_AVX512BF16 inline void add(__m512i x) {
     const __m512i a = _mm512_and_si512(x, _mm512_set1_epi32(0x7fffffff));
     const __mmask16 huge = _mm512_cmpge_epu32_mask(a, _mm512_set1_epi32(0x7f800000));
     bad = static_cast<uint16_t>(bad | huge | _mm512_test_epi32_mask(x, _mm512_set1_epi32(0xffff)));
-    const __m512i e = _mm512_load_si512(emin);
-    _mm512_store_si512(emin, _mm512_mask_min_epu32(e, _mm512_test_epi32_mask(a, a), e,
-                                                   _mm512_maskz_srli_epi32(0xffff, a, 23)));
+    const __m512i e = _mm512_maskz_srli_epi32(0xffff, a, 23);
+    const __m512i lo = _mm512_load_si512(emin);
+    _mm512_store_si512(emin, _mm512_mask_min_epu32(lo, _mm512_test_epi32_mask(a, a), lo, e));
+    const __m512i hi = _mm512_load_si512(emax);
+    _mm512_store_si512(emax, _mm512_mask_max_epu32(hi, 0xffff, hi, e));
   }
-  bool fine() const { return bad == 0; }
-  uint32_t exponent() const {
-    uint32_t m = 255;
-    for (uint32_t e : emin) m = e < m ? e : m;
-    return m;
+  Range range() const {
+    Range r{bad == 0, 255, 0};
+    for (uint32_t e : emin) r.lo = e < r.lo ? e : r.lo;
+    for (uint32_t e : emax) r.hi = e > r.hi ? e : r.hi;
+    return r;
   }
 };
 
@@ -644,7 +659,8 @@ inline void task(const Problem& pr, const Shape& s, int64_t h0, const float* q,
   pairs::u32* v2 = nullptr;  // the block's entry pairs [32][dp]
   pairs::u32* p2 = nullptr;  // bf16(p) of the entry pairs [32][gp]
   uint64_t n_pairs = 0, n_pv_fmaf = 0, n_fmaf = 0;
-  pairs::Scan q_scan, kv_scan;
+  pairs::Scan q_scan;
+  pairs::Range q_range{false, 255, 0}, kv_range{false, 255, 0};
   if constexpr (Cfg::kPairs) {
     if (s.pairs && blocked) {
       q2 = reinterpret_cast<pairs::u32*>(zero + dp);
@@ -655,7 +671,8 @@ inline void task(const Problem& pr, const Shape& s, int64_t h0, const float* q,
         if (i < g) pairs::swap_row(q + (h0 + i) * d, d, r2, q_scan);
         for (int64_t p = 0; p < d / 2; ++p) q2[p * gp + i] = i < g ? r2[p] : 0u;
       }
-      q_pairs = q_scan.fine();
+      q_range = q_scan.range();
+      q_pairs = q_range.fine;
     }
   }
 #endif
@@ -694,10 +711,10 @@ inline void task(const Problem& pr, const Shape& s, int64_t h0, const float* q,
 #ifdef CSA_X86
     if constexpr (Cfg::kPairs) {
       if (q_pairs) {
-        kv_scan = pairs::Scan{};
+        pairs::Scan kv_scan;
         for (int64_t j = 0; j < nv; ++j) pairs::swap_row(rows[j], d, r2 + j * (d / 2), kv_scan);
-        block_pairs = kv_scan.fine() &&
-                      q_scan.exponent() + kv_scan.exponent() >= pairs::kMinExponentSum;
+        kv_range = kv_scan.range();
+        block_pairs = pairs::chains_exact(q_range, kv_range, d);
         if (block_pairs)
           std::memset(r2 + nv * (d / 2), 0, static_cast<size_t>((nvp - nv) * (d / 2)) * 4);
         else
@@ -748,8 +765,7 @@ inline void task(const Problem& pr, const Shape& s, int64_t h0, const float* q,
     if constexpr (Cfg::kPairs) {
       pairs::Scan p_scan;
       if (block_pairs) pairs::scan_rows(pb, nv, gp, gp, p_scan);
-      if (block_pairs && p_scan.fine() &&
-          p_scan.exponent() + kv_scan.exponent() >= pairs::kMinExponentSum) {
+      if (block_pairs && pairs::chains_exact(p_scan.range(), kv_range, nv)) {
         const int64_t np = (nv + 1) / 2;  // an odd last entry pairs with p = 0 and a zero row
         for (int64_t q = 0; q < np; ++q) {
           const bool two = 2 * q + 1 < nv;

@@ -3,7 +3,8 @@
 // rounding: there every last-bit difference in a logit, a block sum, a probability or a P @ V
 // chain shows, where the bf16 outputs would hide all but about one in 2^16.
 // Every instruction-set path this CPU has (avx512bf16: vdpbf16ps where exact, and its
-// fallbacks, counted); random and adversarial inputs; h 1, 3, 4, 5, 16, 64; d 8, 13, 128, 512; k with -1 entries anywhere, whole blocks of -1, duplicates. Then a
+// fallbacks, counted); random and adversarial inputs (tiny, denormal, overflowing); h 1, 3,
+// 4, 5, 16, 64; d 8, 13, 128, 512; k with -1 entries anywhere, whole blocks of -1, duplicates. Then a
 // packed compressed cache (tiled::Source, every packed format, d 32 .. 512, window rows from
 // 0 to 200): the tiles gathering and unpacking packed rows against the definition on the
 // concatenated float rows (window, then the packed rows unpacked).
@@ -68,7 +69,7 @@ struct Case {
   int64_t h, d, k, n;
   int kind;  // 0 random, 1 large logits, 2 all logits tied, 3 wide p range, 4 sparse rows,
              // 5 tiny bf16 values here and there (2^-60: the vdpbf16ps tiles' fallbacks),
-             // 6 denormal bf16 values in a few rows
+             // 6 denormal bf16 values in a few rows, 7 huge bf16 values (logits overflow)
 };
 
 // One query row: the definition vs every path, all head groups of 16 and the whole row.
@@ -92,6 +93,11 @@ int64_t check(const Case& c, std::mt19937_64& rng, const std::vector<Path>& path
   }
   if (c.kind == 6)  // denormal values (flushed by vdpbf16ps: those blocks must fall back)
     for (int64_t r = 0; r < c.n; r += 37) kv[r * d] = bf16(0x1p-130f);
+  if (c.kind == 7) {  // huge values: sums that overflow (those chains must fall back too)
+    for (float& x : q) x = bf16(x * 0x1p60f);
+    for (int64_t r = 0; r < c.n; r += 5)
+      for (int64_t e = 0; e < d; ++e) kv[r * d + e] = bf16(kv[r * d + e] * 0x1p66f);
+  }
   std::vector<int64_t> idx(k);
   for (int64_t j = 0; j < k; ++j) idx[j] = unit(rng) < (c.kind == 4 ? 0.8f : 0.2f) ? -1 : row(rng);
   if (k > 70) {
@@ -204,7 +210,7 @@ int main(int argc, char** argv) {
   for (int64_t h : {1, 3, 4, 5, 16, 64})
     for (int64_t d : {8, 13, 128, 512})
       for (int64_t k : {1, 64, 100, 200})
-        for (int kind = 0; kind < 7; ++kind) {
+        for (int kind = 0; kind < 8; ++kind) {
           if (h * d * k > 64 * 512 * 100 && kind > 0) continue;  // keep the run short
           mismatches += check({h, d, k, 300, kind}, rng, paths, &compared);
           ++cases;
