@@ -22,10 +22,9 @@
 // time (AVX512-VBMI: a 16x16 transpose by word permutes, table lookups, variable shifts)
 // into a thread-local panel and multiplies them in tiles of 6 rows x 64 columns, one K block
 // at a time; with at most 4 rows (decode) the pairs go straight from the conversion into
-// vpdpwssd, 256 K blocks a step: for one row of X each W row in order, 64 codes a zmm
-// (lanes over k, block sums by an add/shuffle tree; a panel is one sequential stream,
-// prefetched 16 KiB ahead), for 2 to 4 rows 16 columns' rows at a time (the next 16
-// prefetched). The blocks where the precondition fails are summed exactly first, into override
+// vpdpwssd, up to 256 K blocks a step (fewer for 2 to 4 rows: X's chunk stays in L1),
+// each W row in order against every row of X, 64 codes a zmm (lanes over k, block sums by
+// an add/shuffle tree; a panel is one sequential stream, prefetched 16 KiB ahead). The blocks where the precondition fails are summed exactly first, into override
 // slots the tiles read by masked loads: a W block that is not int16 as two int16 digits
 // (v = h * 2^8 + l) against every row at once (16 rows a zmm, from X transposed; up to 4
 // rows: each row's block against the digits, lanes over k), a flagged
@@ -566,7 +565,7 @@ void run_task(const Call& c, int64_t task, TaskCounts& tally) {
   const int64_t rows16 = (rows + kLanes - 1) / kLanes * kLanes;
   thread_local Scratch scratch;
   const bool small = rows <= kSmallRows && c.kern.dot_small != nullptr;
-  const int64_t chunk = small ? kSmallChunkKb : kChunkKb;  // K blocks a step
+  const int64_t chunk = small ? small_chunk_kb(rows) : kChunkKb;  // K blocks a step
   int16_t* pw = Scratch::at_least(scratch.pw, static_cast<size_t>(chunk * kPairs * kPanel * 2));
   float* g = Scratch::at_least(scratch.g, static_cast<size_t>(chunk * kPanel));
   float* out = Scratch::at_least(scratch.out, static_cast<size_t>(rows * kPanel));
