@@ -477,8 +477,9 @@ struct Patch {
     int32_t h[kBlock], l[kBlock], ux[kBlock], uw[kBlock];
     for (int64_t kbi = 0; kbi < kbs; ++kbi) {
       const int64_t kb = kb0 + kbi;
-      bool any_bad = false;
-      for (int64_t gi = 0; gi < kGroups; ++gi) any_bad |= ov.bad[kbi * kGroups + gi] != 0;
+      uint64_t bad4;  // the block's four groups at once
+      std::memcpy(&bad4, ov.bad + kbi * kGroups, sizeof bad4);
+      const bool any_bad = bad4 != 0;
       const uint8_t* fits_row = xc.fits.data() + kb * xc.rows + r0;
       const uint8_t* flag_row = flags + kbi * rows;
       // the flagged rows' blocks of X, fetched together rather than one miss at a time
@@ -601,36 +602,34 @@ void run_task(const Call& c, int64_t task, TaskCounts& tally) {
     // W's int16 pairs (few rows: straight into the sums, the pairs kept where flagged rows
     // need them)
     if (small) {
-      uint8_t keep_pw[kMaxChunkKb * kGroups];
-      for (int64_t kbi = 0; kbi < kbs; ++kbi)
-        for (int64_t gi = 0; gi < kGroups; ++gi) keep_pw[kbi * kGroups + gi] = (any[kbi] >> gi) & 1u;
-      c.kern.dot_small({wv, panel, kb0, kbs, xc.xi.data() + r0 * c.K, c.K, rows, keep_pw, pw, g, sums, xp, tsum});
+      c.kern.dot_small({wv, panel, kb0, kbs, xc.xi.data() + r0 * c.K, c.K, rows, any, pw, g, sums, xp, tsum});
     } else {
       c.kern.pack({wv, panel, kb0, kbs, pw, g});
     }
 
-    // slots where a group has flagged rows or lanes that are not int16
+    // slots where a group has flagged rows or lanes that are not int16 (room for all, so
+    // that one pass assigns them; slot 0 is the dummy the others share: the tiles read it
+    // under an all-zero mask), and there the lanes that are not int16, against every row
+    // (exact when the row's block is int16). Most blocks need neither: a block's four
+    // groups are tested at once.
+    const size_t slot_floats = static_cast<size_t>(rows * kLanes);
+    Scratch::at_least(ov.pool, static_cast<size_t>(kbs * kGroups + 1) * slot_floats);
     size_t slots = 0;
-    for (int64_t kbi = 0; kbi < kbs; ++kbi)
-      for (int64_t gi = 0; gi < kGroups; ++gi)
-        slots += (ov.bad[kbi * kGroups + gi] != 0 || ((any[kbi] >> gi) & 1u)) ? 1 : 0;
-    // slot 0 is the dummy the others share (the tiles read it under an all-zero mask)
-    Scratch::at_least(ov.pool, (slots + 1) * static_cast<size_t>(rows * kLanes));
-    slots = 0;
     for (int64_t kbi = 0; kbi < kbs; ++kbi) {
-      for (int64_t gi = 0; gi < kGroups; ++gi) {
-        const size_t at = static_cast<size_t>(kbi * kGroups + gi);
-        const bool need = (ov.bad[at] != 0 || ((any[kbi] >> gi) & 1u));
-        ov.slot[at] = ov.pool.data() + (need ? ++slots : 0) * static_cast<size_t>(rows * kLanes);
+      const uint16_t* bad4 = ov.bad + kbi * kGroups;
+      uint64_t any_bad;
+      std::memcpy(&any_bad, bad4, sizeof any_bad);
+      static_assert(kGroups * sizeof(uint16_t) == sizeof any_bad);
+      if (any_bad == 0 && any[kbi] == 0) {
+        for (int64_t gi = 0; gi < kGroups; ++gi) ov.slot[kbi * kGroups + gi] = ov.pool.data();
+        continue;
       }
-    }
-
-    // lanes that are not int16, against every row (exact when the row's block is int16)
-    for (int64_t kbi = 0; kbi < kbs; ++kbi) {
       const int64_t kb = kb0 + kbi;
       for (int64_t gi = 0; gi < kGroups; ++gi) {
-        float* slot = const_cast<float*>(ov.slot[kbi * kGroups + gi]);
-        for (uint32_t bad = ov.bad[kbi * kGroups + gi]; bad != 0; bad &= bad - 1) {
+        const bool need = bad4[gi] != 0 || ((any[kbi] >> gi) & 1u);
+        float* slot = ov.pool.data() + (need ? ++slots : 0) * slot_floats;
+        ov.slot[kbi * kGroups + gi] = slot;
+        for (uint32_t bad = bad4[gi]; bad != 0; bad &= bad - 1) {
           const int64_t i = __builtin_ctz(bad);
           const int64_t col = panel * kPanel + gi * kLanes + i;
           const FJob job{xc.xi.data() + r0 * c.K + kb * kBlock,
