@@ -48,9 +48,9 @@ constexpr int64_t kSmallChunkKb = 256;      // K blocks converted at a time (few
 constexpr int64_t kMaxChunkKb = kSmallChunkKb;
 
 // K blocks a few-rows task converts at a time: every W row is multiplied with the chunk of
-// all its X rows (64 bytes of int16 a block a row), which must stay in L1 (32 KiB): 16 KiB
-// for 1 row, 2 rows, or 3 and 4 rows (measured, 4 rows of K = 8192: 17% faster than one
-// 64 KiB chunk streamed from L2 once per W row).
+// all its X rows (64 bytes of int16 a block a row), which must stay in L1 (32 KiB): at most
+// 16 KiB, 256 blocks for 1 row, 128 for 2, 64 for 3 or 4 (measured, 4 rows of K = 8192:
+// 17% faster than one 64 KiB chunk streamed from L2 once per W row).
 constexpr int64_t small_chunk_kb(int64_t rows) { return kSmallChunkKb / (rows >= 3 ? 4 : rows); }
 
 // W's per-block figures, computed once for a constant W (else per call).

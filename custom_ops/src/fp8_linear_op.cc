@@ -24,8 +24,9 @@
 // at a time; with at most 4 rows (decode) the pairs go straight from the conversion into
 // vpdpwssd, up to 256 K blocks a step (fewer for 2 to 4 rows: X's chunk stays in L1),
 // each W row in order against every row of X, 64 codes a zmm (lanes over k, block sums by
-// an add/shuffle tree; a panel is one sequential stream, prefetched 16 KiB ahead). The blocks where the precondition fails are summed exactly first, into override
-// slots the tiles read by masked loads: a W block that is not int16 as two int16 digits
+// an add/shuffle tree; a panel is one sequential stream, prefetched 16 KiB ahead). The
+// blocks where the precondition fails are summed exactly first, into override slots the
+// tiles read by masked loads: a W block that is not int16 as two int16 digits
 // (v = h * 2^8 + l) against every row at once (16 rows a zmm, from X transposed; up to 4
 // rows: each row's block against the digits, lanes over k), a flagged
 // row the same way with X's block in two digits, and the rare pair where both blocks are
