@@ -42,6 +42,13 @@ class Slots:
     _written: set[int] = field(default_factory=set)
     _old_reads: dict[int, list[ir.Value]] = field(default_factory=dict)
 
+    def note_key_read(self, read: ir.Value) -> None:
+        """A read of the index_k slot: owners later in the stack have not written yet, so it
+        sees their previous call's cache, and their in-place writes must wait for it."""
+        for layer in self.index_k:
+            if layer not in self._written:
+                self._old_reads.setdefault(layer, []).append(read)
+
     def reads_before_write(self, owner: int) -> list[ir.Value]:
         """Reads of `owner`'s key cache made this call before its write (ordering edges)."""
         return self._old_reads.pop(owner, [])
@@ -121,11 +128,7 @@ class KeySlotRead:
                        lambda b: choose(b, rest))
 
         result = choose(op, self.owners)
-        # Owners later in the stack have not written yet: this read sees their previous
-        # call's cache, so their in-place writes must wait for it.
-        for layer in self.slots.index_k:
-            if layer not in self.slots._written:
-                self.slots._old_reads.setdefault(layer, []).append(result)
+        self.slots.note_key_read(result)
         return result
 
 
