@@ -3,11 +3,13 @@ are not asserted: speed is measured in benchmarks, not tested)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import tempfile
 from pathlib import Path
 
 import pytest
-from helpers import GOLDENS
+from helpers import GOLDENS, ROOT
 
 from csa2onnx.export import bench, stack
 from csa2onnx.export.bench import BenchError, BenchOptions, read_bandwidth, run_bench
@@ -133,3 +135,22 @@ def test_bench_matrix_json_and_errors(capsys) -> None:
     assert main(["bench", str(GOLDENS / "case1_r2_r1.json"), "--batch", "1,2",
                  "--max-seq-len", "64,128"]) == 2
     assert "not both" in capsys.readouterr().err
+
+
+def test_decode_side_by_side_times_both_formats_in_turns(capsys) -> None:
+    """tools/decode_side_by_side.py: both exports prefilled, their decode steps alternated,
+    one row per batch with a ratio."""
+    spec = importlib.util.spec_from_file_location(
+        "decode_side_by_side", ROOT / "tools" / "decode_side_by_side.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    times = tool.side_by_side(GOLDENS / "case5_fp8.json", (0, 1), 2, 8, 3, 1, "exact",
+                              Path(tempfile.mkdtemp()))
+    assert sorted(times) == ["bf16", "fp8"] and all(len(t) == 3 for t in times.values())
+    assert tool.main([str(GOLDENS / "case5_fp8.json"), "--layers", "0-1", "--batch", "1,2",
+                      "--prefill", "8", "--steps", "2", "--threads", "1"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [int(r[0]) for r in rows] == [1, 2] and all(float(r[-1]) > 0 for r in rows)
+    with pytest.raises(SystemExit, match="past max_seq_len"):
+        tool.side_by_side(GOLDENS / "case5_fp8.json", (0, 1), 1, 10**6, 2, 1, "exact",
+                          Path(tempfile.mkdtemp()))
