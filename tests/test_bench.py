@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -137,7 +136,7 @@ def test_bench_matrix_json_and_errors(capsys) -> None:
     assert "not both" in capsys.readouterr().err
 
 
-def test_decode_side_by_side_times_both_formats_in_turns(capsys) -> None:
+def test_decode_side_by_side_times_both_formats_in_turns(capsys, tmp_path: Path) -> None:
     """tools/decode_side_by_side.py: both exports prefilled, their decode steps alternated,
     one row per batch with a ratio."""
     spec = importlib.util.spec_from_file_location(
@@ -145,7 +144,7 @@ def test_decode_side_by_side_times_both_formats_in_turns(capsys) -> None:
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     times = tool.side_by_side(GOLDENS / "case5_fp8.json", (0, 1), 2, 8, 3, 1, "exact",
-                              Path(tempfile.mkdtemp()))
+                              tmp_path / "a")
     assert sorted(times) == ["bf16", "fp8"] and all(len(t) == 3 for t in times.values())
     assert tool.main([str(GOLDENS / "case5_fp8.json"), "--layers", "0-1", "--batch", "1,2",
                       "--prefill", "8", "--steps", "2", "--threads", "1"]) == 0
@@ -153,4 +152,4 @@ def test_decode_side_by_side_times_both_formats_in_turns(capsys) -> None:
     assert [int(r[0]) for r in rows] == [1, 2] and all(float(r[-1]) > 0 for r in rows)
     with pytest.raises(SystemExit, match="past max_seq_len"):
         tool.side_by_side(GOLDENS / "case5_fp8.json", (0, 1), 1, 10**6, 2, 1, "exact",
-                          Path(tempfile.mkdtemp()))
+                          tmp_path / "b")

@@ -93,7 +93,7 @@ struct SmallJob {
   int64_t panel, kb0, kbs;
   const int16_t* xi;          // [rows][K], the task's first row
   int64_t K, rows;            // rows <= kSmallRows
-  const uint8_t* keep_pw;     // [kbs]: bit c, group c's pairs are needed (flagged rows)
+  const uint8_t* flagged;     // [kbs]: bit c, group c has flagged rows (its pairs are kept)
   int16_t* pw;
   float* g;
   int32_t* sums;              // [kbs][kGroups][rows][16]
@@ -943,7 +943,7 @@ CSA_TARGET_AVX512_VBMI __attribute__((noinline)) void dot_rows_vbmi(const SmallJ
   const GroupConverter conv{kPackTables, j.w};
   for (int64_t kbi = 0; kbi < j.kbs; ++kbi) {
     for (int64_t c = 0; c < kGroups; ++c) {
-      if (((j.keep_pw[kbi] >> c) & 1u) == 0) continue;
+      if (((j.flagged[kbi] >> c) & 1u) == 0) continue;
       int16_t* out = j.pw + (kbi * kPairs * kPanel + c * kLanes) * 2;
       if (!conv.run(j.panel * kPanel + c * kLanes, j.kb0 + kbi, j.g + kbi * kPanel + c * kLanes, StorePairs{out}))
         for (int64_t p = 0; p < kPairs; ++p) _mm512_storeu_si512(out + p * kPanel * 2, _mm512_setzero_si512());

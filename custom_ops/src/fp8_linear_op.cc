@@ -458,6 +458,14 @@ struct Overrides {
   std::vector<float> pool;
   const float* slot[kMaxChunkKb * kGroups] = {};
   const uint16_t* bad = nullptr;  // [kbs][kGroups]: the chunk's run of WMeta::panel_bad
+
+  // Whether block kbi has lanes that are not int16 in any group (four groups, one load).
+  bool any_bad(int64_t kbi) const {
+    uint64_t four;
+    static_assert(kGroups * sizeof(uint16_t) == sizeof four);
+    std::memcpy(&four, bad + kbi * kGroups, sizeof four);
+    return four != 0;
+  }
 };
 
 // The slot rows of flagged (row, block, group)s: the row's block in two digits against the
@@ -478,9 +486,7 @@ struct Patch {
     int32_t h[kBlock], l[kBlock], ux[kBlock], uw[kBlock];
     for (int64_t kbi = 0; kbi < kbs; ++kbi) {
       const int64_t kb = kb0 + kbi;
-      uint64_t bad4;  // the block's four groups at once
-      std::memcpy(&bad4, ov.bad + kbi * kGroups, sizeof bad4);
-      const bool any_bad = bad4 != 0;
+      const bool any_bad = ov.any_bad(kbi);
       const uint8_t* fits_row = xc.fits.data() + kb * xc.rows + r0;
       const uint8_t* flag_row = flags + kbi * rows;
       // the flagged rows' blocks of X, fetched together rather than one miss at a time
@@ -618,10 +624,7 @@ void run_task(const Call& c, int64_t task, TaskCounts& tally) {
     size_t slots = 0;
     for (int64_t kbi = 0; kbi < kbs; ++kbi) {
       const uint16_t* bad4 = ov.bad + kbi * kGroups;
-      uint64_t any_bad;
-      std::memcpy(&any_bad, bad4, sizeof any_bad);
-      static_assert(kGroups * sizeof(uint16_t) == sizeof any_bad);
-      if (any_bad == 0 && any[kbi] == 0) {
+      if (!ov.any_bad(kbi) && any[kbi] == 0) {
         for (int64_t gi = 0; gi < kGroups; ++gi) ov.slot[kbi * kGroups + gi] = ov.pool.data();
         continue;
       }
