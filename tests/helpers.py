@@ -91,3 +91,22 @@ def build_cpp_driver(source: Path, folder: Path, *flags: str) -> Path:
                     f"-I{ROOT / 'custom_ops' / 'src'}", str(source), "-o", str(exe)],
                    check=True, capture_output=True, text=True)
     return exe
+
+
+def bf16_values(x: np.ndarray) -> np.ndarray:
+    return (np.asarray(x, np.float32).view(np.uint32) & 0xFFFF0000).view(np.float32)
+
+
+def hard_values(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
+    """Every binade, subnormals, grid midpoints, zeros, NaN and +-inf, bf16-valued."""
+    n = rows * cols
+    wide = rng.standard_normal(n) * np.exp2(rng.integers(-149, 127, n).astype(np.float64))
+    ties = rng.choice([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 0.0], n) * np.exp2(
+        rng.integers(-10, 10, n).astype(np.float64)) * rng.choice([-1, 1], n)
+    with np.errstate(over="ignore"):
+        x = np.where(rng.random(n) < 0.3, ties, wide).astype(np.float32).reshape(rows, cols)
+    # whole blocks at one magnitude, so block scales cover every binade too
+    x[::3] = (rng.standard_normal((len(x[::3]), cols)) *
+              np.exp2(rng.integers(-140, 126, (len(x[::3]), 1)).astype(np.float64)))
+    x[5, 7], x[9, 70], x[11, 3] = np.nan, np.inf, -np.inf  # whole blocks go NaN
+    return bf16_values(x)
