@@ -40,6 +40,7 @@ template <typename T>
 std::string launch_fp4_round_trip(const T* in, T* out, float* scales, int64_t nblocks,
                                   int64_t block_size, ScaleFormat format, void* stream) {
   constexpr int kThreads = 256;
+  if (nblocks == 0) return {};  // a launch of an empty grid is an error
   const int64_t grid = (nblocks + kThreads - 1) / kThreads;
   if (grid > 0x7fffffff) return "too many blocks for one launch";
   fp4_round_trip_kernel<T><<<static_cast<unsigned>(grid), kThreads, 0,
