@@ -15,6 +15,10 @@ from csa2onnx.custom_ops.build import LIBRARY_NAME, STAMP_NAME, sources_digest
 DOMAIN = "csa2onnx"
 DOMAIN_VERSION = 1
 BUILD_COMMAND = "python custom_ops/build.py"
+# onnxruntime before 1.32 returns an empty input unreduced from ReduceSum/ReduceMax with
+# axes (shape [0, 3] summed over -1 stays [0, 3]); the graphs reduce empty tensors whenever a
+# call completes no compressed group, and would then fail or give wrong shapes.
+MIN_ONNXRUNTIME = (1, 32)
 _DEFAULT_BUILD = Path(__file__).resolve().parent / "build"
 
 
@@ -46,8 +50,20 @@ def library_path(check_stale: bool = True) -> Path:
     return path
 
 
+def check_onnxruntime(version: str = ort.__version__) -> None:
+    """Reject an onnxruntime older than MIN_ONNXRUNTIME, naming the reason."""
+    release = tuple(int(part) for part in version.split(".")[:2] if part.isdigit())
+    if release < MIN_ONNXRUNTIME:
+        need = ".".join(map(str, MIN_ONNXRUNTIME))
+        raise RuntimeError(
+            f"onnxruntime {version} is too old: csa2onnx needs {need} or newer (before it, a "
+            "reduction over an empty tensor returns its input unreduced, which breaks calls "
+            f"that complete no compressed group); pip install 'onnxruntime>={need}'")
+
+
 def session_options(intra_op_num_threads: int = 0) -> ort.SessionOptions:
     """SessionOptions with the custom-op library registered."""
+    check_onnxruntime()
     options = ort.SessionOptions()
     options.register_custom_ops_library(str(library_path()))
     if intra_op_num_threads:
@@ -61,6 +77,7 @@ def make_session(
     options: ort.SessionOptions | None = None,
 ) -> ort.InferenceSession:
     """An InferenceSession over `model` (serialized bytes or a path) with the ops registered."""
+    check_onnxruntime()
     if options is None:
         options = session_options()
     source = model if isinstance(model, bytes) else os.fspath(model)

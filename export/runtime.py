@@ -30,6 +30,7 @@ import onnx
 import onnxruntime as ort
 
 from csa2onnx.custom_ops import session_options
+from csa2onnx.custom_ops.library import check_onnxruntime
 from csa2onnx.custom_ops.reference import unpack_quantized
 from csa2onnx.export.artifacts import Manifest, read_manifest
 from csa2onnx.export.graph_io import START_POS, layer_input, layer_output, slot_input
@@ -197,6 +198,7 @@ class AttentionRuntime:
     def _session(self, mode: str, providers: list[str], threads: int,
                  spinning: bool) -> ort.InferenceSession:
         if self.manifest.portable:  # standard ONNX only: no custom-op library needed
+            check_onnxruntime()  # the standard-op bodies reduce empty tensors too
             options = ort.SessionOptions()
             options.intra_op_num_threads = threads
         else:
