@@ -38,6 +38,7 @@ from csa2onnx.export.stack import export_stack
 from csa2onnx.export.synthetic import attention_tensors
 from csa2onnx.export.weights import LayerWeights
 from csa2onnx.graphs.kv_cache import INDEX_KEY_FORMAT
+from csa2onnx.graphs.standalone import IR_VERSION
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -231,7 +232,8 @@ class ReadProbe:
             [helper.make_tensor_value_info("X", TensorProto.FLOAT, [self.ROWS, None])],
             [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [self.ROWS])],
             [helper.make_tensor("axes", TensorProto.INT64, [1], [1])])
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)],
+                                  ir_version=IR_VERSION)
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")

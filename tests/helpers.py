@@ -18,6 +18,7 @@ from onnx import helper
 
 from csa2onnx.custom_ops import make_session
 from csa2onnx.export.goldens import Comparison, GoldenCase, compare, load_case
+from csa2onnx.graphs.standalone import IR_VERSION
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDENS = ROOT / "goldens"
@@ -74,8 +75,8 @@ def custom_op_model(graph: onnx.GraphProto, *, portable: bool = False) -> bytes:
     from csa2onnx.custom_ops.portable import portable_functions
 
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
-                                                    helper.make_opsetid("csa2onnx", 1)])
-    model.ir_version = 10
+                                                    helper.make_opsetid("csa2onnx", 1)],
+                              ir_version=IR_VERSION)
     if portable:
         model.functions.extend(portable_functions())
     return model.SerializeToString()

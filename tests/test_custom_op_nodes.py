@@ -7,6 +7,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from csa2onnx.custom_ops import make_session
+from csa2onnx.graphs.standalone import IR_VERSION
 
 OPS = {  # op: (input types, output names, attributes)
     "Fp4QuantDequant": ([TensorProto.FLOAT], ["Y", "Scale"],
@@ -31,8 +32,8 @@ def model(op: str, inputs: list[str], outputs: list[str]) -> bytes:
             name, TensorProto.INT64 if name == "Indices" else TensorProto.FLOAT, None)
          for name in outputs if name])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
-                                                   helper.make_opsetid("csa2onnx", 1)]
-                             ).SerializeToString()
+                                                   helper.make_opsetid("csa2onnx", 1)],
+                             ir_version=IR_VERSION).SerializeToString()
 
 
 @pytest.mark.parametrize("op", sorted(OPS))

@@ -13,6 +13,7 @@ from onnx import TensorProto, helper
 from csa2onnx.custom_ops import make_session
 from csa2onnx.custom_ops.portable import fp4_function_proto
 from csa2onnx.custom_ops.reference import fp4_round_trip
+from csa2onnx.graphs.standalone import IR_VERSION
 
 UNIT = np.load(GOLDENS / "unit_kernels.npz")
 GOLDEN_TAGS = [("e8m0_b32.grid_ties", 32, "e8m0"), ("e8m0_b32.edge", 32, "e8m0"),
@@ -35,7 +36,8 @@ def fp4_model(block: int, fmt: str, *, dtype: int = TensorProto.FLOAT, portable:
                               out_info)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
                                                     helper.make_opsetid("csa2onnx", 1)],
-                              functions=[fp4_function_proto()] if portable else [])
+                              functions=[fp4_function_proto()] if portable else [],
+                              ir_version=IR_VERSION)
     return model.SerializeToString()
 
 

@@ -24,7 +24,7 @@ from csa2onnx.custom_ops import ops as csa_ops
 from csa2onnx.custom_ops.library import fp8_linear_counts
 from csa2onnx.custom_ops.portable import portable_functions
 from csa2onnx.custom_ops.reference import act_quant_e4m3, fp8_linear, round_bf16
-from csa2onnx.graphs.standalone import build_model
+from csa2onnx.graphs.standalone import IR_VERSION, build_model
 
 ISAS = ("avx512", "avx512-novbmi", "avx2", "scalar")  # avx512-novbmi: tests only
 # the upstream reference beside the checkout (tools/upstream.py's rule)
@@ -62,7 +62,8 @@ def fp8_model(codes: np.ndarray | None = None, w_scale: np.ndarray | None = None
                               initializers)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
                                                     helper.make_opsetid("csa2onnx", 1)],
-                              functions=portable_functions() if portable else [])
+                              functions=portable_functions() if portable else [],
+                              ir_version=IR_VERSION)
     return model.SerializeToString()
 
 

@@ -21,6 +21,7 @@ from helpers import bf16_values, hard_values
 from onnx import TensorProto, helper
 
 from csa2onnx.custom_ops import CustomOpLibraryError, library_path, make_session, session_options
+from csa2onnx.graphs.standalone import IR_VERSION
 
 GOLDENS = Path(__file__).resolve().parents[1] / "goldens"
 GOLDEN_TAGS = [("e8m0_b32.grid_ties", 32, "e8m0"), ("e8m0_b32.edge", 32, "e8m0"),
@@ -63,7 +64,7 @@ def fp4_model(block: int, fmt: str, dtype: int = TensorProto.FLOAT) -> bytes:
         nodes, "fp4", [helper.make_tensor_value_info("X", dtype, ["r", "c"])],
         [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["r", "c"]),
          helper.make_tensor_value_info("Scale", TensorProto.FLOAT, ["r", "b"])])
-    return helper.make_model(graph, opset_imports=OPSETS).SerializeToString()
+    return helper.make_model(graph, opset_imports=OPSETS, ir_version=IR_VERSION).SerializeToString()
 
 
 def cuda_only_session(model: bytes) -> ort.InferenceSession:
@@ -158,7 +159,8 @@ def test_torch_topk_runs_on_the_cpu_inside_a_cuda_session() -> None:
          helper.make_tensor_value_info("K", TensorProto.INT64, [1])],
         [helper.make_tensor_value_info("Values", TensorProto.FLOAT, ["r", "k"]),
          helper.make_tensor_value_info("Indices", TensorProto.INT64, ["r", "k"])])
-    model = helper.make_model(graph, opset_imports=OPSETS).SerializeToString()
+    model = helper.make_model(graph, opset_imports=OPSETS,
+                              ir_version=IR_VERSION).SerializeToString()
     rng = np.random.default_rng(4)
     x = bf16_values(rng.standard_normal((64, 4096)))  # fp4 output ties heavily: ties decide
     cuda = make_session(model, providers=CUDA)
@@ -180,7 +182,7 @@ def fp8_linear_model() -> bytes:
          helper.make_tensor_value_info("W", TensorProto.FLOAT8E4M3FN, None),
          helper.make_tensor_value_info("WScale", TensorProto.FLOAT, None)],
         [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)])
-    return helper.make_model(graph, opset_imports=OPSETS).SerializeToString()
+    return helper.make_model(graph, opset_imports=OPSETS, ir_version=IR_VERSION).SerializeToString()
 
 
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 40, 32), (3, 1000, 1280), (70, 300, 2048),

@@ -23,6 +23,7 @@ from csa2onnx.export.config import AttentionConfig
 from csa2onnx.export.plan import plan_stack
 from csa2onnx.export.stack import export_stack
 from csa2onnx.export.weights import from_golden
+from csa2onnx.graphs.standalone import IR_VERSION
 
 Shape = list[int | str | None]  # None: an unknown dim
 
@@ -55,8 +56,8 @@ class Case:
              for o in self.outputs],
             initializer=[onnx.numpy_helper.from_array(a, n) for n, a in self.constants.items()])
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
-                                                        helper.make_opsetid("csa2onnx", 1)])
-        model.ir_version = 10
+                                                        helper.make_opsetid("csa2onnx", 1)],
+                                  ir_version=IR_VERSION)
         return model
 
     def x_type(self, output: str) -> int:

@@ -22,6 +22,7 @@ from onnx import TensorProto, helper, numpy_helper
 from csa2onnx.custom_ops import make_session, session_options
 from csa2onnx.custom_ops.portable import portable_functions
 from csa2onnx.custom_ops.weight_layout import PackedWeight, pack_panels, unpack_panels
+from csa2onnx.graphs.standalone import IR_VERSION
 
 W_TYPES = {"bf16": TensorProto.BFLOAT16, "f32": TensorProto.FLOAT}
 ISAS = ("avx512bf16", "avx512", "avx2", "scalar", "reference")
@@ -57,7 +58,8 @@ def linear_model(w_type: int, w_const: np.ndarray | None = None, *,
         inputs, [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)], initializers)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
                                                     helper.make_opsetid("csa2onnx", 1)],
-                              functions=portable_functions() if portable else [])
+                              functions=portable_functions() if portable else [],
+                              ir_version=IR_VERSION)
     return model.SerializeToString()
 
 
@@ -905,7 +907,8 @@ def cast_pair(y: np.ndarray) -> np.ndarray:
     graph = helper.make_graph(nodes, "casts",
                               [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)],
                               [helper.make_tensor_value_info("Z", TensorProto.FLOAT, None)])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)],
+                              ir_version=IR_VERSION)
     return ort.InferenceSession(model.SerializeToString()).run(None, {"Y": y})[0]
 
 

@@ -12,6 +12,7 @@ from helpers import custom_op_model, run_model
 from onnx import TensorProto, helper
 
 from csa2onnx.custom_ops import make_session
+from csa2onnx.graphs.standalone import IR_VERSION
 
 
 def rms_model(w_type: int) -> bytes:
@@ -22,8 +23,8 @@ def rms_model(w_type: int) -> bytes:
                         helper.make_tensor_value_info("W", w_type, ["n"])],
         [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["r", "n"])])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
-                                                   helper.make_opsetid("csa2onnx", 1)]
-                             ).SerializeToString()
+                                                   helper.make_opsetid("csa2onnx", 1)],
+                             ir_version=IR_VERSION).SerializeToString()
 
 
 @pytest.mark.parametrize("n", [8, 20, 64, 100, 128, 512, 1280, 1536, 4096])

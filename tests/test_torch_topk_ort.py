@@ -18,6 +18,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from csa2onnx.custom_ops import make_session, session_options
+from csa2onnx.graphs.standalone import IR_VERSION
 
 torch = pytest.importorskip("torch", reason="compares against torch.topk; torch not installed")
 
@@ -42,7 +43,8 @@ def topk_model(x_type: int = TensorProto.FLOAT, k_type: int = TensorProto.INT64,
         [helper.make_tensor_value_info("Values", values_type, None),
          helper.make_tensor_value_info("Indices", TensorProto.INT64, None)])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
-                                                    helper.make_opsetid("csa2onnx", 1)])
+                                                    helper.make_opsetid("csa2onnx", 1)],
+                              ir_version=IR_VERSION)
     return model.SerializeToString()
 
 
@@ -240,6 +242,7 @@ def test_bad_inputs_are_clear_errors(x: np.ndarray, k: np.ndarray, message: str)
 SESSION_SCRIPT = """
 import sys
 from csa2onnx.custom_ops import make_session, session_options
+from csa2onnx.graphs.standalone import IR_VERSION
 options = session_options()
 options.log_severity_level = 4
 try:

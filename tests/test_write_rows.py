@@ -10,6 +10,7 @@ from helpers import custom_op_model
 from onnx import TensorProto, helper
 
 from csa2onnx.custom_ops import make_session
+from csa2onnx.graphs.standalone import IR_VERSION
 
 ELEMENT_TYPES = {np.float32: TensorProto.FLOAT, np.uint8: TensorProto.UINT8}
 
@@ -123,8 +124,8 @@ def test_a_missing_required_input_is_refused() -> None:
         helper.make_tensor_value_info("S", TensorProto.INT64, [1])],
         [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["B", "r", "d"])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
-                                                    helper.make_opsetid("csa2onnx", 1)])
-    model.ir_version = 10
+                                                    helper.make_opsetid("csa2onnx", 1)],
+                              ir_version=IR_VERSION)
     with pytest.raises(Exception, match="WriteRows: input 1 is required"):
         make_session(model.SerializeToString()).run(None, {
             "C": np.zeros((1, 2, 2), np.float32), "S": np.array([0], np.int64)})

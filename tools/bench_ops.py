@@ -106,6 +106,7 @@ from csa2onnx.custom_ops.reference import (
     round_bf16,
     unpack_quantized,
 )
+from csa2onnx.graphs.standalone import IR_VERSION
 
 OPSETS = [helper.make_opsetid("", 21), helper.make_opsetid("csa2onnx", 1)]
 
@@ -148,7 +149,7 @@ def fp4_model(block: int, scale_format: str) -> bytes:
         [node], "fp4", [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["r", "c"])],
         [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["r", "c"]),
          helper.make_tensor_value_info("Scale", TensorProto.FLOAT, ["r", "b"])])
-    return helper.make_model(graph, opset_imports=OPSETS).SerializeToString()
+    return helper.make_model(graph, opset_imports=OPSETS, ir_version=IR_VERSION).SerializeToString()
 
 
 def topk_model() -> bytes:
@@ -159,7 +160,7 @@ def topk_model() -> bytes:
                          helper.make_tensor_value_info("K", TensorProto.INT64, [1])],
         [helper.make_tensor_value_info("Values", TensorProto.FLOAT, ["r", "k"]),
          helper.make_tensor_value_info("Indices", TensorProto.INT64, ["r", "k"])])
-    return helper.make_model(graph, opset_imports=OPSETS).SerializeToString()
+    return helper.make_model(graph, opset_imports=OPSETS, ir_version=IR_VERSION).SerializeToString()
 
 
 FP8_SHAPES = [(5120, 1280), (1280, 32768), (5120, 512), (8192, 5120), (1280, 4096)]  # (K, N)
@@ -175,7 +176,7 @@ def fp8_linear_model(codes: np.ndarray, w_scale: np.ndarray, numerics: str = "ex
         [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["m", n])],
         [helper.make_tensor("W", TensorProto.FLOAT8E4M3FN, [n, k], codes.tobytes(), raw=True),
          numpy_helper.from_array(w_scale, "WScale")])
-    return helper.make_model(graph, opset_imports=OPSETS).SerializeToString()
+    return helper.make_model(graph, opset_imports=OPSETS, ir_version=IR_VERSION).SerializeToString()
 
 
 def bf16_linear_model(w: np.ndarray) -> bytes:
@@ -186,7 +187,7 @@ def bf16_linear_model(w: np.ndarray) -> bytes:
         [node], "bf16", [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["m", k])],
         [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["m", n])],
         [helper.make_tensor("W", TensorProto.BFLOAT16, [n, k], bits.tobytes(), raw=True)])
-    return helper.make_model(graph, opset_imports=OPSETS).SerializeToString()
+    return helper.make_model(graph, opset_imports=OPSETS, ir_version=IR_VERSION).SerializeToString()
 
 
 def checkpoint_fp8_weights(rng: np.random.Generator, n: int, k: int
@@ -259,7 +260,7 @@ def linear_model(w_bits: np.ndarray) -> bytes:
     graph = helper.make_graph(
         [node], "linear", [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["m", "k"])],
         [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["m", "n"])], [w])
-    return helper.make_model(graph, opset_imports=OPSETS).SerializeToString()
+    return helper.make_model(graph, opset_imports=OPSETS, ir_version=IR_VERSION).SerializeToString()
 
 
 def linear_session(model: bytes, threads: int, isa: str | None = None,
@@ -370,7 +371,7 @@ def sparse_attention_model(scale: float, numerics: str = "exact") -> bytes:
                        vi("S", TensorProto.FLOAT, ["h"]),
                        vi("I", TensorProto.INT64, ["b", "s", "k"])],
         [vi("O", TensorProto.FLOAT, ["b", "s", "h", "d"])])
-    return helper.make_model(graph, opset_imports=OPSETS).SerializeToString()
+    return helper.make_model(graph, opset_imports=OPSETS, ir_version=IR_VERSION).SerializeToString()
 
 
 def sparse_attention_session(isa: str, scale: float, threads: int,
@@ -456,7 +457,8 @@ def sparse_layer_session(scale: float, threads: int, packed: bool) -> ort.Infere
                          vi("S", TensorProto.FLOAT, ["h"]),
                          vi("I", TensorProto.INT64, ["b", "s", "k"]), cache],
         [vi("O", TensorProto.FLOAT, ["b", "s", "h", "d"])])
-    model = helper.make_model(graph, opset_imports=OPSETS).SerializeToString()
+    model = helper.make_model(graph, opset_imports=OPSETS,
+                              ir_version=IR_VERSION).SerializeToString()
     return make_session(model, options=session_options(threads))
 
 
@@ -555,7 +557,7 @@ def packed_model(kind: str, fmt: str, d: int) -> bytes:
                                 dim=d)
         io = (vi("P", TensorProto.UINT8, ["r", "w"]), vi("X", TensorProto.FLOAT, ["r", d]))
     graph = helper.make_graph([node], kind, [io[0]], [io[1]])
-    return helper.make_model(graph, opset_imports=OPSETS).SerializeToString()
+    return helper.make_model(graph, opset_imports=OPSETS, ir_version=IR_VERSION).SerializeToString()
 
 
 def act_quant_model(d: int) -> bytes:
@@ -642,7 +644,7 @@ def indexer_models(d: int) -> tuple[bytes, bytes]:
     inits = [helper.make_tensor(n, TensorProto.INT64, [1], [v])
              for n, v in (("zero", 0), ("one", 1), ("two", 2), ("minus_one", -1))]
     return tuple(helper.make_model(helper.make_graph(nodes, "indexer", inputs, out, inits),
-                                   opset_imports=OPSETS).SerializeToString()
+                                   opset_imports=OPSETS, ir_version=IR_VERSION).SerializeToString()
                  for nodes in ([op], standard))
 
 
@@ -685,7 +687,7 @@ def rope_model(inverse: int) -> bytes:
                             rope_head_dim=64, inverse=inverse)
     graph = helper.make_graph([node], "rope", inputs,
                               [vi("Y", TensorProto.FLOAT, [1, "s", 64, 512])])
-    model = helper.make_model(graph, opset_imports=OPSETS)
+    model = helper.make_model(graph, opset_imports=OPSETS, ir_version=IR_VERSION)
     model.functions.extend(portable_functions())
     return model.SerializeToString()
 

@@ -36,6 +36,8 @@ from typing import Any
 
 import numpy as np
 
+from csa2onnx.graphs.standalone import IR_VERSION
+
 ROOT = Path(__file__).resolve().parents[1]
 ASAN_BUILD = ROOT / "custom_ops" / "build-asan"
 LIBRARY_NAME = "libcsa2onnx_ops.so"
@@ -477,7 +479,8 @@ class Runner:
             graph_outputs.append(name)
         graph = h.make_graph(nodes, "fuzz", inputs, outputs)
         model = h.make_model(graph, opset_imports=[h.make_opsetid("", 21),
-                                                   h.make_opsetid("csa2onnx", 1)])
+                                                   h.make_opsetid("csa2onnx", 1)],
+                             ir_version=IR_VERSION)
         return model.SerializeToString(), graph_outputs
 
     def session(self, model: bytes, threads: int) -> Any:

@@ -26,6 +26,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from csa2onnx.graphs.standalone import IR_VERSION
+
 BF16, F32, E4M3, E8M0 = torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float8_e8m0fnu
 # The linears an fp8 checkpoint stores as e4m3 with [32, 32] ue8m0 block scales.
 FP8_LINEARS = ("wq_a", "wq_b", "wkv", "wo_b", "indexer.wq_b")
@@ -605,7 +607,8 @@ def torch_sums_like_goldens() -> bool:
              helper.make_tensor_value_info("W", w_type, None)],
             [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)])
         return make_session(helper.make_model(graph, opset_imports=[
-            helper.make_opsetid("", 21), helper.make_opsetid("csa2onnx", 1)]).SerializeToString())
+            helper.make_opsetid("", 21), helper.make_opsetid("csa2onnx", 1)],
+                                              ir_version=IR_VERSION).SerializeToString())
 
     sessions = {BF16: session(TensorProto.BFLOAT16), F32: session(TensorProto.FLOAT)}
     generator = torch.Generator().manual_seed(0)
