@@ -6,9 +6,10 @@
 #
 # Installs onnxruntime-gpu at the version of the CPU onnxruntime the project is tested with
 # (ORT_VERSION overrides; the newest release if that version has no GPU wheel), builds the
-# library with the CUDA kernels (--cuda ON) and runs tests/test_ops_cuda.py and
-# tests/test_fp4_op.py. CSA2ONNX_REQUIRE_GPU=1 makes the CUDA tests fail instead of skip when
-# no CUDA provider or no CUDA kernel is found. Needs the network for pip.
+# library with the CUDA kernels (--cuda ON) and runs tests/test_cuda_kernels.py (the kernels
+# through a C shim, with nvcc), tests/test_ops_cuda.py and tests/test_fp4_op.py.
+# CSA2ONNX_REQUIRE_GPU=1 makes the CUDA tests fail instead of skip when no GPU, no CUDA
+# provider or no CUDA kernel is found. Needs the network for pip.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -66,4 +67,5 @@ EOF
 # Same lock as `make setup`: other builds may share custom_ops/build.
 flock /tmp/csa_build.lock "$py" custom_ops/build.py --cuda ON
 
-CSA2ONNX_REQUIRE_GPU=1 "$py" -m pytest tests/test_ops_cuda.py tests/test_fp4_op.py -q -rs
+CSA2ONNX_REQUIRE_GPU=1 "$py" -m pytest tests/test_cuda_kernels.py tests/test_ops_cuda.py \
+  tests/test_fp4_op.py -q -rs
