@@ -60,6 +60,10 @@ from csa2onnx.custom_ops.constants import SPARSE_ATTENTION_RUNNING_MAX_INIT
 
 csa2onnx = Opset("csa2onnx", 1)
 
+# EMPTY_REDUCE: a reduction that can see an empty tensor (no rows, no keys) has its output
+# shape pinned by a Reshape (allowzero) of its input's shape: onnxruntime 1.30 and 1.31 (the
+# newest onnxruntime-gpu) return an empty input unreduced. graphs/numerics.py `reduce_axis`.
+
 _E8M0_AMAX_FLOOR = 6.0 * 2.0**-126
 _E4M3_AMAX_FLOOR = 6.0 * 2.0**-9
 _FP8_AMAX_FLOOR = float(np.float32(1e-4))
@@ -74,10 +78,12 @@ def Fp4QuantDequant(X: FLOAT, block_size: int, scale_format: str) -> tuple[FLOAT
     blocks_shape = op.Concat(lead, op.Div(op.Slice(shape, [-1], [9223372036854775807]), block),
                              block, axis=0)
     x = op.Reshape(X, blocks_shape)
-    amax = op.ReduceMax(op.Abs(x), [-1], keepdims=1)
+    kept = op.Concat(op.Shape(x, end=-1), [1], axis=0)  # reductions' shapes (EMPTY_REDUCE)
+    amax = op.Reshape(op.ReduceMax(op.Abs(x), [-1], keepdims=1), kept, allowzero=1)
     # ReduceMax may skip NaN; the reference's amax propagates it to the whole block.
-    has_nan = op.Cast(op.ReduceMax(op.Cast(op.IsNaN(x), to=onnx.TensorProto.FLOAT), [-1],
-                                   keepdims=1), to=onnx.TensorProto.BOOL)
+    has_nan = op.Cast(op.Reshape(op.ReduceMax(op.Cast(op.IsNaN(x), to=onnx.TensorProto.FLOAT),
+                                              [-1], keepdims=1), kept, allowzero=1),
+                      to=onnx.TensorProto.BOOL)
     amax = op.Where(has_nan, op.Constant(value_float=float("nan")), amax)
 
     # e8m0: exactly 2^ceil(log2(t)); the float log2 estimate is off by at most one, so
@@ -241,16 +247,20 @@ def SparseAttention(Q: FLOAT, KV: FLOAT, Sink: FLOAT, Idx, softmax_scale: float)
     blocks = op.Reshape(logits, op.Concat(op.Slice(op.Shape(logits), [0], [3]), nb, block,
                                           axis=0))  # [b, s, h, nb, 64]
     # The running max after each block: a prefix max via a lower-triangular mask.
-    block_max = op.ReduceMax(blocks, [-1], keepdims=0)  # [b, s, h, nb]
+    block_max = op.Reshape(op.ReduceMax(blocks, [-1], keepdims=0), op.Shape(blocks, end=-1),
+                           allowzero=1)  # [b, s, h, nb] (EMPTY_REDUCE)
     ar = op.Range(op.Constant(value_int=0), op.Squeeze(nb, [0]), op.Constant(value_int=1))
     upto = op.LessOrEqual(op.Unsqueeze(ar, [0]), op.Unsqueeze(ar, [1]))
     masked = op.Where(upto, op.Unsqueeze(block_max, [-2]), neg_inf)
-    running = op.Max(op.ReduceMax(masked, [-1], keepdims=0), init)
-    last = op.Max(op.ReduceMax(logits, [-1], keepdims=0), init)  # [b, s, h]
+    running = op.Max(op.Reshape(op.ReduceMax(masked, [-1], keepdims=0),
+                                op.Shape(masked, end=-1), allowzero=1), init)
+    last = op.Max(op.Reshape(op.ReduceMax(logits, [-1], keepdims=0), op.Shape(logits, end=-1),
+                             allowzero=1), init)  # [b, s, h]
     rescale = op.Unsqueeze(op.Exp(op.Sub(running, op.Unsqueeze(last, [-1]))), [-1])
 
     p = op.Exp(op.Sub(blocks, op.Unsqueeze(running, [-1])))
-    total = op.ReduceSum(op.Mul(p, rescale), [-2, -1], keepdims=0)
+    total = op.Reshape(op.ReduceSum(op.Mul(p, rescale), [-2, -1], keepdims=0),
+                       op.Shape(p, end=-2), allowzero=1)
     p_bf16 = op.Cast(op.Cast(p, to=onnx.TensorProto.BFLOAT16), to=onnx.TensorProto.FLOAT)
     weights = op.Reshape(op.Mul(p_bf16, rescale), op.Shape(logits))
     acc = op.MatMul(weights, rows)
@@ -270,9 +280,11 @@ def Fp8Linear(X: FLOAT, W, WScale: FLOAT, block_size: int = 32) -> FLOAT:
     x = op.Reshape(X, op.Concat(op.Constant(value_ints=[-1]), kb,
                                 op.Constant(value_ints=[32]), axis=0))  # [M, KB, 32]
     # act_quant: amax (a NaN propagates; ReduceMax may skip it), floor, exact power of two.
-    amax = op.ReduceMax(op.Abs(x), [-1], keepdims=1)
-    has_nan = op.Cast(op.ReduceMax(op.Cast(op.IsNaN(x), to=onnx.TensorProto.FLOAT), [-1],
-                                   keepdims=1), to=onnx.TensorProto.BOOL)
+    kept = op.Concat(op.Shape(x, end=-1), [1], axis=0)  # reductions' shapes (EMPTY_REDUCE)
+    amax = op.Reshape(op.ReduceMax(op.Abs(x), [-1], keepdims=1), kept, allowzero=1)
+    has_nan = op.Cast(op.Reshape(op.ReduceMax(op.Cast(op.IsNaN(x), to=onnx.TensorProto.FLOAT),
+                                              [-1], keepdims=1), kept, allowzero=1),
+                      to=onnx.TensorProto.BOOL)
     amax = op.Where(has_nan, op.Constant(value_float=float("nan")), amax)
     floor = op.Constant(value_float=_FP8_AMAX_FLOOR)
     amax = op.Where(op.Less(amax, floor), floor, amax)  # NaN stays NaN
@@ -318,7 +330,9 @@ def IndexerScore(Q: FLOAT, W: FLOAT, Keys: FLOAT, Width: INT64) -> FLOAT:
     weighted = op.Mul(op.Relu(dots), op.Unsqueeze(W, [-1]))
     weighted = op.Cast(op.Cast(weighted, to=onnx.TensorProto.BFLOAT16),
                        to=onnx.TensorProto.FLOAT)
-    score = op.ReduceSum(weighted, [2], keepdims=0)
+    score = op.Reshape(op.ReduceSum(weighted, [2], keepdims=0),  # no keys: (EMPTY_REDUCE)
+                       op.Concat(op.Shape(weighted, end=2), op.Shape(weighted, start=3), axis=0),
+                       allowzero=1)
     return op.Cast(op.Cast(score, to=onnx.TensorProto.BFLOAT16), to=onnx.TensorProto.FLOAT)
 
 
@@ -361,9 +375,11 @@ def PackQuantized(X: FLOAT, format: str):
     lead = op.Slice(shape, [0], [-1])
     d = op.Slice(shape, [-1], [9223372036854775807])
     x = op.Reshape(X, op.Concat(lead, op.Div(d, block), block, axis=0))
-    amax = op.ReduceMax(op.Abs(x), [-1], keepdims=1)
-    has_nan = op.Cast(op.ReduceMax(op.Cast(op.IsNaN(x), to=onnx.TensorProto.FLOAT), [-1],
-                                   keepdims=1), to=onnx.TensorProto.BOOL)
+    kept = op.Concat(op.Shape(x, end=-1), [1], axis=0)  # reductions' shapes (EMPTY_REDUCE)
+    amax = op.Reshape(op.ReduceMax(op.Abs(x), [-1], keepdims=1), kept, allowzero=1)
+    has_nan = op.Cast(op.Reshape(op.ReduceMax(op.Cast(op.IsNaN(x), to=onnx.TensorProto.FLOAT),
+                                              [-1], keepdims=1), kept, allowzero=1),
+                      to=onnx.TensorProto.BOOL)
     amax = op.Where(has_nan, op.Constant(value_float=float("nan")), amax)
     # The scales: e8m0 2^ceil(log2(max(amax, 6 * 2^-126) / 6)); act_quant's
     # 2^ceil(log2(max(amax, 1e-4) / 448)); e4m3 e4m3(max(amax, 6 * 2^-9) / 6), saturating.
@@ -393,9 +409,12 @@ def PackQuantized(X: FLOAT, format: str):
     # must be exceeded, .75, 1.75 and 3.5 reached)
     above = op.Greater(op.Unsqueeze(a, [-1]), op.Constant(value_floats=[0.25, 1.25, 2.5, 5.0]))
     reach = op.GreaterOrEqual(op.Unsqueeze(a, [-1]), op.Constant(value_floats=[0.75, 1.75, 3.5]))
-    e2m1 = op.Cast(op.ReduceSum(op.Cast(above, to=onnx.TensorProto.FLOAT), [-1], keepdims=0) +
-                   op.ReduceSum(op.Cast(reach, to=onnx.TensorProto.FLOAT), [-1], keepdims=0),
-                   to=onnx.TensorProto.INT64)
+    a_shape = op.Shape(a)  # the reductions' shapes (EMPTY_REDUCE)
+    n_above = op.Reshape(op.ReduceSum(op.Cast(above, to=onnx.TensorProto.FLOAT), [-1],
+                                      keepdims=0), a_shape, allowzero=1)
+    n_reach = op.Reshape(op.ReduceSum(op.Cast(reach, to=onnx.TensorProto.FLOAT), [-1],
+                                      keepdims=0), a_shape, allowzero=1)
+    e2m1 = op.Cast(n_above + n_reach, to=onnx.TensorProto.INT64)
     zero = op.Constant(value_float=0.0)
     negative = op.Or(op.Less(v, zero), op.Less(op.Reciprocal(v), zero))  # -0 too
     code4 = e2m1 + op.Cast(negative, to=onnx.TensorProto.INT64) * op.Constant(value_int=8)
@@ -403,8 +422,9 @@ def PackQuantized(X: FLOAT, format: str):
     binades = op.Constant(value_floats=_E4M3_BINADES)
     q8 = op.Cast(op.Cast(v, to=onnx.TensorProto.FLOAT8E4M3FN), to=onnx.TensorProto.FLOAT)
     a8 = op.Abs(q8)
-    e8 = op.ReduceSum(op.Cast(op.GreaterOrEqual(op.Unsqueeze(a8, [-1]), binades),
-                              to=onnx.TensorProto.FLOAT), [-1], keepdims=0) - 6.0
+    e8 = op.Reshape(op.ReduceSum(op.Cast(op.GreaterOrEqual(op.Unsqueeze(a8, [-1]), binades),
+                                         to=onnx.TensorProto.FLOAT), [-1], keepdims=0),
+                    a_shape, allowzero=1) - 6.0
     m8 = a8 * op.Pow(op.Constant(value_float=2.0), op.Constant(value_float=3.0) - e8)
     negative8 = op.Or(op.Less(q8, zero), op.Less(op.Reciprocal(q8), zero))
     code8 = (op.Cast(e8 * 8.0 + 48.0 + m8, to=onnx.TensorProto.INT64) +
@@ -416,12 +436,14 @@ def PackQuantized(X: FLOAT, format: str):
     # explicit sizes, not -1: a row count of 0 (no new rows) leaves -1 undefined
     pairs = op.Reshape(code, op.Concat(lead, op.Div(d, per_byte), per_byte, axis=0))
     weights = op.Slice(op.Constant(value_ints=[1, 16]), [0], per_byte)
-    codes = op.ReduceSum(pairs * weights, [-1], keepdims=0)
+    codes = op.Reshape(op.ReduceSum(pairs * weights, [-1], keepdims=0),
+                       op.Shape(pairs, end=-1), allowzero=1)
 
     # Scale bytes: the e4m3 code of s (as above), or log2(s) + 127 (0xFF for NaN / inf).
     s1 = op.Where(bad, op.Constant(value_float=1.0), s)
-    es = op.ReduceSum(op.Cast(op.GreaterOrEqual(op.Unsqueeze(s1, [-1]), binades),
-                              to=onnx.TensorProto.FLOAT), [-1], keepdims=0) - 6.0
+    es = op.Reshape(op.ReduceSum(op.Cast(op.GreaterOrEqual(op.Unsqueeze(s1, [-1]), binades),
+                                         to=onnx.TensorProto.FLOAT), [-1], keepdims=0),
+                    op.Shape(s1), allowzero=1) - 6.0
     ms = s1 * op.Pow(op.Constant(value_float=2.0), op.Constant(value_float=3.0) - es)
     e4m3_byte = op.Cast(es * 8.0 + 48.0 + ms, to=onnx.TensorProto.INT64)
     e4m3_byte = op.Where(op.IsNaN(s), op.Constant(value_int=127), e4m3_byte)

@@ -14,7 +14,7 @@ from onnxscript import OpBuilder
 
 from csa2onnx.custom_ops.ops import torch_topk
 from csa2onnx.graphs.common import NEG_INF
-from csa2onnx.graphs.numerics import FLOAT
+from csa2onnx.graphs.numerics import FLOAT, reduce_axis
 
 POS_INF = float("inf")
 
@@ -49,7 +49,7 @@ def select_candidate_blocks(op: OpBuilder, logits: ir.Value, compress_lens: ir.V
     padded = op.Pad(logits, pads, op.Constant(value_float=NEG_INF))
     blocks = op.Reshape(padded, op.Concat(op.Slice(shape, [0], [2]), n_blocks, [block_size],
                                           axis=0))
-    block_scores = op.ReduceMax(blocks, [-1], keepdims=0)
+    block_scores = reduce_axis(op, "Max", blocks, -1)
 
     # Force the block of the newest reachable position: (compress_lens - 1) // block_size,
     # floor division, so compress_lens == 0 gives -1 and forces nothing (ONNX Div truncates).

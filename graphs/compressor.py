@@ -17,7 +17,15 @@ import onnx_ir as ir
 from onnxscript import OpBuilder, nn
 
 from csa2onnx.graphs.common import Mode, scalar_i64
-from csa2onnx.graphs.numerics import INT64, Linear, LinearF32, RMSNorm, TorchWeight, round_bf16
+from csa2onnx.graphs.numerics import (
+    INT64,
+    Linear,
+    LinearF32,
+    RMSNorm,
+    TorchWeight,
+    reduce_axis,
+    round_bf16,
+)
 
 # What an empty state slot holds: kv 0 and a -inf score, so it gets zero softmax weight.
 KV_STATE_FILL = 0.0
@@ -102,7 +110,7 @@ class Compressor(nn.Module):
 
     def _pool(self, op: OpBuilder, kv: ir.Value, score: ir.Value) -> ir.Value:
         """[..., r, hd] f32 -> RMSNorm(bf16(sum_r softmax_r(score) * kv)) [..., hd]."""
-        pooled = op.ReduceSum(op.Mul(kv, op.Softmax(score, axis=-2)), [-2], keepdims=0)
+        pooled = reduce_axis(op, "Sum", op.Mul(kv, op.Softmax(score, axis=-2)), -2)
         return self.norm(op, round_bf16(op, pooled))
 
     def _prefill(self, op: OpBuilder, x: ir.Value, kv_state: ir.Value | None = None,

@@ -24,7 +24,15 @@ from csa2onnx.custom_ops.ops import indexer_score, pack_quantized, torch_topk, u
 from csa2onnx.graphs.candidates import select_candidate_blocks
 from csa2onnx.graphs.common import NEG_INF, Mode, scalar_i64
 from csa2onnx.graphs.kv_cache import INDEX_KEY_FORMAT
-from csa2onnx.graphs.numerics import Linear, RMSNorm, TorchWeight, Weight, linear, round_bf16
+from csa2onnx.graphs.numerics import (
+    Linear,
+    RMSNorm,
+    TorchWeight,
+    Weight,
+    linear,
+    reduce_axis,
+    round_bf16,
+)
 from csa2onnx.graphs.quant import fp4_e8m0
 from csa2onnx.graphs.rope import FreqsCis, RopeParams, apply_rotary_emb
 
@@ -192,7 +200,7 @@ class Indexer(nn.Module):
             k = unpack_quantized(op, k, INDEX_KEY_FORMAT, self.head_dim)
         dots = round_bf16(op, op.MatMul(q, op.Unsqueeze(op.Transpose(k, perm=[0, 2, 1]), [1])))
         weighted = round_bf16(op, op.Mul(op.Relu(dots), op.Unsqueeze(w, [-1])))  # [b,s,H,T]
-        return round_bf16(op, op.ReduceSum(weighted, [2], keepdims=0))
+        return round_bf16(op, reduce_axis(op, "Sum", weighted, 2))
 
     def forward(self, op: OpBuilder, x: ir.Value, qr: ir.Value,
                 index_k: ir.Value | KeyCacheChoice,

@@ -31,6 +31,21 @@ def weight(values: np.ndarray, dtype: ir.DataType) -> nn.Parameter:
     return nn.Parameter(data.shape, data=ir.tensor(data))
 
 
+def reduce_axis(op: OpBuilder, reduction: str, x: ir.Value, axis: int, *,
+                keepdims: bool = False) -> ir.Value:
+    """op.Reduce<reduction> of x over one axis, its output shape pinned by a Reshape:
+    onnxruntime 1.30 and 1.31 (1.31 is the newest onnxruntime-gpu) return an empty x
+    unreduced, and a call that completes no compressed group reduces empty tensors. The
+    reduced axis itself must not be empty (an empty x then gives an empty output)."""
+    y = getattr(op, f"Reduce{reduction}")(x, [axis], keepdims=int(keepdims))
+    parts = [op.Shape(x, end=axis)] if axis != 0 else []
+    if keepdims:
+        parts.append(op.Constant(value_ints=[1]))
+    if axis != -1:
+        parts.append(op.Shape(x, start=axis + 1))
+    return op.Reshape(y, op.Concat(*parts, axis=0), allowzero=1)
+
+
 def as_float(op: OpBuilder, w: ir.Value) -> ir.Value:
     return w if w.dtype == FLOAT else op.Cast(w, to=FLOAT)
 

@@ -9,7 +9,7 @@ from onnxscript import OpBuilder
 from csa2onnx.custom_ops import constants
 from csa2onnx.custom_ops.constants import PACKED_FORMATS
 from csa2onnx.custom_ops.ops import fp4_quant_dequant, pack_quantized, unpack_quantized
-from csa2onnx.graphs.numerics import FLOAT, round_bf16
+from csa2onnx.graphs.numerics import FLOAT, reduce_axis, round_bf16
 
 FP8_BLOCK = constants.FP8_BLOCK
 FP8_MAX = 448.0
@@ -39,7 +39,7 @@ def act_quant(op: OpBuilder, x: ir.Value, block: int = FP8_BLOCK) -> ir.Value:
     """fp8 round trip: s = 2^ceil(log2(max(amax, 1e-4) / 448)), q = e4m3(clamp(x / s)),
     result bf16(q * s)."""
     blocks = _blocks(op, x, block)
-    amax = op.Max(op.ReduceMax(op.Abs(blocks), [-1], keepdims=1), 1e-4)
+    amax = op.Max(reduce_axis(op, "Max", op.Abs(blocks), -1, keepdims=True), 1e-4)
     scale = pow2_ceil(op, op.Mul(amax, 1.0 / FP8_MAX))
     q = op.Clip(op.Div(blocks, scale), -FP8_MAX, FP8_MAX)
     q = op.Cast(op.Cast(q, to=ir.DataType.FLOAT8E4M3FN), to=FLOAT)

@@ -104,3 +104,24 @@ def test_bad_weights_are_clear_errors() -> None:
         numerics.Linear(np.zeros(4, np.float32))
     with pytest.raises(ValueError, match="1-D"):
         numerics.RMSNorm(np.zeros((2, 2), np.float32), 1e-6)
+
+
+REDUCTIONS = [("Sum", -1, False), ("Max", -1, True), ("Sum", -2, False), ("Sum", 2, False),
+              ("Max", 0, True)]
+SHAPES_WITH_EMPTY = [(2, 3, 4, 5), (2, 0, 4, 5), (0, 3, 4, 5), (2, 3, 4, 0)]
+
+
+@pytest.mark.parametrize(("reduction", "axis", "keepdims", "shape"), [
+    (*r, shape) for r in REDUCTIONS for shape in SHAPES_WITH_EMPTY
+    if shape[r[1]] != 0])  # the reduced axis is never empty (reduce_axis's contract)
+def test_reduce_axis_gives_numpy_shapes_on_empty_tensors(reduction: str, axis: int,
+                                                          keepdims: bool, shape: tuple) -> None:
+    """Also where onnxruntime (1.30, 1.31) returns an empty input unreduced."""
+    model = build_model("reduce", [("x", FLOAT, ["a", "b", "c", "d"])], ["y"],
+                        lambda op, x: numerics.reduce_axis(op, reduction, x, axis,
+                                                           keepdims=keepdims))
+    x = np.random.default_rng(0).integers(-8, 8, shape).astype(np.float32)  # exact sums
+    want = (np.sum if reduction == "Sum" else np.max)(x, axis=axis, keepdims=keepdims)
+    got = run_model(model, {"x": x})["y"]
+    assert got.shape == want.shape
+    np.testing.assert_array_equal(got, want)
