@@ -223,6 +223,10 @@ def SparseAttention(Q: FLOAT, KV: FLOAT, Sink: FLOAT, Idx, softmax_scale: float)
     block = op.Constant(value_ints=[64])
     k = op.Slice(op.Shape(idx), [-1], [9223372036854775807])
     pad = op.Mod(op.Sub(block, op.Mod(k, block)), block)
+    # no index at all: one block of -1 (as a row of -1: zeros), so no reduction below runs
+    # over an empty axis (EMPTY_REDUCE)
+    pad = op.Add(pad, op.Mul(op.Cast(op.Equal(k, op.Constant(value_ints=[0])),
+                                     to=onnx.TensorProto.INT64), block))
     idx = op.Pad(idx, op.Concat(op.Constant(value_ints=[0, 0, 0, 0, 0]), pad, axis=0),
                  op.Constant(value_int=-1))
     valid = op.GreaterOrEqual(idx, op.Constant(value_int=0))

@@ -651,9 +651,9 @@ inline void task(const Problem& pr, const Shape& s, int64_t h0, const float* q,
   const int64_t chunk = torch_linear::mkl_chunk(d);
   const int64_t head = pr.h == 1 && d > 0 ? (d - 1) % 4 + 1 : 0;
 
+#ifdef CSA_X86
   // vdpbf16ps: Q's swapped pairs [d/2][gp], if every value of the task's q fits
   bool q_pairs = false;
-#ifdef CSA_X86
   pairs::u32* q2 = nullptr;
   pairs::u32* r2 = nullptr;  // the block's rows, swapped pairs [64][d/2]
   pairs::u32* v2 = nullptr;  // the block's entry pairs [32][dp]
