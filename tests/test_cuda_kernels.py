@@ -17,7 +17,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import GOLDENS, ROOT, hard_values
-from test_fp8_linear import NAN_CODES, assert_same, edge_rows, random_case, values
+from test_fp8_linear import (
+    assert_same,
+    defined_case,
+    edge_case,
+    nan_inf_case,
+    random_case,
+    values,
+)
 
 from csa2onnx.custom_ops.reference import fp4_round_trip, fp8_linear
 
@@ -121,34 +128,19 @@ FP8_SHAPES = [  # (M, N, K): one block to 8192, N off the 256-column thread bloc
 
 @pytest.mark.parametrize(("m", "n", "k"), FP8_SHAPES)
 def test_fp8_linear_matches_the_numpy_definition(shim, m: int, n: int, k: int) -> None:
-    rng = np.random.default_rng(m * 1000003 + n * 1009 + k)
-    x, codes, w_scale = random_case(rng, m, n, k)
-    want = fp8_linear(x, values(codes), w_scale)
-    assert np.isfinite(want).all()
+    x, codes, w_scale, want = defined_case(m, n, k)
     assert_same(fp8_linear_cuda(shim, x, codes, w_scale)[0], want)
 
 
 def test_fp8_linear_edge_inputs(shim) -> None:
     """Amax floor, e4m3 subnormals, saturation, huge spreads, signed zeros, near-max floats,
-    a zero weight scale (as test_fp8_linear's CPU test)."""
-    k, n = 128, 70
-    x = edge_rows(k)
-    rng = np.random.default_rng(17)
-    codes = rng.integers(0, 256, (n, k), dtype=np.uint8)
-    codes[np.isin(codes, NAN_CODES)] = 0x01
-    codes[:, :8] = [0x00, 0x80, 0x01, 0x81, 0x07, 0x08, 0x7E, 0xFE]
-    w_scale = np.exp2(rng.integers(-10, 4, (3, 4))).astype(np.float32)
-    w_scale[1, 2] = 0.0
-    assert_same(fp8_linear_cuda(shim, x, codes, w_scale)[0], fp8_linear(x, values(codes), w_scale))
+    a zero weight scale (test_fp8_linear's CPU case)."""
+    x, codes, w_scale, want = edge_case()
+    assert_same(fp8_linear_cuda(shim, x, codes, w_scale)[0], want)
 
 
 def test_fp8_linear_nan_and_inf(shim) -> None:
-    rng = np.random.default_rng(23)
-    x, codes, w_scale = random_case(rng, 5, 70, 96)
-    x[1, 40], x[2, 3], x[3, 95] = np.nan, np.inf, -np.inf
-    codes[7, 50], codes[66, 0] = 0x7F, 0xFF
-    want = fp8_linear(x, values(codes), w_scale)
-    assert np.isnan(want[1]).all() and np.isnan(want[:, 7]).all()
+    x, codes, w_scale, want = nan_inf_case()
     assert_same(fp8_linear_cuda(shim, x, codes, w_scale)[0], want)
 
 

@@ -145,12 +145,18 @@ SHAPES = [  # (M, N, K): N off the 32-column panels, K from one block to 8192, M
 ]
 
 
-@pytest.mark.parametrize(("m", "n", "k"), SHAPES)
-def test_every_path_matches_the_numpy_definition(fed_sessions, m: int, n: int, k: int) -> None:
-    rng = np.random.default_rng(m * 1000003 + n * 1009 + k)
-    x, codes, w_scale = random_case(rng, m, n, k)
+def defined_case(m: int, n: int, k: int
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """random_case seeded by its shape, and the definition's (finite) output."""
+    x, codes, w_scale = random_case(np.random.default_rng(m * 1000003 + n * 1009 + k), m, n, k)
     want = fp8_linear(x, values(codes), w_scale)
     assert np.isfinite(want).all()
+    return x, codes, w_scale, want
+
+
+@pytest.mark.parametrize(("m", "n", "k"), SHAPES)
+def test_every_path_matches_the_numpy_definition(fed_sessions, m: int, n: int, k: int) -> None:
+    x, codes, w_scale, want = defined_case(m, n, k)
     for isa, session in fed_sessions.items():
         assert_same(run(session, x, codes, w_scale), want, f"isa={isa}")
 
@@ -193,7 +199,9 @@ def edge_rows(k: int) -> np.ndarray:
     return rows
 
 
-def test_edge_inputs_match_the_definition(fed_sessions) -> None:
+def edge_case() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """edge_rows against random codes with 0, -0, subnormals and 448 in every row, and a
+    zero weight scale; and the definition's output."""
     k, n = 128, 70
     x = edge_rows(k)
     rng = np.random.default_rng(17)
@@ -202,7 +210,11 @@ def test_edge_inputs_match_the_definition(fed_sessions) -> None:
     codes[:, :8] = [0x00, 0x80, 0x01, 0x81, 0x07, 0x08, 0x7E, 0xFE]  # 0, -0, subnormals, 448
     w_scale = np.exp2(rng.integers(-10, 4, (3, 4))).astype(np.float32)
     w_scale[1, 2] = 0.0
-    want = fp8_linear(x, values(codes), w_scale)
+    return x, codes, w_scale, fp8_linear(x, values(codes), w_scale)
+
+
+def test_edge_inputs_match_the_definition(fed_sessions) -> None:
+    x, codes, w_scale, want = edge_case()
     for isa, session in fed_sessions.items():
         assert_same(run(session, x, codes, w_scale), want, f"isa={isa}")
     xq, xs = act_quant_e4m3(x)
@@ -253,18 +265,24 @@ def test_zero_codes_in_coarse_blocks(fed_sessions) -> None:
             assert_same(run(session, x, codes, w_scale), want, f"isa={isa} M={m}")
 
 
-def test_nan_and_inf(fed_sessions) -> None:
-    """A NaN or inf in a row of X makes that row NaN; a NaN weight code its column."""
+def nan_inf_case() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """NaN and +-inf in rows 1-3 of X, NaN codes in columns 7 and 66; the definition's
+    output, checked NaN exactly there."""
     rng = np.random.default_rng(23)
     x, codes, w_scale = random_case(rng, 5, 70, 96)
     x[1, 40], x[2, 3], x[3, 95] = np.nan, np.inf, -np.inf
     codes[7, 50], codes[66, 0] = 0x7F, 0xFF
     want = fp8_linear(x, values(codes), w_scale)
-    nan_rows, nan_cols = [1, 2, 3], [7, 66]
     expect = np.zeros(want.shape, bool)
-    expect[nan_rows] = True
-    expect[:, nan_cols] = True
+    expect[[1, 2, 3]] = True
+    expect[:, [7, 66]] = True
     np.testing.assert_array_equal(np.isnan(want), expect)
+    return x, codes, w_scale, want
+
+
+def test_nan_and_inf(fed_sessions) -> None:
+    """A NaN or inf in a row of X makes that row NaN; a NaN weight code its column."""
+    x, codes, w_scale, want = nan_inf_case()
     for isa, session in fed_sessions.items():
         assert_same(run(session, x, codes, w_scale), want, f"isa={isa}")
         assert_same(run(session_for(fp8_model(codes, w_scale), isa), x), want, f"isa={isa}")
