@@ -214,7 +214,9 @@ def machine_info() -> dict[str, Any]:
                 flags = set(line.split(":", 1)[1].split())
                 break
     wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
-    return {"cpu": model, "isa": [f for f in wanted if f in flags], "cores": os.cpu_count(),
+    # the cores this process may run on (taskset, a container's cpuset), not the machine's
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"cpu": model, "isa": [f for f in wanted if f in flags], "cores": cores,
             "onnxruntime": ort.__version__, "python": platform.python_version()}
 
 
