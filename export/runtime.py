@@ -198,7 +198,7 @@ class AttentionRuntime:
     def _session(self, mode: str, providers: list[str], threads: int,
                  spinning: bool) -> ort.InferenceSession:
         if self.manifest.portable:  # standard ONNX only: no custom-op library needed
-            check_onnxruntime()  # the standard-op bodies reduce empty tensors too
+            check_onnxruntime()  # the version floor holds without the library too
             options = ort.SessionOptions()
             options.intra_op_num_threads = threads
         else:
