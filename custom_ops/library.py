@@ -75,9 +75,10 @@ def make_session(
     options: ort.SessionOptions | None = None,
 ) -> ort.InferenceSession:
     """An InferenceSession over `model` (serialized bytes or a path) with the ops registered."""
-    check_onnxruntime()
     if options is None:
-        options = session_options()
+        options = session_options()  # checks the onnxruntime version too
+    else:
+        check_onnxruntime()
     source = model if isinstance(model, bytes) else os.fspath(model)
     return ort.InferenceSession(source, sess_options=options, providers=list(providers))
 

@@ -23,12 +23,11 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tools")]
+from bench_ops import FP8_SHAPES  # noqa: E402
 from test_cuda_kernels import build_shim, fp8_linear_cuda  # noqa: E402
 from test_fp8_linear import assert_same, values  # noqa: E402
 
 from csa2onnx.custom_ops.reference import fp8_linear  # noqa: E402
-
-FP8_SHAPES = [(5120, 1280), (1280, 32768), (5120, 512), (8192, 5120), (1280, 4096)]  # (K, N)
 
 
 def torch_ms(m: int, k: int, n: int, reps: int) -> float:
