@@ -140,10 +140,31 @@ class MatrixResult:
                                     for s, r in self.rows]}, indent=1)
 
 
+def scenario_summary(s: Scenario, r: BenchResult) -> str:
+    """One finished scenario in a line (printed as soon as it ends: a run cut short by a
+    time limit still reports what it measured)."""
+    o, u = r.ours, r.upstream
+
+    def up(ours: float, theirs: float | None, digits: int) -> str:
+        return f" (upstream {theirs:.{digits}f}, x up {ours / theirs:.2f})" if theirs else ""
+
+    prefill_up = u.prefill_s if u is not None and s.context == s.prefill else None
+    calls = -(-s.context // s.prefill)
+    return (f"threads {s.threads}, batch {s.batch}, context {s.context}"
+            + (f" ({calls} calls)" if calls > 1 else "") + f", {s.numerics}: "
+            f"prefill {o.prefill_s:.3f} s{up(o.prefill_s, prefill_up, 3)}, "
+            f"decode {o.decode_median_ms:.1f} ms"
+            f"{up(o.decode_median_ms, u.decode_median_ms if u else None, 1)}, "
+            f"x limit {r.x_limit:.2f}, peak {o.peak_rss_mib:.0f} MiB")
+
+
 def run_matrix(opts: BenchOptions, prefills: list[int], batches: list[int],
                threads: list[int], contexts: list[int],
                progress: Callable[[str], None] | None = None,
-               numerics: list[str] | None = None) -> MatrixResult:
+               numerics: list[str] | None = None,
+               finished: Callable[[str], None] | None = None) -> MatrixResult:
+    """Every scenario; `progress` hears each stage, `finished` each scenario's summary
+    line as it ends."""
     say = progress or (lambda text: None)
     todo = scenarios(prefills, batches, threads, contexts, numerics)
     config = bench_config(opts)
@@ -164,6 +185,8 @@ def run_matrix(opts: BenchOptions, prefills: list[int], batches: list[int],
             result.upstream, result.agreement = shared.upstream, {}
         machine |= result.machine
         rows.append((s, result))
+        if finished is not None:
+            finished(f"scenario {i + 1}/{len(todo)}: {scenario_summary(s, result)}")
     return MatrixResult(options=asdict(opts) | {"source": str(opts.source),
                                                 "upstream": str(opts.upstream),
                                                 "prefills": prefills, "batches": batches,

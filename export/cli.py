@@ -131,9 +131,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if live:
             print(f"\r\033[K  bench: {stage}", end="", file=sys.stderr, flush=True)
 
+    def finished(summary: str) -> None:  # kept on screen (or in the log) at once
+        print(("\r\033[K" if live else "") + f"  bench: {summary}", file=sys.stderr, flush=True)
+
     if matrix:
         table = run_matrix(opts, args.prefill, args.batch, args.threads, contexts, progress,
-                           numerics=args.numerics)
+                           numerics=args.numerics, finished=finished)
         if live:
             print("\r\033[K", end="", file=sys.stderr)
         print(table.to_json() if args.json else table.table())

@@ -114,12 +114,18 @@ def test_bench_matrix_runs_every_scenario(capsys) -> None:
     assert main(["bench", str(GOLDENS / "case1_r2_r1.json"), "--layers", "0-3", "--prefill",
                  "8,12", "--batch", "1,2", "--threads", "1", "--context", "30",
                  "--decode", "2"]) == 0
-    table = capsys.readouterr().out
+    captured = capsys.readouterr()
+    table = captured.out
     rows = [line.split() for line in table.splitlines() if line[:7].strip() == "1"]
     assert [(int(r[1]), int(r[2])) for r in rows] == [(1, 8), (1, 12), (2, 8), (2, 12),
                                                        (1, 30), (2, 30)]
     assert "(3 calls)" in table and "1 threads" in table.splitlines()[2]
     assert "upstream" not in table.splitlines()[4]  # no baseline asked: no upstream columns
+    # each scenario reported on stderr as it ends (a run cut short keeps what it measured)
+    done = [line for line in captured.err.splitlines() if "bench: scenario" in line]
+    assert [line.split(": ", 2)[1] for line in done] == [f"scenario {i}/6" for i in range(1, 7)]
+    assert "batch 2, context 30 (3 calls), exact: prefill " in done[5]
+    assert " ms, x limit " in done[0] and "upstream" not in done[0]
 
 
 def test_bench_matrix_json_and_errors(capsys) -> None:
