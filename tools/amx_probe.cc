@@ -11,6 +11,8 @@
 //   odd_first  (the definition): acc = acc + a1*b1; acc = acc + a0*b0   (each rounded)
 //   even_first:                  acc = acc + a0*b0; acc = acc + a1*b1
 //   pair_once:                   acc = round(acc + (a0*b0 + a1*b1) exact)
+//   block_once:                  acc = round(acc + the 32 products of one TDPBF16PS, exact)
+// and, where none matches, the largest distance from odd_first in units in the last place.
 // on sums of 512 terms (one kOneDnnPairs chunk) from 0, for vdpbf16ps (the check that the
 // models are written right: it must be odd_first everywhere), AMX with the operands as
 // stored, and AMX with every pair swapped. Data: normal values, wide exponents, and values
@@ -25,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <random>
@@ -85,9 +88,12 @@ Case make_case(std::mt19937_64& rng, int kind) {
   return c;
 }
 
-// The three models for output (m, n).
-void models(const Case& c, int m, int n, float out[3]) {
-  float odd = 0.0f, even = 0.0f, once = 0.0f;
+constexpr int kModels = 4;
+
+// The models for output (m, n).
+void models(const Case& c, int m, int n, float out[kModels]) {
+  float odd = 0.0f, even = 0.0f, once = 0.0f, block = 0.0f;
+  __float128 block_exact = 0;
   for (int k = 0; k < kK; k += 2) {
     const float p0 = bf16_to_f32(c.a[m * kK + k]) * bf16_to_f32(c.b[k * kTile + n]);  // exact
     const float p1 = bf16_to_f32(c.a[m * kK + k + 1]) * bf16_to_f32(c.b[(k + 1) * kTile + n]);
@@ -97,10 +103,25 @@ void models(const Case& c, int m, int n, float out[3]) {
     even = even + p1;
     const __float128 exact = static_cast<__float128>(once) + p0 + p1;  // exact: 113 bits
     once = static_cast<float>(exact);                                    // one rounding
+    block_exact += static_cast<__float128>(p0) + p1;
+    if ((k + 2) % kTileK == 0) {  // one TDPBF16PS's 32 terms summed exactly, one rounding
+      block = static_cast<float>(static_cast<__float128>(block) + block_exact);
+      block_exact = 0;
+    }
   }
   out[0] = odd;
   out[1] = even;
   out[2] = once;
+  out[3] = block;
+}
+
+// |a - b| in units in the last place of b (floats of one sign: the distance of their bits).
+long ulps(float a, float b) {
+  int32_t x, y;
+  std::memcpy(&x, &a, sizeof x);
+  std::memcpy(&y, &b, sizeof y);
+  if ((x < 0) != (y < 0)) return a == b ? 0 : 1L << 31;
+  return std::labs(static_cast<long>(x) - static_cast<long>(y));
 }
 
 // vdpbf16ps: lanes over the 16 columns, each pair of a row broadcast.
@@ -160,9 +181,10 @@ __attribute__((target("amx-tile"))) void release_tiles() { _tile_release(); }
 
 int same(float x, float y) { return std::memcmp(&x, &y, sizeof x) == 0; }
 
-void report(const char* name, const std::vector<long>& hits, long total) {
-  std::printf("%-28s odd_first %ld/%ld  even_first %ld/%ld  pair_once %ld/%ld\n", name, hits[0],
-              total, hits[1], total, hits[2], total);
+void report(const char* name, const std::vector<long>& hits, long total, long max_ulps) {
+  std::printf("%-28s odd_first %ld/%ld  even_first %ld/%ld  pair_once %ld/%ld  block_once %ld/%ld"
+              "  (max %ld ulp from odd_first)\n", name, hits[0], total, hits[1], total, hits[2],
+              total, hits[3], total, max_ulps);
 }
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
@@ -250,8 +272,8 @@ int main(int argc, char** argv) {
   const char* kinds[3] = {"normal", "wide exponents", "2-bit values (ties)"};
   bool defined = true;
   for (int kind = 0; kind < 3; ++kind) {
-    std::vector<long> v(3), plain(3), swapped(3);
-    long total = 0;
+    std::vector<long> v(kModels), plain(kModels), swapped(kModels);
+    long total = 0, far_v = 0, far_plain = 0, far_swapped = 0;
     std::vector<float> vd(kTile * kTile), am(kTile * kTile), sw(kTile * kTile);
     for (int i = 0; i < cases; ++i) {
       const Case c = make_case(rng, kind);
@@ -262,21 +284,27 @@ int main(int argc, char** argv) {
       }
       for (int m = 0; m < kTile; ++m)
         for (int n = 0; n < kTile; ++n) {
-          float ref[3];
+          float ref[kModels];
           models(c, m, n, ref);
-          for (int j = 0; j < 3; ++j) {
-            v[j] += same(vd[m * kTile + n], ref[j]);
-            plain[j] += amx && same(am[m * kTile + n], ref[j]);
-            swapped[j] += amx && same(sw[m * kTile + n], ref[j]);
+          const int o = m * kTile + n;
+          for (int j = 0; j < kModels; ++j) {
+            v[j] += same(vd[o], ref[j]);
+            plain[j] += amx && same(am[o], ref[j]);
+            swapped[j] += amx && same(sw[o], ref[j]);
+          }
+          far_v = std::max(far_v, ulps(vd[o], ref[0]));
+          if (amx) {
+            far_plain = std::max(far_plain, ulps(am[o], ref[0]));
+            far_swapped = std::max(far_swapped, ulps(sw[o], ref[0]));
           }
           ++total;
         }
     }
     std::printf("%s, %ld sums of %d terms:\n", kinds[kind], total, kK);
-    report("  vdpbf16ps", v, total);
+    report("  vdpbf16ps", v, total, far_v);
     if (amx) {
-      report("  tdpbf16ps, pairs as stored", plain, total);
-      report("  tdpbf16ps, pairs swapped", swapped, total);
+      report("  tdpbf16ps, pairs as stored", plain, total, far_plain);
+      report("  tdpbf16ps, pairs swapped", swapped, total, far_swapped);
     }
     defined = defined && v[0] == total;
   }
