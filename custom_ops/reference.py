@@ -133,7 +133,8 @@ def fp8_linear(x: np.ndarray, w: np.ndarray, w_scale: np.ndarray,
     kb = k // block
     if w_scale.shape != (-(-n // block), kb):
         raise ValueError(f"w_scale shape {w_scale.shape} != {(-(-n // block), kb)}")
-    xq, xs = act_quant_e4m3(x.reshape(-1, k), block)
+    rows = int(np.prod(x.shape[:-1], dtype=np.int64))  # -1 cannot stand for it when K = 0
+    xq, xs = act_quant_e4m3(x.reshape(rows, k), block)
     ws = np.repeat(w_scale, block, axis=0)[:n]  # [N, kb]: column n's scales
     acc = np.zeros((xq.shape[0], n), np.float32)
     with np.errstate(invalid="ignore", over="ignore"):

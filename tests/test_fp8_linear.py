@@ -319,6 +319,11 @@ def test_ranks_and_empty_shapes(fed_sessions) -> None:
     y = run(session, np.ones((4, 0), np.float32), np.zeros((3, 0), np.uint8),
             np.zeros((1, 0), np.float32))
     assert y.shape == (4, 3) and not y.any()
+    # the definition agrees there (no K block: every output 0), at any rank
+    assert_same(y, fp8_linear(np.ones((4, 0), np.float32), np.zeros((3, 0), np.float32),
+                              np.zeros((1, 0), np.float32)))
+    assert_same(fp8_linear(np.ones(0, np.float32), np.zeros((3, 0), np.float32),
+                           np.zeros((1, 0), np.float32)), np.zeros(3, np.float32))
 
 
 # ------------------------------------------------- the integer sums and their fallbacks
