@@ -1,5 +1,7 @@
 """The custom ops under AddressSanitizer + UBSan (tools/fuzz_ops.py): ~1,500 random cases of
-both ops, valid and invalid, must give no crash, sanitizer report, wrong shape or wrong value.
+Fp4QuantDequant, TorchTopK and Fp8Linear (every forced instruction-set path this CPU has, W
+constant or fed), valid and invalid, must give no crash, sanitizer report, wrong shape or
+wrong value.
 
 The sanitizer build (custom_ops/build-asan) takes ~30 s the first time on 2 cores; the cases
 ~40 s. Cases run in a subprocess with the sanitizer runtimes preloaded, so a report kills that
@@ -64,3 +66,7 @@ def test_fuzz_cases_find_nothing(asan_library: Path) -> None:
                                   str(asan_library), timeout=600)
     assert counts["findings"] == 0, f"{counts['findings']} findings:\n" + output[-6000:]
     assert counts["cases"] == 1500 and rc == 0, output[-4000:]
+    outcomes = re.search(r"outcomes: (\{.*\})", output)
+    assert outcomes, output[-4000:]
+    for op in ("fp4", "topk", "fp8"):  # every op ran cases that passed and cases it refused
+        assert f"'{op}:ok'" in outcomes[1] and f"'{op}:error'" in outcomes[1], outcomes[1]

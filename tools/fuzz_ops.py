@@ -1,4 +1,5 @@
-"""Fuzz the csa2onnx custom ops (Fp4QuantDequant, TorchTopK) under AddressSanitizer and UBSan.
+"""Fuzz the csa2onnx custom ops (Fp4QuantDequant, TorchTopK, Fp8Linear) under AddressSanitizer
+and UBSan.
 
     python tools/fuzz_ops.py --build --cases 30000 --seed 1
 
@@ -7,9 +8,12 @@ cases run in a worker subprocess with the sanitizer runtimes preloaded (Python i
 instrumented, so they must come first) and `CSA2ONNX_OPS_LIBRARY` pointing at that library.
 Each case is a random model and input: shapes with 0-sized and huge dims, valid and invalid
 attributes, K of every value and shape, every dtype, NaN/inf/subnormal/random-bit data, 1 or
-2 threads. A case must either return outputs of the right shape (checked against an oracle
-where the input is valid) or raise an onnxruntime error. Findings: a crash, a sanitizer
-report, a hang, a wrong shape or value, a valid input rejected or an invalid one accepted.
+2 threads; for Fp8Linear also W constant or fed, every code (NaN codes, blocks too wide for
+int16), scales of every kind, rows on the few-rows and the tile paths, and each forced
+instruction-set path the CPU has. A case must either return outputs of the right shape
+(checked against an oracle where the input is valid) or raise an onnxruntime error.
+Findings: a crash, a sanitizer report, a hang, a wrong shape or value, a valid input
+rejected or an invalid one accepted.
 A crashed worker is restarted after the case that killed it, so one run reports them all.
 Case i of seed S is reproducible alone: `--seed S --start i --cases 1 -v`.
 
@@ -46,7 +50,8 @@ MAX_ELEMENTS = 1 << 22  # "huge but allocatable": 16 MiB of float32 per input
 CASE_TIMEOUT_S = 120.0
 
 # ONNX element types (TensorProto values), spelled out so the parent needs no onnx import.
-FLOAT, INT32, INT64, FLOAT16, DOUBLE, BFLOAT16 = 1, 6, 7, 10, 11, 16
+FLOAT, INT32, INT64, FLOAT16, DOUBLE, BFLOAT16, FLOAT8E4M3FN = 1, 6, 7, 10, 11, 16, 17
+FP8_MAX_WORK = 1 << 24  # Fp8Linear cases: M * N * K at most (the oracle is NumPy)
 GOOD_X_TYPES = (FLOAT, BFLOAT16, FLOAT16)
 
 
@@ -110,11 +115,18 @@ class Case:
     inputs: list[str] = field(default_factory=list)  # node input names; [] = the usual ones
     k: np.ndarray | None = None  # topk only
     k_type: int = INT64
+    w: np.ndarray | None = None  # fp8 only: W's codes [N, K] (uint8)
+    w_scale: np.ndarray | None = None  # fp8 only: WScale
+    w_constant: bool = False  # fp8 only: W and WScale initializers, not inputs
+    isa: str | None = None  # fp8 only: CSA_FP8_LINEAR_ISA when the kernel is created
     expect_ok: bool | None = None  # None: no prediction, only crash and shape checks
     notes: list[str] = field(default_factory=list)
 
     def describe(self) -> str:
         k = "" if self.k is None else f" K={self.k.tolist()!r}:{self.k.dtype}"
+        if self.w is not None:
+            k = (f" W={list(self.w.shape)} WScale={list(self.w_scale.shape)} "
+                 f"constant={self.w_constant} isa={self.isa}")
         inputs = f" inputs={self.inputs}" if self.inputs else ""
         return (f"#{self.index} {self.op} x_type={self.x_type} shape={list(self.x.shape)}{k} "
                 f"attrs={self.attributes}{inputs} outputs={self.outputs} threads={self.threads} "
@@ -314,9 +326,113 @@ def topk_case(rng: np.random.Generator, index: int, omit_inputs: bool) -> Case:
                 k_type=k_type, inputs=inputs, expect_ok=ok, notes=notes)
 
 
+def fp8_isas() -> list[str | None]:
+    """Fp8Linear's paths this CPU can be forced onto (None: the kernel's own choice)."""
+    from csa2onnx.custom_ops.library import cpu_isas
+
+    has = cpu_isas()
+    return [None, "scalar"] + ["avx2"] * ("avx2" in has) + (
+        ["avx512", "avx512-novbmi"] if "avx512" in has else [])
+
+
+def fp8_codes(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
+    """W's e4m3 codes in a random style: checkpoint-like normal weights, every byte (NaN codes
+    included), blocks spanning too many binades for int16, saturated, or zero."""
+    style = int(rng.integers(5))
+    if style == 0:  # normal values scaled into e4m3's range, as a checkpoint holds them
+        import ml_dtypes
+
+        w = rng.standard_normal((n, k)) * 100.0
+        return np.clip(w, -448, 448).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    if style == 1:
+        return rng.integers(0, 256, (n, k), dtype=np.uint8)
+    if style == 2:  # huge and tiny values side by side: blocks that are not int16
+        return rng.choice(np.array([0x7E, 0xFE, 0x01, 0x81, 0x09, 0x77, 0x00], np.uint8),
+                          (n, k))
+    if style == 3:
+        return np.full((n, k), rng.choice([0x7E, 0xFE, 0x00, 0x80, 0x7F, 0x01]), np.uint8)
+    codes = rng.integers(0, 256, (n, k), dtype=np.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0  # no NaN codes
+    return codes
+
+
+def fp8_scales(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    """WScale values: powers of two (as the checkpoint's ue8m0), or any float."""
+    size = int(np.prod(shape, dtype=np.int64))
+    if rng.random() < 0.7:
+        return np.exp2(rng.integers(-30, 10, size).astype(np.float64)).astype(
+            np.float32).reshape(shape)
+    return random_data(rng, size).reshape(shape)
+
+
+def fp8_case(rng: np.random.Generator, index: int, omit_inputs: bool) -> Case:
+    ok: bool | None = True
+    notes = []
+    attributes: dict[str, Any] = {}
+    u = rng.random()
+    if u < 0.1:
+        attributes["block_size"] = 32
+    elif u < 0.14:
+        attributes["block_size"], ok = int(rng.choice([16, 64, 0, -32, 1 << 40])), False
+    elif u < 0.15:
+        attributes["block_size"], ok = 32.0, False
+    u = rng.random()
+    if u < 0.2:
+        attributes["numerics"] = "exact"
+    elif u < 0.4:
+        attributes["numerics"] = "fast"
+    elif u < 0.43:
+        attributes["numerics"], ok = ["", "Fast", "bf16", 1][int(rng.integers(4))], False
+    kb = int(rng.choice([0, 1, 1, 2, 3, 8, 40, 160, 257]))
+    k = 32 * kb if rng.random() > 0.04 else int(rng.integers(1, 100)) * 32 + int(
+        rng.integers(1, 32))
+    n = int(rng.choice([0, 1, 15, 16, 17, 31, 32, 33, 64, 65, 100, 257]))
+    rows = int(rng.choice([0, 1, 2, 3, 4, 5, 6, 7, 17, 64, 255, 256, 257, 300]))
+    while rows * n * k > FP8_MAX_WORK and rows > 1:  # the oracle must stay quick
+        rows //= 2
+    lead = [[rows], [], [1, rows], [2, max(rows // 2, 1)]][int(rng.integers(4))]
+    if not lead:
+        rows = 1
+    x_type = FLOAT if rng.random() < 0.9 else random_x_type(rng)
+    ok = ok and x_type == FLOAT
+    if rng.random() < 0.6:  # values a model feeds (bf16-valued), else anything
+        x = rng.standard_normal((*lead, k)).astype(np.float32) * np.float32(
+            2.0 ** int(rng.integers(-20, 20)))
+    else:
+        x = random_data(rng, int(np.prod([*lead, k], dtype=np.int64))).reshape(*lead, k)
+    x = np.asarray(as_x_type(x.astype(np.float32), x_type))
+    x_k = k
+    if rng.random() < 0.03:  # X's K is not W's
+        x = x[..., : max(k - 32, 0)] if k >= 32 else np.concatenate([x, x], axis=-1)
+        x_k = x.shape[-1]
+        ok = ok and x_k == k
+    w = fp8_codes(rng, n, k)
+    scale_shape: tuple[int, ...] = (-(-n // 32), k // 32)
+    if rng.random() < 0.05:
+        scale_shape = [(scale_shape[0] + 1, scale_shape[1]), (scale_shape[0], scale_shape[1] + 1),
+                       (scale_shape[1],), (1, 1, 1)][int(rng.integers(4))]
+        ok = False
+    w_scale = fp8_scales(rng, scale_shape)
+    if k % 32:
+        ok = False
+    isas = fp8_isas()
+    isa = isas[int(rng.integers(len(isas)))]
+    inputs: list[str] = []
+    if rng.random() < 0.01 and omit_inputs:
+        inputs, ok = [["X", "W"], ["X", "", "WScale"], ["", "W", "WScale"]][
+            int(rng.integers(3))], None
+        notes.append("inputs omitted")
+    if ok and x_k == k:
+        notes.append(f"rows={int(np.prod(x.shape[:-1], dtype=np.int64))}")
+    return Case(index, "fp8", x_type, x, attributes, ["Y"], int(rng.integers(1, 3)),
+                inputs=inputs, expect_ok=ok, notes=notes, w=w, w_scale=w_scale,
+                w_constant=bool(rng.random() < 0.5), isa=isa)
+
+
 def make_case(seed: int, index: int, omit_inputs: bool = False) -> Case:
     rng = np.random.default_rng([seed, index])
-    make = fp4_case if rng.random() < 0.5 else topk_case
+    u = rng.random()
+    make = fp4_case if u < 0.35 else topk_case if u < 0.7 else fp8_case
     return make(rng, index, omit_inputs)
 
 
@@ -437,6 +553,30 @@ def check_topk(case: Case, outputs: dict[str, np.ndarray]) -> str | None:
 
 
 # ---------------------------------------------------------------- running (worker side)
+def check_fp8(case: Case, outputs: dict[str, np.ndarray]) -> str | None:
+    """Exact numerics (or a forced path, which always is): the NumPy definition bit for bit;
+    fast numerics: the shape, and NaN exactly where the definition has it."""
+    import ml_dtypes
+
+    from csa2onnx.custom_ops.reference import fp8_linear
+
+    got = outputs["Y"]
+    want_shape = (*case.x.shape[:-1], case.w.shape[0])
+    if got.shape != want_shape:
+        return f"Y shape {list(got.shape)}, expected {list(want_shape)}"
+    w = case.w.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    want = fp8_linear(case.x, w, case.w_scale)
+    if case.attributes.get("numerics") == "fast" and case.isa is None:
+        if not np.array_equal(np.isnan(got), np.isnan(want)):
+            return "fast numerics: NaN where the definition has none, or the reverse"
+        return None
+    if not same_floats(got, want):
+        bad = int(np.sum(~((got.view(np.uint32) == want.view(np.uint32)) |
+                           (np.isnan(got) & np.isnan(want)))))
+        return f"Y differs from the definition in {bad} of {got.size} values"
+    return None
+
+
 class Runner:
     """Builds models and caches sessions (creating one costs more than most runs)."""
 
@@ -448,23 +588,34 @@ class Runner:
 
         self.ort, self.helper, self.session_options = ort, helper, session_options
         ort.set_default_logger_severity(4)  # expected errors would flood stderr
-        self.sessions: OrderedDict[tuple[bytes, int], Any] = OrderedDict()
+        self.sessions: OrderedDict[tuple[bytes, int, str | None], Any] = OrderedDict()
 
     def model(self, case: Case) -> tuple[bytes, list[str]]:
         h = self.helper
         graph_outputs: list[str] = []
         nodes = []
+        initializers = []
         if case.op == "fp4":
             op_type, out_types = "Fp4QuantDequant", {"Y": case.x_type, "Scale": FLOAT}
             node_inputs = case.inputs or ["X"]
+        elif case.op == "fp8":
+            op_type, out_types = "Fp8Linear", {"Y": FLOAT}
+            node_inputs = case.inputs or ["X", "W", "WScale"]
+            if case.w_constant:
+                initializers = [
+                    h.make_tensor("W", FLOAT8E4M3FN, list(case.w.shape), case.w.tobytes(),
+                                  raw=True),
+                    h.make_tensor("WScale", FLOAT, list(case.w_scale.shape),
+                                  case.w_scale.tobytes(), raw=True)]
         else:
             op_type, out_types = "TorchTopK", {"Values": case.x_type, "Indices": INT64}
             node_inputs = case.inputs or ["X", "K"]
         node = h.make_node(op_type, node_inputs, list(case.outputs), domain="csa2onnx",
                            **case.attributes)
-        types = {"X": case.x_type, "K": case.k_type}
+        types = {"X": case.x_type, "K": case.k_type, "W": FLOAT8E4M3FN, "WScale": FLOAT}
+        constant = {t.name for t in initializers}
         inputs = [h.make_tensor_value_info(name, types[name], None)
-                  for name in dict.fromkeys(node_inputs) if name]
+                  for name in dict.fromkeys(node_inputs) if name and name not in constant]
         nodes.append(node)
         outputs = []
         for i, name in enumerate(case.outputs):
@@ -477,21 +628,26 @@ class Runner:
                 out_type = FLOAT
             outputs.append(h.make_tensor_value_info(name, out_type, None))
             graph_outputs.append(name)
-        graph = h.make_graph(nodes, "fuzz", inputs, outputs)
+        graph = h.make_graph(nodes, "fuzz", inputs, outputs, initializer=initializers)
         model = h.make_model(graph, opset_imports=[h.make_opsetid("", 21),
                                                    h.make_opsetid("csa2onnx", 1)],
                              ir_version=IR_VERSION)
         return model.SerializeToString(), graph_outputs
 
-    def session(self, model: bytes, threads: int) -> Any:
-        key = (model, threads)
+    def session(self, model: bytes, threads: int, isa: str | None = None) -> Any:
+        key = (model, threads, isa)
         if key in self.sessions:
             self.sessions.move_to_end(key)
             return self.sessions[key]
         options = self.session_options(threads)
         options.log_severity_level = 4
-        session = self.ort.InferenceSession(model, sess_options=options,
-                                            providers=["CPUExecutionProvider"])
+        if isa is not None:  # read when the session creates the kernel
+            os.environ["CSA_FP8_LINEAR_ISA"] = isa
+        try:
+            session = self.ort.InferenceSession(model, sess_options=options,
+                                                providers=["CPUExecutionProvider"])
+        finally:
+            os.environ.pop("CSA_FP8_LINEAR_ISA", None)
         self.sessions[key] = session
         if len(self.sessions) > 48:
             self.sessions.popitem(last=False)
@@ -509,12 +665,18 @@ class Runner:
             if isinstance(t, type) and issubclass(t, Exception))
         model, names = self.model(case)
         try:
-            session = self.session(model, case.threads)
+            session = self.session(model, case.threads, case.isa)
             feeds = {}
             if "X" in (case.inputs or ["X"]):  # as is: ascontiguousarray makes 0-d 1-d
                 feeds["X"] = self.feed(case.x, case.x_type)
             if case.k is not None and "K" in (case.inputs or ["K"]):
                 feeds["K"] = self.ort.OrtValue.ortvalue_from_numpy(case.k)
+            if case.w is not None and not case.w_constant:
+                if "W" in (case.inputs or ["W"]):
+                    feeds["W"] = self.ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
+                        case.w, FLOAT8E4M3FN)
+                if "WScale" in (case.inputs or ["WScale"]):
+                    feeds["WScale"] = self.ort.OrtValue.ortvalue_from_numpy(case.w_scale)
             got = session.run_with_ort_values(names, feeds)
             outputs = dict(zip(names, (v.numpy() for v in got), strict=True))
         except ort_errors as e:
@@ -525,7 +687,7 @@ class Runner:
             return "finding", "invalid input accepted"
         if case.expect_ok is None:
             return "ok", "unpredicted"
-        check = check_fp4 if case.op == "fp4" else check_topk
+        check = {"fp4": check_fp4, "topk": check_topk, "fp8": check_fp8}[case.op]
         problem = check(case, outputs)
         return ("finding", problem) if problem else ("ok", "checked")
 
