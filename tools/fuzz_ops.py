@@ -1,5 +1,5 @@
-"""Fuzz the csa2onnx custom ops (Fp4QuantDequant, TorchTopK, Fp8Linear) under AddressSanitizer
-and UBSan.
+"""Fuzz the csa2onnx custom ops (Fp4QuantDequant, TorchTopK, Fp8Linear, SparseAttention,
+WriteRows, PackQuantized, UnpackQuantized) under AddressSanitizer and UBSan.
 
     python tools/fuzz_ops.py --build --cases 30000 --seed 1
 
@@ -9,9 +9,13 @@ instrumented, so they must come first) and `CSA2ONNX_OPS_LIBRARY` pointing at th
 Each case is a random model and input: shapes with 0-sized and huge dims, valid and invalid
 attributes, K of every value and shape, every dtype, NaN/inf/subnormal/random-bit data, 1 or
 2 threads; for Fp8Linear also W constant or fed, every code (NaN codes, blocks too wide for
-int16), scales of every kind, rows on the few-rows and the tile paths, and each forced
-instruction-set path the CPU has. A case must either return outputs of the right shape
-(checked against an oracle where the input is valid) or raise an onnxruntime error.
+int16), scales of every kind, rows on the few-rows and the tile paths; for SparseAttention
+indices in and out of range (-1 included, int64 and int32), packed compressed caches of
+each format (random bytes included); for the row ops RowStart anywhere, float and uint8
+caches, every format, d and dim; and each forced instruction-set path the CPU has
+(SparseAttention's checked against its "reference" path, the definition). A case must
+either return outputs of the right shape (checked against an oracle where the input is
+valid) or raise an onnxruntime error.
 Findings: a crash, a sanitizer report, a hang, a wrong shape or value, a valid input
 rejected or an invalid one accepted.
 A crashed worker is restarted after the case that killed it, so one run reports them all.
@@ -50,7 +54,7 @@ MAX_ELEMENTS = 1 << 22  # "huge but allocatable": 16 MiB of float32 per input
 CASE_TIMEOUT_S = 120.0
 
 # ONNX element types (TensorProto values), spelled out so the parent needs no onnx import.
-FLOAT, INT32, INT64, FLOAT16, DOUBLE, BFLOAT16, FLOAT8E4M3FN = 1, 6, 7, 10, 11, 16, 17
+FLOAT, UINT8, INT32, INT64, FLOAT16, DOUBLE, BFLOAT16, FLOAT8E4M3FN = 1, 2, 6, 7, 10, 11, 16, 17
 FP8_MAX_WORK = 1 << 24  # Fp8Linear cases: M * N * K at most (the oracle is NumPy)
 GOOD_X_TYPES = (FLOAT, BFLOAT16, FLOAT16)
 
@@ -118,7 +122,8 @@ class Case:
     w: np.ndarray | None = None  # fp8 only: W's codes [N, K] (uint8)
     w_scale: np.ndarray | None = None  # fp8 only: WScale
     w_constant: bool = False  # fp8 only: W and WScale initializers, not inputs
-    isa: str | None = None  # fp8 only: CSA_FP8_LINEAR_ISA when the kernel is created
+    isa: str | None = None  # fp8, sa: the path forced when the kernel is created
+    more: dict[str, tuple[int, np.ndarray]] = field(default_factory=dict)  # sa: other inputs
     expect_ok: bool | None = None  # None: no prediction, only crash and shape checks
     notes: list[str] = field(default_factory=list)
 
@@ -127,6 +132,9 @@ class Case:
         if self.w is not None:
             k = (f" W={list(self.w.shape)} WScale={list(self.w_scale.shape)} "
                  f"constant={self.w_constant} isa={self.isa}")
+        if self.more:
+            k = " " + " ".join(f"{name}={list(a.shape)}:{a.dtype}"
+                               for name, (_, a) in self.more.items()) + f" isa={self.isa}"
         inputs = f" inputs={self.inputs}" if self.inputs else ""
         return (f"#{self.index} {self.op} x_type={self.x_type} shape={list(self.x.shape)}{k} "
                 f"attrs={self.attributes}{inputs} outputs={self.outputs} threads={self.threads} "
@@ -429,10 +437,198 @@ def fp8_case(rng: np.random.Generator, index: int, omit_inputs: bool) -> Case:
                 w_constant=bool(rng.random() < 0.5), isa=isa)
 
 
+ISA_VARIABLES = {"fp8": "CSA_FP8_LINEAR_ISA", "sa": "CSA_SPARSE_ATTENTION_ISA",
+                 "pack": "CSA_PACK_QUANTIZED_ISA", "unpack": "CSA_UNPACK_QUANTIZED_ISA"}
+SA_WORK = 1 << 21  # SparseAttention cases: b * s * h * k * d at most (ASan is slow)
+
+
+def sa_isas() -> list[str | None]:
+    """SparseAttention's paths this CPU can be forced onto ("reference" is the oracle)."""
+    from csa2onnx.custom_ops.library import cpu_isas
+
+    has = cpu_isas()
+    return [None, "scalar"] + [isa for isa in ("avx2", "avx512", "avx512bf16") if isa in has]
+
+
+def model_values(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    """bf16-valued normal values (what a layer feeds) or anything (specials included)."""
+    size = int(np.prod(shape, dtype=np.int64))
+    if rng.random() < 0.7:
+        return (rng.standard_normal(size).astype(np.float32).view(np.uint32)
+                & np.uint32(0xFFFF0000)).view(np.float32).reshape(shape)
+    return random_data(rng, size).reshape(shape)
+
+
+def sa_case(rng: np.random.Generator, index: int, omit_inputs: bool) -> Case:
+    from csa2onnx.custom_ops.constants import PACKED_FORMATS, packed_row_bytes
+    from csa2onnx.custom_ops.reference import pack_quantized
+
+    def pick(values: list[int]) -> int:
+        return int(rng.choice(values))
+
+    ok: bool | None = True
+    notes: list[str] = []
+    packed = rng.random() < 0.35  # a packed compressed cache: d mostly a multiple of 32
+    b, s, h = pick([0, 1, 1, 2, 3]), pick([0, 1, 1, 2, 5, 17]), pick([1, 2, 3, 4, 5, 16, 64])
+    d = pick([32, 64, 128, 512] if packed and rng.random() < 0.85 else
+             [1, 7, 16, 32, 64, 128, 512])
+    n, k = pick([0, 1, 5, 64, 130]), pick([0, 1, 3, 64, 65, 128, 200])
+    while b * s * h * k * d > SA_WORK:  # shrink the largest factor until it is quick
+        if h >= max(s, k // 8):
+            h = max(h // 2, 1)
+        elif s >= k // 8:
+            s = max(s // 2, 1)
+        else:
+            k = max(k // 2, 1)
+    attributes: dict[str, Any] = {}
+    u = rng.random()
+    if u < 0.92:
+        attributes["softmax_scale"] = float(rng.choice([d ** -0.5 if d else 1.0, 1.0, 1e-3, 30.0]))
+    elif u < 0.95:
+        attributes["softmax_scale"], ok = float(rng.choice([0.0, -1.0, np.nan])), False
+    else:
+        ok = False  # absent (required)
+    u = rng.random()
+    if u < 0.2:
+        attributes["numerics"] = "exact"
+    elif u < 0.35:
+        attributes["numerics"] = "fast"
+    elif u < 0.37:
+        attributes["numerics"], ok = "faster", False
+    q = model_values(rng, (b, s, h, d))
+    kv = model_values(rng, (b, n, d))
+    sink = model_values(rng, (h,))
+    more: dict[str, tuple[int, np.ndarray]] = {}
+    n_cache = 0
+    fmt = None
+    if packed:
+        fmt = str(rng.choice(list(PACKED_FORMATS)))
+        block = PACKED_FORMATS[fmt][0]
+        n_cache = pick([0, 1, 33, 100])
+        if d % block == 0:
+            rows = (pack_quantized(model_values(rng, (b, n_cache, d)), fmt) if rng.random() < 0.7
+                    else rng.integers(0, 256, (b, n_cache, packed_row_bytes(fmt, d)),
+                                      dtype=np.uint8))
+        else:  # d is no multiple of the format's block: refused
+            rows, ok = np.zeros((b, n_cache, max(d // 2, 1)), np.uint8), False
+        u = rng.random()
+        if u < 0.85:
+            attributes["compressed_format"] = fmt
+        elif u < 0.92:
+            ok = False  # Compressed without its format
+        else:
+            attributes["compressed_format"], ok = "fp4", False
+        if rng.random() < 0.04:
+            rows, ok = rows[:, :, :-1] if rows.shape[-1] else rows[:, :, :0], False
+        more["Compressed"] = (UINT8, np.ascontiguousarray(rows))
+    elif rng.random() < 0.05:  # a format without Compressed: no packed rows
+        attributes["compressed_format"] = str(rng.choice(list(PACKED_FORMATS)))
+    total = n + n_cache
+    idx = rng.integers(-1, max(total, 1), (b, s, k))
+    if total == 0:
+        idx[:] = -1
+    if rng.random() < 0.3 and total > 0:  # the window first, as a layer's lists are
+        idx[..., : min(k, total)] = np.arange(min(k, total))
+    if rng.random() < 0.06 and idx.size:  # one index out of range
+        idx.flat[int(rng.integers(idx.size))] = int(rng.choice([total, -2, 1 << 40, -(1 << 40)]))
+        ok = False
+    idx_type = INT64
+    if rng.random() < 0.15:
+        idx_type = INT32
+        idx = idx.astype(np.int64).clip(-(1 << 31), (1 << 31) - 1).astype(np.int32)
+    elif rng.random() < 0.02:
+        idx_type, ok, idx = FLOAT, False, idx.astype(np.float32)
+    if rng.random() < 0.04:  # a shape that does not agree with Q
+        which = int(rng.integers(3))
+        if which == 0:
+            kv = model_values(rng, (b, n, d + 1))
+        elif which == 1:
+            sink = model_values(rng, (h + 1,))
+        else:
+            idx = idx.reshape(b * s, k) if idx_type != FLOAT else idx.reshape(-1)
+        ok = False
+    more = {"KV": (FLOAT, kv), "Sink": (FLOAT, sink), "Idx": (idx_type, idx), **more}
+    inputs: list[str] = []
+    if rng.random() < 0.01 and omit_inputs:
+        inputs, ok = [["Q", "KV", "Sink"], ["Q", "", "Sink", "Idx"]][int(rng.integers(2))], None
+        notes.append("inputs omitted")
+    isas = sa_isas()
+    notes.append(f"n={n} n_cache={n_cache} fmt={fmt}")
+    return Case(index, "sa", FLOAT, q, attributes, ["O"], int(rng.integers(1, 3)),
+                inputs=inputs, expect_ok=ok, notes=notes, isa=isas[int(rng.integers(len(isas)))],
+                more=more)
+
+
+def rows_case(rng: np.random.Generator, index: int, omit_inputs: bool) -> Case:
+    """The state's row ops: WriteRows (float or uint8 caches, RowStart anywhere),
+    PackQuantized and UnpackQuantized (each format, any d and dim, random bytes)."""
+    from csa2onnx.custom_ops.constants import PACKED_FORMATS, packed_row_bytes
+
+    ok: bool | None = True
+    attributes: dict[str, Any] = {}
+    more: dict[str, tuple[int, np.ndarray]] = {}
+    op = str(rng.choice(["write", "pack", "unpack"]))
+    fmt = str(rng.choice(list(PACKED_FORMATS)))
+    block = PACKED_FORMATS[fmt][0]
+    d = int(rng.choice([0, 16, 32, 64, 512, 7, 48]))
+    lead = tuple(int(v) for v in rng.choice([0, 1, 2, 3, 17], int(rng.integers(0, 3))))
+    if op == "write":
+        big = int(rng.choice([1, 2, 3]))
+        small = int(rng.integers(0, big + 1)) if rng.random() < 0.85 else big + 1
+        r, n = int(rng.choice([0, 1, 8, 130])), int(rng.choice([0, 1, 2, 8]))
+        start = (int(rng.integers(0, r - n + 1)) if r >= n and rng.random() < 0.7
+                 else int(rng.choice([0, 1, r - n + 1, -1, 1 << 40, r])))
+        t = UINT8 if rng.random() < 0.4 else FLOAT
+        make = ((lambda shape: rng.integers(0, 256, shape, dtype=np.uint8)) if t == UINT8
+                else (lambda shape: random_data(rng, int(np.prod(shape))).reshape(shape)))
+        cache, rows = make((big, r, d)), make((small, n, d))
+        ok = small <= big and 0 <= start <= r - n
+        if rng.random() < 0.04:
+            rows, ok = make((small, n, d + 1)), False
+        start_shape = [(), (1,), (1,), (2,)][int(rng.integers(4))]
+        ok = ok and start_shape != (2,)
+        more = {"Rows": (t, rows), "RowStart": (INT64, np.full(start_shape, start, np.int64))}
+        return Case(index, "write", t, cache, {}, ["CacheOut"], int(rng.integers(1, 3)),
+                    expect_ok=ok, more=more, notes=[f"RowStart={start}"])
+    if rng.random() < 0.95:
+        attributes["format"] = fmt
+    else:
+        attributes["format"], ok = str(rng.choice(["fp4", "", "FP8_E8M0_32"])), False
+    isa = [None, "scalar", "avx2", "avx512"][int(rng.integers(4))]
+    from csa2onnx.custom_ops.library import cpu_isas
+
+    if isa is not None and isa not in cpu_isas():
+        isa = None
+    if op == "pack":
+        x = random_data(rng, int(np.prod((*lead, d)))).reshape(*lead, d) if rng.random() < 0.5 \
+            else model_values(rng, (*lead, d))
+        ok = ok and d % block == 0
+        if rng.random() < 0.03:
+            x, ok = np.float32(1.0) * np.ones((), np.float32), False  # rank 0
+        return Case(index, "pack", FLOAT, np.asarray(x, np.float32), attributes, ["P"],
+                    int(rng.integers(1, 3)), expect_ok=ok, isa=isa)
+    dim = d
+    u = rng.random()
+    if u < 0.9:
+        attributes["dim"] = dim
+    elif u < 0.95:
+        ok = False  # absent (required)
+    else:
+        attributes["dim"], ok = int(rng.choice([-32, 1 << 40])), False
+    ok = ok and dim % block == 0
+    rb = packed_row_bytes(fmt, dim) if dim % block == 0 else max(dim // 2, 1)
+    if rng.random() < 0.04:
+        rb, ok = rb + 1, False
+    packed = rng.integers(0, 256, (*lead, rb), dtype=np.uint8)
+    return Case(index, "unpack", UINT8, packed, attributes, ["Y"], int(rng.integers(1, 3)),
+                expect_ok=ok, isa=isa)
+
+
 def make_case(seed: int, index: int, omit_inputs: bool = False) -> Case:
     rng = np.random.default_rng([seed, index])
     u = rng.random()
-    make = fp4_case if u < 0.35 else topk_case if u < 0.7 else fp8_case
+    make = (fp4_case if u < 0.22 else topk_case if u < 0.44 else fp8_case if u < 0.64
+            else sa_case if u < 0.84 else rows_case)
     return make(rng, index, omit_inputs)
 
 
@@ -553,6 +749,24 @@ def check_topk(case: Case, outputs: dict[str, np.ndarray]) -> str | None:
 
 
 # ---------------------------------------------------------------- running (worker side)
+def check_rows(case: Case, outputs: dict[str, np.ndarray]) -> str | None:
+    """WriteRows, PackQuantized, UnpackQuantized: the NumPy definitions, bit for bit."""
+    from csa2onnx.custom_ops.reference import pack_quantized, unpack_quantized, write_rows
+
+    (name, got), = outputs.items()
+    if case.op == "write":
+        rows = case.more["Rows"][1]
+        want = write_rows(case.x, rows, int(case.more["RowStart"][1].reshape(-1)[0]))
+    elif case.op == "pack":
+        want = pack_quantized(case.x, case.attributes["format"])
+    else:
+        want = unpack_quantized(case.x, case.attributes["format"], case.attributes["dim"])
+    if got.shape != want.shape:
+        return f"{name} shape {list(got.shape)}, expected {list(want.shape)}"
+    same = (np.array_equal(got, want) if got.dtype == np.uint8 else same_floats(got, want))
+    return None if same else f"{name} differs from the definition"
+
+
 def check_fp8(case: Case, outputs: dict[str, np.ndarray]) -> str | None:
     """Exact numerics (or a forced path, which always is): the NumPy definition bit for bit;
     fast numerics: the shape, and NaN exactly where the definition has it."""
@@ -607,12 +821,22 @@ class Runner:
                                   raw=True),
                     h.make_tensor("WScale", FLOAT, list(case.w_scale.shape),
                                   case.w_scale.tobytes(), raw=True)]
+        elif case.op in ("write", "pack", "unpack"):
+            op_type, out_types, node_inputs = {
+                "write": ("WriteRows", {"CacheOut": case.x_type}, ["X", "Rows", "RowStart"]),
+                "pack": ("PackQuantized", {"P": UINT8}, ["X"]),
+                "unpack": ("UnpackQuantized", {"Y": FLOAT}, ["X"])}[case.op]
+        elif case.op == "sa":
+            op_type, out_types = "SparseAttention", {"O": FLOAT}
+            node_inputs = case.inputs or ["Q", "KV", "Sink", "Idx", *(
+                ["Compressed"] if "Compressed" in case.more else [])]
         else:
             op_type, out_types = "TorchTopK", {"Values": case.x_type, "Indices": INT64}
             node_inputs = case.inputs or ["X", "K"]
         node = h.make_node(op_type, node_inputs, list(case.outputs), domain="csa2onnx",
                            **case.attributes)
-        types = {"X": case.x_type, "K": case.k_type, "W": FLOAT8E4M3FN, "WScale": FLOAT}
+        types = {"X": case.x_type, "Q": case.x_type, "K": case.k_type, "W": FLOAT8E4M3FN,
+                 "WScale": FLOAT} | {name: t for name, (t, _) in case.more.items()}
         constant = {t.name for t in initializers}
         inputs = [h.make_tensor_value_info(name, types[name], None)
                   for name in dict.fromkeys(node_inputs) if name and name not in constant]
@@ -634,20 +858,24 @@ class Runner:
                              ir_version=IR_VERSION)
         return model.SerializeToString(), graph_outputs
 
-    def session(self, model: bytes, threads: int, isa: str | None = None) -> Any:
+    def session(self, model: bytes, threads: int, isa: str | None = None,
+                variable: str = "") -> Any:
+        """`isa`: the path forced through the environment `variable` (read when the session
+        creates the kernel)."""
         key = (model, threads, isa)
         if key in self.sessions:
             self.sessions.move_to_end(key)
             return self.sessions[key]
         options = self.session_options(threads)
         options.log_severity_level = 4
-        if isa is not None:  # read when the session creates the kernel
-            os.environ["CSA_FP8_LINEAR_ISA"] = isa
+        if isa is not None:
+            os.environ[variable] = isa
         try:
             session = self.ort.InferenceSession(model, sess_options=options,
                                                 providers=["CPUExecutionProvider"])
         finally:
-            os.environ.pop("CSA_FP8_LINEAR_ISA", None)
+            if isa is not None:
+                del os.environ[variable]
         self.sessions[key] = session
         if len(self.sessions) > 48:
             self.sessions.popitem(last=False)
@@ -665,10 +893,16 @@ class Runner:
             if isinstance(t, type) and issubclass(t, Exception))
         model, names = self.model(case)
         try:
-            session = self.session(model, case.threads, case.isa)
+            variable = ISA_VARIABLES.get(case.op, "")
+            session = self.session(model, case.threads, case.isa, variable)
             feeds = {}
-            if "X" in (case.inputs or ["X"]):  # as is: ascontiguousarray makes 0-d 1-d
-                feeds["X"] = self.feed(case.x, case.x_type)
+            x_name = "Q" if case.op == "sa" else "X"
+            if x_name in (case.inputs or [x_name]):  # as is: ascontiguousarray makes 0-d 1-d
+                feeds[x_name] = self.feed(case.x, case.x_type)
+            for name, (onnx_type, array) in case.more.items():
+                if name in (case.inputs or [name]):
+                    feeds[name] = self.ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
+                        array, onnx_type)
             if case.k is not None and "K" in (case.inputs or ["K"]):
                 feeds["K"] = self.ort.OrtValue.ortvalue_from_numpy(case.k)
             if case.w is not None and not case.w_constant:
@@ -687,9 +921,31 @@ class Runner:
             return "finding", "invalid input accepted"
         if case.expect_ok is None:
             return "ok", "unpredicted"
-        check = {"fp4": check_fp4, "topk": check_topk, "fp8": check_fp8}[case.op]
-        problem = check(case, outputs)
+        if case.op == "sa":  # the oracle: the same call on the definition's path
+            problem = self.check_sa(case, model, names, feeds, outputs)
+        else:
+            check = {"fp4": check_fp4, "topk": check_topk, "fp8": check_fp8,
+                     "write": check_rows, "pack": check_rows, "unpack": check_rows}[case.op]
+            problem = check(case, outputs)
         return ("finding", problem) if problem else ("ok", "checked")
+
+
+    def check_sa(self, case: Case, model: bytes, names: list[str], feeds: dict[str, Any],
+                 outputs: dict[str, np.ndarray]) -> str | None:
+        """O's shape, and (exact numerics, or a forced path, which always is) the bits of
+        the "reference" path, the definition's `row`."""
+        got = outputs["O"]
+        if got.shape != case.x.shape:
+            return f"O shape {list(got.shape)}, expected {list(case.x.shape)}"
+        if case.attributes.get("numerics") == "fast" and case.isa in (None, "avx512bf16"):
+            return None
+        reference = self.session(model, 1, "reference", ISA_VARIABLES["sa"])
+        want = reference.run_with_ort_values(names, feeds)[0].numpy()
+        if not same_floats(got, want):
+            bad = int(np.sum(~((got.view(np.uint32) == want.view(np.uint32)) |
+                               (np.isnan(got) & np.isnan(want)))))
+            return f"O differs from the reference path in {bad} of {got.size} values"
+        return None
 
 
 def overflow_on_purpose() -> None:
