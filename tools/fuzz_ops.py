@@ -1,5 +1,6 @@
 """Fuzz the csa2onnx custom ops (Fp4QuantDequant, TorchTopK, Fp8Linear, SparseAttention,
-WriteRows, PackQuantized, UnpackQuantized) under AddressSanitizer and UBSan.
+WriteRows, PackQuantized, UnpackQuantized, TorchLinear, IndexerScore) under AddressSanitizer
+and UBSan.
 
     python tools/fuzz_ops.py --build --cases 30000 --seed 1
 
@@ -12,8 +13,11 @@ attributes, K of every value and shape, every dtype, NaN/inf/subnormal/random-bi
 int16), scales of every kind, rows on the few-rows and the tile paths; for SparseAttention
 indices in and out of range (-1 included, int64 and int32), packed compressed caches of
 each format (random bytes included); for the row ops RowStart anywhere, float and uint8
-caches, every format, d and dim; and each forced instruction-set path the CPU has
-(SparseAttention's checked against its "reference" path, the definition). A case must
+caches, every format, d and dim; for TorchLinear float and bf16 W, plain and panels64,
+constant or fed, 1-3 groups; for IndexerScore float and packed keys, Width anywhere; and each
+forced instruction-set path the CPU has (SparseAttention, TorchLinear and IndexerScore
+checked against their own "reference" paths, the scalar definitions; the others against
+the NumPy definitions of custom_ops/reference.py). A case must
 either return outputs of the right shape (checked against an oracle where the input is
 valid) or raise an onnxruntime error.
 Findings: a crash, a sanitizer report, a hang, a wrong shape or value, a valid input
@@ -438,7 +442,9 @@ def fp8_case(rng: np.random.Generator, index: int, omit_inputs: bool) -> Case:
 
 
 ISA_VARIABLES = {"fp8": "CSA_FP8_LINEAR_ISA", "sa": "CSA_SPARSE_ATTENTION_ISA",
-                 "pack": "CSA_PACK_QUANTIZED_ISA", "unpack": "CSA_UNPACK_QUANTIZED_ISA"}
+                 "pack": "CSA_PACK_QUANTIZED_ISA", "unpack": "CSA_UNPACK_QUANTIZED_ISA",
+                 "linear": "CSA_TORCH_LINEAR_ISA", "indexer": "CSA_INDEXER_SCORE_ISA"}
+REFERENCE_CHECKED = {"sa": "O", "linear": "Y", "indexer": "Score"}  # op -> its output
 SA_WORK = 1 << 21  # SparseAttention cases: b * s * h * k * d at most (ASan is slow)
 
 
@@ -624,11 +630,127 @@ def rows_case(rng: np.random.Generator, index: int, omit_inputs: bool) -> Case:
                 expect_ok=ok, isa=isa)
 
 
+LINEAR_WORK = 1 << 21  # TorchLinear cases: rows * G * N * K at most (reference path, ASan)
+
+
+def bf16_bits(values: np.ndarray) -> np.ndarray:
+    """float32 values -> bf16 bit patterns (uint16), truncated (the values are bf16 already
+    where a model's are)."""
+    return (np.ascontiguousarray(values, np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+
+def isas_with(op_isas: tuple[str, ...]) -> list[str | None]:
+    from csa2onnx.custom_ops.library import cpu_isas
+
+    has = cpu_isas()
+    return [None] + [isa for isa in op_isas if isa in has]
+
+
+def linear_case(rng: np.random.Generator, index: int, omit_inputs: bool) -> Case:
+    """TorchLinear: float or bf16 W, plain or panels64 layout, constant or fed, 1-3 groups,
+    round_output; checked against the op's reference path."""
+    import ml_dtypes
+
+    from csa2onnx.custom_ops.weight_layout import pack_panels
+
+    def pick(values: list[int]) -> int:
+        return int(rng.choice(values))
+
+    ok: bool | None = True
+    groups = pick([1, 1, 1, 1, 2, 3])
+    k, n = pick([0, 1, 2, 3, 31, 64, 65, 512, 1280]), pick([0, 1, 5, 64, 65, 130])
+    rows = pick([0, 1, 2, 4, 5, 7, 33, 100])
+    while rows * groups * n * k > LINEAR_WORK and rows > 1:
+        rows //= 2
+    while rows * groups * n * k > LINEAR_WORK:
+        k //= 2
+    lead = [[rows], [], [1, rows]][int(rng.integers(3))]
+    x = model_values(rng, (*lead, groups * k))
+    bf16 = rng.random() < 0.7
+    w = model_values(rng, (groups * n, k))
+    attributes: dict[str, Any] = {}
+    if rng.random() < 0.5 or groups > 1:
+        attributes["groups"] = groups
+    if rng.random() < 0.4:
+        attributes["round_output"] = pick([0, 1])
+    panels = rng.random() < 0.5
+    if panels:
+        attributes |= {"weight_layout": "panels64", "out_features": n, "in_features": k}
+        packed = pack_panels(w.astype(ml_dtypes.bfloat16) if bf16 else w, groups).panels
+        w = np.asarray(packed).astype(np.float32)
+    u = rng.random()
+    if u < 0.03:
+        attributes["groups"], ok = pick([0, -1]), False
+    elif u < 0.05:
+        attributes["round_output"], ok = 2, False
+    elif u < 0.07:
+        attributes["weight_layout"], ok = "panels", False
+    elif u < 0.09 and panels:
+        del attributes["in_features"]
+        ok = False
+    elif u < 0.11:
+        x, ok = model_values(rng, (*lead, groups * k + 1)), False
+    w_type = BFLOAT16 if bf16 else FLOAT
+    w_array = bf16_bits(w) if bf16 else w
+    isas = isas_with(("reference", "scalar", "avx2", "avx512", "avx512bf16"))
+    return Case(index, "linear", FLOAT, x, attributes, ["Y"], int(rng.integers(1, 3)),
+                expect_ok=ok, isa=isas[int(rng.integers(len(isas)))],
+                more={"W": (w_type, np.ascontiguousarray(w_array))},
+                w_constant=bool(rng.random() < 0.5),
+                notes=[f"G={groups} N={n} K={k} bf16={bf16} panels={panels}"])
+
+
+def indexer_case(rng: np.random.Generator, index: int, omit_inputs: bool) -> Case:
+    """IndexerScore: float or packed keys (each format, random bytes too), Width anywhere;
+    checked against the op's reference path."""
+    from csa2onnx.custom_ops.constants import PACKED_FORMATS, packed_row_bytes
+    from csa2onnx.custom_ops.reference import pack_quantized
+
+    def pick(values: list[int]) -> int:
+        return int(rng.choice(values))
+
+    ok: bool | None = True
+    packed = rng.random() < 0.4
+    b, s, heads = pick([0, 1, 2]), pick([0, 1, 3, 17]), pick([1, 4, 16, 64])
+    d = pick([32, 64, 128] if packed else [1, 7, 32, 64, 128, 129])
+    r = pick([0, 1, 5, 64, 130])
+    while b * s * heads * r * d > SA_WORK:
+        s = max(s // 2, 1)
+        heads = max(heads // 2, 1) if s == 1 else heads
+    ok = d <= 128
+    q, w = model_values(rng, (b, s, heads, d)), model_values(rng, (b, s, heads))
+    attributes: dict[str, Any] = {}
+    if packed:
+        fmt = str(rng.choice(list(PACKED_FORMATS)))
+        if d % PACKED_FORMATS[fmt][0]:
+            fmt = "fp4_e8m0_32"
+        keys = (pack_quantized(model_values(rng, (b, r, d)), fmt) if rng.random() < 0.7
+                else rng.integers(0, 256, (b, r, packed_row_bytes(fmt, d)), dtype=np.uint8))
+        keys_type = UINT8
+        if rng.random() < 0.95:
+            attributes["keys_format"] = fmt
+        else:
+            ok = False
+    else:
+        keys, keys_type = model_values(rng, (b, r, d)), FLOAT
+        if rng.random() < 0.03:
+            attributes["keys_format"], ok = "fp4_e8m0_32", False
+    width = pick([0, r, max(r - 1, 0), r // 2]) if rng.random() < 0.92 else pick([r + 1, -1])
+    ok = ok and 0 <= width <= r
+    more = {"W": (FLOAT, w), "Keys": (keys_type, np.ascontiguousarray(keys)),
+            "Width": (INT64, np.array([width], np.int64))}
+    isas = isas_with(("scalar", "avx2", "avx512", "avx512bf16"))
+    return Case(index, "indexer", FLOAT, q, attributes, ["Score"], int(rng.integers(1, 3)),
+                expect_ok=ok, isa=isas[int(rng.integers(len(isas)))], more=more,
+                notes=[f"R={r} T={width} packed={packed}"])
+
+
 def make_case(seed: int, index: int, omit_inputs: bool = False) -> Case:
     rng = np.random.default_rng([seed, index])
     u = rng.random()
-    make = (fp4_case if u < 0.22 else topk_case if u < 0.44 else fp8_case if u < 0.64
-            else sa_case if u < 0.84 else rows_case)
+    make = (fp4_case if u < 0.16 else topk_case if u < 0.32 else fp8_case if u < 0.48
+            else sa_case if u < 0.64 else rows_case if u < 0.76 else linear_case if u < 0.9
+            else indexer_case)
     return make(rng, index, omit_inputs)
 
 
@@ -826,6 +948,15 @@ class Runner:
                 "write": ("WriteRows", {"CacheOut": case.x_type}, ["X", "Rows", "RowStart"]),
                 "pack": ("PackQuantized", {"P": UINT8}, ["X"]),
                 "unpack": ("UnpackQuantized", {"Y": FLOAT}, ["X"])}[case.op]
+        elif case.op in ("linear", "indexer"):
+            op_type, out_types, node_inputs = {
+                "linear": ("TorchLinear", {"Y": FLOAT}, ["X", "W"]),
+                "indexer": ("IndexerScore", {"Score": FLOAT}, ["Q", "W", "Keys", "Width"])}[
+                    case.op]
+            if case.op == "linear" and case.w_constant:
+                w_type, w = case.more["W"]
+                initializers = [h.make_tensor("W", w_type, list(w.shape), w.tobytes(),
+                                              raw=True)]
         elif case.op == "sa":
             op_type, out_types = "SparseAttention", {"O": FLOAT}
             node_inputs = case.inputs or ["Q", "KV", "Sink", "Idx", *(
@@ -896,10 +1027,12 @@ class Runner:
             variable = ISA_VARIABLES.get(case.op, "")
             session = self.session(model, case.threads, case.isa, variable)
             feeds = {}
-            x_name = "Q" if case.op == "sa" else "X"
+            x_name = "Q" if case.op in ("sa", "indexer") else "X"
             if x_name in (case.inputs or [x_name]):  # as is: ascontiguousarray makes 0-d 1-d
                 feeds[x_name] = self.feed(case.x, case.x_type)
             for name, (onnx_type, array) in case.more.items():
+                if name == "W" and case.w_constant:
+                    continue
                 if name in (case.inputs or [name]):
                     feeds[name] = self.ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
                         array, onnx_type)
@@ -921,8 +1054,8 @@ class Runner:
             return "finding", "invalid input accepted"
         if case.expect_ok is None:
             return "ok", "unpredicted"
-        if case.op == "sa":  # the oracle: the same call on the definition's path
-            problem = self.check_sa(case, model, names, feeds, outputs)
+        if case.op in REFERENCE_CHECKED:  # the oracle: the same call on the definition's path
+            problem = self.check_reference(case, model, names, feeds, outputs)
         else:
             check = {"fp4": check_fp4, "topk": check_topk, "fp8": check_fp8,
                      "write": check_rows, "pack": check_rows, "unpack": check_rows}[case.op]
@@ -930,21 +1063,30 @@ class Runner:
         return ("finding", problem) if problem else ("ok", "checked")
 
 
-    def check_sa(self, case: Case, model: bytes, names: list[str], feeds: dict[str, Any],
-                 outputs: dict[str, np.ndarray]) -> str | None:
-        """O's shape, and (exact numerics, or a forced path, which always is) the bits of
-        the "reference" path, the definition's `row`."""
-        got = outputs["O"]
-        if got.shape != case.x.shape:
-            return f"O shape {list(got.shape)}, expected {list(case.x.shape)}"
+    def check_reference(self, case: Case, model: bytes, names: list[str],
+                        feeds: dict[str, Any], outputs: dict[str, np.ndarray]) -> str | None:
+        """The output's shape, and (exact numerics, or a forced path, which always is) the
+        bits of the op's "reference" path: its scalar definition."""
+        name = REFERENCE_CHECKED[case.op]
+        got = outputs[name]
+        if case.op == "sa":
+            want_shape = case.x.shape
+        elif case.op == "indexer":
+            want_shape = (*case.x.shape[:2], int(case.more["Width"][1][0]))
+        else:
+            n = case.attributes.get("out_features", case.more["W"][1].shape[0] //
+                                    case.attributes.get("groups", 1))
+            want_shape = (*case.x.shape[:-1], case.attributes.get("groups", 1) * n)
+        if got.shape != tuple(want_shape):
+            return f"{name} shape {list(got.shape)}, expected {list(want_shape)}"
         if case.attributes.get("numerics") == "fast" and case.isa in (None, "avx512bf16"):
             return None
-        reference = self.session(model, 1, "reference", ISA_VARIABLES["sa"])
+        reference = self.session(model, 1, "reference", ISA_VARIABLES[case.op])
         want = reference.run_with_ort_values(names, feeds)[0].numpy()
         if not same_floats(got, want):
             bad = int(np.sum(~((got.view(np.uint32) == want.view(np.uint32)) |
                                (np.isnan(got) & np.isnan(want)))))
-            return f"O differs from the reference path in {bad} of {got.size} values"
+            return f"{name} differs from the reference path in {bad} of {got.size} values"
         return None
 
 
