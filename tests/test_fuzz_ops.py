@@ -1,10 +1,12 @@
 """The custom ops under AddressSanitizer + UBSan (tools/fuzz_ops.py): ~1,500 random cases of
-Fp4QuantDequant, TorchTopK, Fp8Linear (W constant or fed), SparseAttention (packed caches,
-indices in and out of range), WriteRows, PackQuantized, UnpackQuantized, TorchLinear (plain
-and panels64, groups) and IndexerScore (float and packed keys), on every forced
-instruction-set path this CPU has, valid and invalid, must give no crash, sanitizer report,
-wrong shape or wrong value (SparseAttention, TorchLinear and IndexerScore against their own
-"reference" paths, the scalar definitions; the others against NumPy definitions).
+every custom op (Fp4QuantDequant, TorchTopK, Fp8Linear with W constant or fed,
+SparseAttention with packed caches and indices in and out of range, WriteRows,
+PackQuantized, UnpackQuantized, TorchLinear plain and panels64 with groups, IndexerScore with
+float and packed keys, ApplyRope, RopeCosSin, TorchRMSNorm), on every forced instruction-set
+path this CPU has, valid and invalid, must give no crash, sanitizer report, wrong shape or
+wrong value (SparseAttention, TorchLinear, IndexerScore and ApplyRope against their own
+definition paths; the others against NumPy definitions, the C library's cosf/sinf, or, for
+TorchRMSNorm, a float64 evaluation to 1e-5).
 
 The sanitizer build (custom_ops/build-asan) takes ~30 s the first time on 2 cores; the cases
 ~40 s. Cases run in a subprocess with the sanitizer runtimes preloaded, so a report kills that
@@ -72,5 +74,6 @@ def test_fuzz_cases_find_nothing(asan_library: Path) -> None:
     outcomes = re.search(r"outcomes: (\{.*\})", output)
     assert outcomes, output[-4000:]
     # every op ran cases that passed and cases that it refused
-    for op in ("fp4", "topk", "fp8", "sa", "write", "pack", "unpack", "linear", "indexer"):
+    for op in ("fp4", "topk", "fp8", "sa", "write", "pack", "unpack", "linear", "indexer",
+               "rope", "cossin", "rmsnorm"):
         assert f"'{op}:ok'" in outcomes[1] and f"'{op}:error'" in outcomes[1], outcomes[1]

@@ -1,6 +1,6 @@
-"""Fuzz the csa2onnx custom ops (Fp4QuantDequant, TorchTopK, Fp8Linear, SparseAttention,
-WriteRows, PackQuantized, UnpackQuantized, TorchLinear, IndexerScore) under AddressSanitizer
-and UBSan.
+"""Fuzz every csa2onnx custom op (Fp4QuantDequant, TorchTopK, Fp8Linear, SparseAttention,
+WriteRows, PackQuantized, UnpackQuantized, TorchLinear, IndexerScore, ApplyRope, RopeCosSin,
+TorchRMSNorm) under AddressSanitizer and UBSan.
 
     python tools/fuzz_ops.py --build --cases 30000 --seed 1
 
@@ -14,10 +14,12 @@ int16), scales of every kind, rows on the few-rows and the tile paths; for Spars
 indices in and out of range (-1 included, int64 and int32), packed compressed caches of
 each format (random bytes included); for the row ops RowStart anywhere, float and uint8
 caches, every format, d and dim; for TorchLinear float and bf16 W, plain and panels64,
-constant or fed, 1-3 groups; for IndexerScore float and packed keys, Width anywhere; and each
-forced instruction-set path the CPU has (SparseAttention, TorchLinear and IndexerScore
-checked against their own "reference" paths, the scalar definitions; the others against
-the NumPy definitions of custom_ops/reference.py). A case must
+constant or fed, 1-3 groups; for IndexerScore float and packed keys, Width anywhere; for
+ApplyRope, RopeCosSin and TorchRMSNorm every layout they take; and each forced
+instruction-set path the CPU has (SparseAttention, TorchLinear, IndexerScore and ApplyRope
+checked against their own definition paths; the others against the NumPy definitions of
+custom_ops/reference.py, the C library's cosf/sinf, or a float64 evaluation for
+TorchRMSNorm). A case must
 either return outputs of the right shape (checked against an oracle where the input is
 valid) or raise an onnxruntime error.
 Findings: a crash, a sanitizer report, a hang, a wrong shape or value, a valid input
@@ -443,8 +445,11 @@ def fp8_case(rng: np.random.Generator, index: int, omit_inputs: bool) -> Case:
 
 ISA_VARIABLES = {"fp8": "CSA_FP8_LINEAR_ISA", "sa": "CSA_SPARSE_ATTENTION_ISA",
                  "pack": "CSA_PACK_QUANTIZED_ISA", "unpack": "CSA_UNPACK_QUANTIZED_ISA",
-                 "linear": "CSA_TORCH_LINEAR_ISA", "indexer": "CSA_INDEXER_SCORE_ISA"}
-REFERENCE_CHECKED = {"sa": "O", "linear": "Y", "indexer": "Score"}  # op -> its output
+                 "linear": "CSA_TORCH_LINEAR_ISA", "indexer": "CSA_INDEXER_SCORE_ISA",
+                 "rope": "CSA_APPLY_ROPE_ISA"}
+# op -> its output, checked against the same call on the op's definition path
+REFERENCE_CHECKED = {"sa": "O", "linear": "Y", "indexer": "Score", "rope": "Y"}
+REFERENCE_PATH = {"rope": "scalar"}  # the others': "reference"
 SA_WORK = 1 << 21  # SparseAttention cases: b * s * h * k * d at most (ASan is slow)
 
 
@@ -745,12 +750,107 @@ def indexer_case(rng: np.random.Generator, index: int, omit_inputs: bool) -> Cas
                 notes=[f"R={r} T={width} packed={packed}"])
 
 
+def rope_case(rng: np.random.Generator, index: int, omit_inputs: bool) -> Case:
+    """ApplyRope (X of rank 3 or 4, Cos/Sin per row or per batch, either direction; checked
+    against its scalar path), RopeCosSin (positions of any shape, in and out of range;
+    against the C library's cosf/sinf) and TorchRMSNorm (float or bf16 W; against a float64
+    evaluation, to 1e-5 relative: its own order is torch's)."""
+    def pick(values: list[int]) -> int:
+        return int(rng.choice(values))
+
+    ok: bool | None = True
+    op = str(rng.choice(["rope", "cossin", "rmsnorm"]))
+    attributes: dict[str, Any] = {}
+    if op == "rope":
+        b, s, heads, d = pick([0, 1, 2]), pick([0, 1, 3, 17]), pick([0, 1, 4, 64]), pick(
+            [0, 2, 7, 64, 128, 512])
+        rd = pick([2, 8, 64]) if rng.random() < 0.9 else pick([0, 3, 1024])
+        ok = rd >= 2 and rd % 2 == 0 and rd <= d
+        while b * s * heads * d > (1 << 20):
+            heads = max(heads // 2, 1)
+        x = model_values(rng, (b, s, heads, d) if rng.random() < 0.6 else (b, s, d))
+        attributes["rope_head_dim"] = rd
+        if rng.random() < 0.5:
+            attributes["inverse"] = pick([0, 1]) if rng.random() < 0.95 else 2
+            ok = ok and attributes["inverse"] in (0, 1)
+        table = [(s, rd // 2), (b, s, rd // 2), (1, s, rd // 2)][int(rng.integers(3))]
+        if rng.random() < 0.04:
+            table, ok = (s + 1, rd // 2), False
+        angles = rng.standard_normal(table).astype(np.float32) * 100
+        cos = (np.cos(angles) if rng.random() < 0.9 else model_values(rng, table)).astype(
+            np.float32)
+        more = {"Cos": (FLOAT, cos), "Sin": (FLOAT, np.sin(angles).astype(np.float32))}
+        isa = [None, "scalar", "avx2", "avx512"][int(rng.integers(4))]
+        return Case(index, "rope", FLOAT, x, attributes, ["Y"], int(rng.integers(1, 3)),
+                    expect_ok=ok, more=more, isa=isa if isa in isas_with(
+                        ("scalar", "avx2", "avx512")) else None)
+    if op == "cossin":
+        count = pick([1, 2, 32, 64])
+        freqs = (rng.random(count) * 2.0 ** -rng.integers(0, 20, count)).astype(np.float32)
+        if rng.random() < 0.04:
+            freqs[int(rng.integers(count))], ok = np.float32(rng.choice([np.inf, np.nan])), False
+        attributes["inverse_frequencies"] = [float(f) for f in freqs]
+        max_positions = pick([1, 16, 1 << 20])
+        attributes["max_positions"] = max_positions if rng.random() < 0.96 else pick([0, -5])
+        ok = ok and attributes["max_positions"] > 0
+        shape = [(pick([0, 1, 5, 33]),), (pick([1, 2]), pick([1, 7])), ()][int(rng.integers(3))]
+        pos = rng.integers(0, max_positions, shape)
+        if rng.random() < 0.05 and pos.size:
+            pos.flat[0], ok = pick([max_positions, -1]), False
+        return Case(index, "cossin", INT64, np.asarray(pos, np.int64), attributes,
+                    ["Cos", "Sin"], int(rng.integers(1, 3)), expect_ok=ok)
+    n = pick([0, 1, 7, 512, 1280, 4096])
+    lead = [pick([0, 1, 3, 17]) for _ in range(int(rng.integers(0, 3)))]
+    x = model_values(rng, (*lead, n))
+    bf16 = rng.random() < 0.5
+    w = model_values(rng, (n,) if rng.random() < 0.96 else (n + 1,))
+    ok = w.shape == (n,)
+    attributes["epsilon"] = 1e-6 if rng.random() < 0.95 else pick([0, -1])
+    ok = ok and attributes["epsilon"] > 0
+    return Case(index, "rmsnorm", FLOAT, x, attributes, ["Y"], int(rng.integers(1, 3)),
+                expect_ok=ok, more={"W": (BFLOAT16, bf16_bits(w)) if bf16 else (FLOAT, w)})
+
+
+def check_rope(case: Case, outputs: dict[str, np.ndarray]) -> str | None:
+    """RopeCosSin: cos/sin of f32(pos) * f, by the C library; TorchRMSNorm: close to a
+    float64 evaluation where that is finite and not tiny."""
+    import ctypes
+
+    if case.op == "cossin":
+        libm = ctypes.CDLL("libm.so.6")
+        libm.cosf.restype = libm.sinf.restype = ctypes.c_float
+        libm.cosf.argtypes = libm.sinf.argtypes = [ctypes.c_float]
+        freqs = np.array(case.attributes["inverse_frequencies"], np.float32)
+        angles = case.x.astype(np.float32)[..., None] * freqs  # one float32 multiply
+        for name, fn in (("Cos", libm.cosf), ("Sin", libm.sinf)):
+            want = np.array([fn(float(a)) for a in angles.reshape(-1)],
+                            np.float32).reshape(angles.shape)
+            if not same_floats(outputs[name], want):
+                return f"{name} differs from the C library's"
+        return None
+    w_type, w = case.more["W"]
+    w = (w.astype(np.uint32) << 16).view(np.float32) if w_type == BFLOAT16 else w
+    x = case.x.astype(np.float64)
+    with np.errstate(all="ignore"):
+        want = w * (x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + 1e-6))
+    got = outputs["Y"]
+    if got.shape != x.shape:
+        return f"Y shape {list(got.shape)}, expected {list(x.shape)}"
+    # where float32 has the range for every step (the mean of squares, the product)
+    mean_sq = np.mean(x * x, axis=-1, keepdims=True) if x.shape[-1] else np.ones(x.shape)
+    finite = (np.isfinite(want) & (np.abs(want) > 1e-30) & (np.abs(want) < 1e37) &
+              (mean_sq > 1e-30) & (mean_sq < 1e30))
+    if np.any(np.abs(got[finite] - want[finite]) > 1e-5 * np.abs(want[finite])):
+        return "Y is not within 1e-5 of a float64 evaluation"
+    return None
+
+
 def make_case(seed: int, index: int, omit_inputs: bool = False) -> Case:
     rng = np.random.default_rng([seed, index])
     u = rng.random()
-    make = (fp4_case if u < 0.16 else topk_case if u < 0.32 else fp8_case if u < 0.48
-            else sa_case if u < 0.64 else rows_case if u < 0.76 else linear_case if u < 0.9
-            else indexer_case)
+    make = (fp4_case if u < 0.14 else topk_case if u < 0.28 else fp8_case if u < 0.43
+            else sa_case if u < 0.58 else rows_case if u < 0.69 else linear_case if u < 0.81
+            else indexer_case if u < 0.9 else rope_case)
     return make(rng, index, omit_inputs)
 
 
@@ -948,6 +1048,11 @@ class Runner:
                 "write": ("WriteRows", {"CacheOut": case.x_type}, ["X", "Rows", "RowStart"]),
                 "pack": ("PackQuantized", {"P": UINT8}, ["X"]),
                 "unpack": ("UnpackQuantized", {"Y": FLOAT}, ["X"])}[case.op]
+        elif case.op in ("rope", "cossin", "rmsnorm"):
+            op_type, out_types, node_inputs = {
+                "rope": ("ApplyRope", {"Y": FLOAT}, ["X", "Cos", "Sin"]),
+                "cossin": ("RopeCosSin", {"Cos": FLOAT, "Sin": FLOAT}, ["X"]),
+                "rmsnorm": ("TorchRMSNorm", {"Y": FLOAT}, ["X", "W"])}[case.op]
         elif case.op in ("linear", "indexer"):
             op_type, out_types, node_inputs = {
                 "linear": ("TorchLinear", {"Y": FLOAT}, ["X", "W"]),
@@ -1058,7 +1163,8 @@ class Runner:
             problem = self.check_reference(case, model, names, feeds, outputs)
         else:
             check = {"fp4": check_fp4, "topk": check_topk, "fp8": check_fp8,
-                     "write": check_rows, "pack": check_rows, "unpack": check_rows}[case.op]
+                     "write": check_rows, "pack": check_rows, "unpack": check_rows,
+                     "cossin": check_rope, "rmsnorm": check_rope}[case.op]
             problem = check(case, outputs)
         return ("finding", problem) if problem else ("ok", "checked")
 
@@ -1069,7 +1175,7 @@ class Runner:
         bits of the op's "reference" path: its scalar definition."""
         name = REFERENCE_CHECKED[case.op]
         got = outputs[name]
-        if case.op == "sa":
+        if case.op in ("sa", "rope"):
             want_shape = case.x.shape
         elif case.op == "indexer":
             want_shape = (*case.x.shape[:2], int(case.more["Width"][1][0]))
@@ -1081,7 +1187,8 @@ class Runner:
             return f"{name} shape {list(got.shape)}, expected {list(want_shape)}"
         if case.attributes.get("numerics") == "fast" and case.isa in (None, "avx512bf16"):
             return None
-        reference = self.session(model, 1, "reference", ISA_VARIABLES[case.op])
+        path = REFERENCE_PATH.get(case.op, "reference")
+        reference = self.session(model, 1, path, ISA_VARIABLES[case.op])
         want = reference.run_with_ort_values(names, feeds)[0].numpy()
         if not same_floats(got, want):
             bad = int(np.sum(~((got.view(np.uint32) == want.view(np.uint32)) |
