@@ -340,13 +340,19 @@ def topk_case(rng: np.random.Generator, index: int, omit_inputs: bool) -> Case:
                 k_type=k_type, inputs=inputs, expect_ok=ok, notes=notes)
 
 
-def fp8_isas() -> list[str | None]:
-    """Fp8Linear's paths this CPU can be forced onto (None: the kernel's own choice)."""
+def choose(rng: np.random.Generator, values: list[int]) -> int:
+    return int(rng.choice(values))
+
+
+def forced_isa(rng: np.random.Generator, paths: tuple[str, ...]) -> str | None:
+    """None (the kernel's own choice) or one of `paths` this CPU can run, to force through
+    the op's ISA variable ("avx512-novbmi" needs AVX-512)."""
     from csa2onnx.custom_ops.library import cpu_isas
 
     has = cpu_isas()
-    return [None, "scalar"] + ["avx2"] * ("avx2" in has) + (
-        ["avx512", "avx512-novbmi"] if "avx512" in has else [])
+    runnable = [None] + [p for p in paths
+                         if p in has or (p == "avx512-novbmi" and "avx512" in has)]
+    return runnable[int(rng.integers(len(runnable)))]
 
 
 def fp8_codes(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
@@ -429,8 +435,7 @@ def fp8_case(rng: np.random.Generator, index: int, omit_inputs: bool) -> Case:
     w_scale = fp8_scales(rng, scale_shape)
     if k % 32:
         ok = False
-    isas = fp8_isas()
-    isa = isas[int(rng.integers(len(isas)))]
+    isa = forced_isa(rng, ("scalar", "avx2", "avx512", "avx512-novbmi"))
     inputs: list[str] = []
     if rng.random() < 0.01 and omit_inputs:
         inputs, ok = [["X", "W"], ["X", "", "WScale"], ["", "W", "WScale"]][
@@ -453,14 +458,6 @@ REFERENCE_PATH = {"rope": "scalar"}  # the others': "reference"
 SA_WORK = 1 << 21  # SparseAttention cases: b * s * h * k * d at most (ASan is slow)
 
 
-def sa_isas() -> list[str | None]:
-    """SparseAttention's paths this CPU can be forced onto ("reference" is the oracle)."""
-    from csa2onnx.custom_ops.library import cpu_isas
-
-    has = cpu_isas()
-    return [None, "scalar"] + [isa for isa in ("avx2", "avx512", "avx512bf16") if isa in has]
-
-
 def model_values(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
     """bf16-valued normal values (what a layer feeds) or anything (specials included)."""
     size = int(np.prod(shape, dtype=np.int64))
@@ -474,16 +471,14 @@ def sa_case(rng: np.random.Generator, index: int, omit_inputs: bool) -> Case:
     from csa2onnx.custom_ops.constants import PACKED_FORMATS, packed_row_bytes
     from csa2onnx.custom_ops.reference import pack_quantized
 
-    def pick(values: list[int]) -> int:
-        return int(rng.choice(values))
-
     ok: bool | None = True
     notes: list[str] = []
     packed = rng.random() < 0.35  # a packed compressed cache: d mostly a multiple of 32
-    b, s, h = pick([0, 1, 1, 2, 3]), pick([0, 1, 1, 2, 5, 17]), pick([1, 2, 3, 4, 5, 16, 64])
-    d = pick([32, 64, 128, 512] if packed and rng.random() < 0.85 else
+    b, s = choose(rng, [0, 1, 1, 2, 3]), choose(rng, [0, 1, 1, 2, 5, 17])
+    h = choose(rng, [1, 2, 3, 4, 5, 16, 64])
+    d = choose(rng, [32, 64, 128, 512] if packed and rng.random() < 0.85 else
              [1, 7, 16, 32, 64, 128, 512])
-    n, k = pick([0, 1, 5, 64, 130]), pick([0, 1, 3, 64, 65, 128, 200])
+    n, k = choose(rng, [0, 1, 5, 64, 130]), choose(rng, [0, 1, 3, 64, 65, 128, 200])
     while b * s * h * k * d > SA_WORK:  # shrink the largest factor until it is quick
         if h >= max(s, k // 8):
             h = max(h // 2, 1)
@@ -515,7 +510,7 @@ def sa_case(rng: np.random.Generator, index: int, omit_inputs: bool) -> Case:
     if packed:
         fmt = str(rng.choice(list(PACKED_FORMATS)))
         block = PACKED_FORMATS[fmt][0]
-        n_cache = pick([0, 1, 33, 100])
+        n_cache = choose(rng, [0, 1, 33, 100])
         if d % block == 0:
             rows = (pack_quantized(model_values(rng, (b, n_cache, d)), fmt) if rng.random() < 0.7
                     else rng.integers(0, 256, (b, n_cache, packed_row_bytes(fmt, d)),
@@ -563,11 +558,10 @@ def sa_case(rng: np.random.Generator, index: int, omit_inputs: bool) -> Case:
     if rng.random() < 0.01 and omit_inputs:
         inputs, ok = [["Q", "KV", "Sink"], ["Q", "", "Sink", "Idx"]][int(rng.integers(2))], None
         notes.append("inputs omitted")
-    isas = sa_isas()
     notes.append(f"n={n} n_cache={n_cache} fmt={fmt}")
     return Case(index, "sa", FLOAT, q, attributes, ["O"], int(rng.integers(1, 3)),
-                inputs=inputs, expect_ok=ok, notes=notes, isa=isas[int(rng.integers(len(isas)))],
-                more=more)
+                inputs=inputs, expect_ok=ok, notes=notes,
+                isa=forced_isa(rng, ("scalar", "avx2", "avx512", "avx512bf16")), more=more)
 
 
 def rows_case(rng: np.random.Generator, index: int, omit_inputs: bool) -> Case:
@@ -605,11 +599,7 @@ def rows_case(rng: np.random.Generator, index: int, omit_inputs: bool) -> Case:
         attributes["format"] = fmt
     else:
         attributes["format"], ok = str(rng.choice(["fp4", "", "FP8_E8M0_32"])), False
-    isa = [None, "scalar", "avx2", "avx512"][int(rng.integers(4))]
-    from csa2onnx.custom_ops.library import cpu_isas
-
-    if isa is not None and isa not in cpu_isas():
-        isa = None
+    isa = forced_isa(rng, ("scalar", "avx2", "avx512"))
     if op == "pack":
         x = random_data(rng, int(np.prod((*lead, d)))).reshape(*lead, d) if rng.random() < 0.5 \
             else model_values(rng, (*lead, d))
@@ -644,13 +634,6 @@ def bf16_bits(values: np.ndarray) -> np.ndarray:
     return (np.ascontiguousarray(values, np.float32).view(np.uint32) >> 16).astype(np.uint16)
 
 
-def isas_with(op_isas: tuple[str, ...]) -> list[str | None]:
-    from csa2onnx.custom_ops.library import cpu_isas
-
-    has = cpu_isas()
-    return [None] + [isa for isa in op_isas if isa in has]
-
-
 def linear_case(rng: np.random.Generator, index: int, omit_inputs: bool) -> Case:
     """TorchLinear: float or bf16 W, plain or panels64 layout, constant or fed, 1-3 groups,
     round_output; checked against the op's reference path."""
@@ -658,13 +641,10 @@ def linear_case(rng: np.random.Generator, index: int, omit_inputs: bool) -> Case
 
     from csa2onnx.custom_ops.weight_layout import pack_panels
 
-    def pick(values: list[int]) -> int:
-        return int(rng.choice(values))
-
     ok: bool | None = True
-    groups = pick([1, 1, 1, 1, 2, 3])
-    k, n = pick([0, 1, 2, 3, 31, 64, 65, 512, 1280]), pick([0, 1, 5, 64, 65, 130])
-    rows = pick([0, 1, 2, 4, 5, 7, 33, 100])
+    groups = choose(rng, [1, 1, 1, 1, 2, 3])
+    k, n = choose(rng, [0, 1, 2, 3, 31, 64, 65, 512, 1280]), choose(rng, [0, 1, 5, 64, 65, 130])
+    rows = choose(rng, [0, 1, 2, 4, 5, 7, 33, 100])
     while rows * groups * n * k > LINEAR_WORK and rows > 1:
         rows //= 2
     while rows * groups * n * k > LINEAR_WORK:
@@ -677,7 +657,7 @@ def linear_case(rng: np.random.Generator, index: int, omit_inputs: bool) -> Case
     if rng.random() < 0.5 or groups > 1:
         attributes["groups"] = groups
     if rng.random() < 0.4:
-        attributes["round_output"] = pick([0, 1])
+        attributes["round_output"] = choose(rng, [0, 1])
     panels = rng.random() < 0.5
     if panels:
         attributes |= {"weight_layout": "panels64", "out_features": n, "in_features": k}
@@ -685,7 +665,7 @@ def linear_case(rng: np.random.Generator, index: int, omit_inputs: bool) -> Case
         w = np.asarray(packed).astype(np.float32)
     u = rng.random()
     if u < 0.03:
-        attributes["groups"], ok = pick([0, -1]), False
+        attributes["groups"], ok = choose(rng, [0, -1]), False
     elif u < 0.05:
         attributes["round_output"], ok = 2, False
     elif u < 0.07:
@@ -697,9 +677,8 @@ def linear_case(rng: np.random.Generator, index: int, omit_inputs: bool) -> Case
         x, ok = model_values(rng, (*lead, groups * k + 1)), False
     w_type = BFLOAT16 if bf16 else FLOAT
     w_array = bf16_bits(w) if bf16 else w
-    isas = isas_with(("reference", "scalar", "avx2", "avx512", "avx512bf16"))
     return Case(index, "linear", FLOAT, x, attributes, ["Y"], int(rng.integers(1, 3)),
-                expect_ok=ok, isa=isas[int(rng.integers(len(isas)))],
+                expect_ok=ok, isa=forced_isa(rng, ("scalar", "avx2", "avx512", "avx512bf16")),
                 more={"W": (w_type, np.ascontiguousarray(w_array))},
                 w_constant=bool(rng.random() < 0.5),
                 notes=[f"G={groups} N={n} K={k} bf16={bf16} panels={panels}"])
@@ -711,14 +690,11 @@ def indexer_case(rng: np.random.Generator, index: int, omit_inputs: bool) -> Cas
     from csa2onnx.custom_ops.constants import PACKED_FORMATS, packed_row_bytes
     from csa2onnx.custom_ops.reference import pack_quantized
 
-    def pick(values: list[int]) -> int:
-        return int(rng.choice(values))
-
     ok: bool | None = True
     packed = rng.random() < 0.4
-    b, s, heads = pick([0, 1, 2]), pick([0, 1, 3, 17]), pick([1, 4, 16, 64])
-    d = pick([32, 64, 128] if packed else [1, 7, 32, 64, 128, 129])
-    r = pick([0, 1, 5, 64, 130])
+    b, s, heads = choose(rng, [0, 1, 2]), choose(rng, [0, 1, 3, 17]), choose(rng, [1, 4, 16, 64])
+    d = choose(rng, [32, 64, 128] if packed else [1, 7, 32, 64, 128, 129])
+    r = choose(rng, [0, 1, 5, 64, 130])
     while b * s * heads * r * d > SA_WORK:
         s = max(s // 2, 1)
         heads = max(heads // 2, 1) if s == 1 else heads
@@ -740,13 +716,14 @@ def indexer_case(rng: np.random.Generator, index: int, omit_inputs: bool) -> Cas
         keys, keys_type = model_values(rng, (b, r, d)), FLOAT
         if rng.random() < 0.03:
             attributes["keys_format"], ok = "fp4_e8m0_32", False
-    width = pick([0, r, max(r - 1, 0), r // 2]) if rng.random() < 0.92 else pick([r + 1, -1])
+    width = (choose(rng, [0, r, max(r - 1, 0), r // 2]) if rng.random() < 0.92
+             else choose(rng, [r + 1, -1]))
     ok = ok and 0 <= width <= r
     more = {"W": (FLOAT, w), "Keys": (keys_type, np.ascontiguousarray(keys)),
             "Width": (INT64, np.array([width], np.int64))}
-    isas = isas_with(("scalar", "avx2", "avx512", "avx512bf16"))
     return Case(index, "indexer", FLOAT, q, attributes, ["Score"], int(rng.integers(1, 3)),
-                expect_ok=ok, isa=isas[int(rng.integers(len(isas)))], more=more,
+                expect_ok=ok, isa=forced_isa(rng, ("scalar", "avx2", "avx512", "avx512bf16")),
+                more=more,
                 notes=[f"R={r} T={width} packed={packed}"])
 
 
@@ -755,23 +732,20 @@ def rope_case(rng: np.random.Generator, index: int, omit_inputs: bool) -> Case:
     against its scalar path), RopeCosSin (positions of any shape, in and out of range;
     against the C library's cosf/sinf) and TorchRMSNorm (float or bf16 W; against a float64
     evaluation, to 1e-5 relative: its own order is torch's)."""
-    def pick(values: list[int]) -> int:
-        return int(rng.choice(values))
-
     ok: bool | None = True
     op = str(rng.choice(["rope", "cossin", "rmsnorm"]))
     attributes: dict[str, Any] = {}
     if op == "rope":
-        b, s, heads, d = pick([0, 1, 2]), pick([0, 1, 3, 17]), pick([0, 1, 4, 64]), pick(
-            [0, 2, 7, 64, 128, 512])
-        rd = pick([2, 8, 64]) if rng.random() < 0.9 else pick([0, 3, 1024])
+        b, s = choose(rng, [0, 1, 2]), choose(rng, [0, 1, 3, 17])
+        heads, d = choose(rng, [0, 1, 4, 64]), choose(rng, [0, 2, 7, 64, 128, 512])
+        rd = choose(rng, [2, 8, 64]) if rng.random() < 0.9 else choose(rng, [0, 3, 1024])
         ok = rd >= 2 and rd % 2 == 0 and rd <= d
         while b * s * heads * d > (1 << 20):
             heads = max(heads // 2, 1)
         x = model_values(rng, (b, s, heads, d) if rng.random() < 0.6 else (b, s, d))
         attributes["rope_head_dim"] = rd
         if rng.random() < 0.5:
-            attributes["inverse"] = pick([0, 1]) if rng.random() < 0.95 else 2
+            attributes["inverse"] = choose(rng, [0, 1]) if rng.random() < 0.95 else 2
             ok = ok and attributes["inverse"] in (0, 1)
         table = [(s, rd // 2), (b, s, rd // 2), (1, s, rd // 2)][int(rng.integers(3))]
         if rng.random() < 0.04:
@@ -780,32 +754,31 @@ def rope_case(rng: np.random.Generator, index: int, omit_inputs: bool) -> Case:
         cos = (np.cos(angles) if rng.random() < 0.9 else model_values(rng, table)).astype(
             np.float32)
         more = {"Cos": (FLOAT, cos), "Sin": (FLOAT, np.sin(angles).astype(np.float32))}
-        isa = [None, "scalar", "avx2", "avx512"][int(rng.integers(4))]
         return Case(index, "rope", FLOAT, x, attributes, ["Y"], int(rng.integers(1, 3)),
-                    expect_ok=ok, more=more, isa=isa if isa in isas_with(
-                        ("scalar", "avx2", "avx512")) else None)
+                    expect_ok=ok, more=more, isa=forced_isa(rng, ("scalar", "avx2", "avx512")))
     if op == "cossin":
-        count = pick([1, 2, 32, 64])
+        count = choose(rng, [1, 2, 32, 64])
         freqs = (rng.random(count) * 2.0 ** -rng.integers(0, 20, count)).astype(np.float32)
         if rng.random() < 0.04:
             freqs[int(rng.integers(count))], ok = np.float32(rng.choice([np.inf, np.nan])), False
         attributes["inverse_frequencies"] = [float(f) for f in freqs]
-        max_positions = pick([1, 16, 1 << 20])
-        attributes["max_positions"] = max_positions if rng.random() < 0.96 else pick([0, -5])
+        max_positions = choose(rng, [1, 16, 1 << 20])
+        attributes["max_positions"] = max_positions if rng.random() < 0.96 else choose(rng, [0, -5])
         ok = ok and attributes["max_positions"] > 0
-        shape = [(pick([0, 1, 5, 33]),), (pick([1, 2]), pick([1, 7])), ()][int(rng.integers(3))]
+        shape = [(choose(rng, [0, 1, 5, 33]),), (choose(rng, [1, 2]), choose(rng, [1, 7])),
+                 ()][int(rng.integers(3))]
         pos = rng.integers(0, max_positions, shape)
         if rng.random() < 0.05 and pos.size:
-            pos.flat[0], ok = pick([max_positions, -1]), False
+            pos.flat[0], ok = choose(rng, [max_positions, -1]), False
         return Case(index, "cossin", INT64, np.asarray(pos, np.int64), attributes,
                     ["Cos", "Sin"], int(rng.integers(1, 3)), expect_ok=ok)
-    n = pick([0, 1, 7, 512, 1280, 4096])
-    lead = [pick([0, 1, 3, 17]) for _ in range(int(rng.integers(0, 3)))]
+    n = choose(rng, [0, 1, 7, 512, 1280, 4096])
+    lead = [choose(rng, [0, 1, 3, 17]) for _ in range(int(rng.integers(0, 3)))]
     x = model_values(rng, (*lead, n))
     bf16 = rng.random() < 0.5
     w = model_values(rng, (n,) if rng.random() < 0.96 else (n + 1,))
     ok = w.shape == (n,)
-    attributes["epsilon"] = 1e-6 if rng.random() < 0.95 else pick([0, -1])
+    attributes["epsilon"] = 1e-6 if rng.random() < 0.95 else choose(rng, [0, -1])
     ok = ok and attributes["epsilon"] > 0
     return Case(index, "rmsnorm", FLOAT, x, attributes, ["Y"], int(rng.integers(1, 3)),
                 expect_ok=ok, more={"W": (BFLOAT16, bf16_bits(w)) if bf16 else (FLOAT, w)})
