@@ -355,6 +355,19 @@ def forced_isa(rng: np.random.Generator, paths: tuple[str, ...]) -> str | None:
     return runnable[int(rng.integers(len(runnable)))]
 
 
+def numerics_attribute(rng: np.random.Generator, attributes: dict[str, Any]) -> bool:
+    """Sets (or leaves out) the attribute numerics; whether the value is valid."""
+    u = rng.random()
+    if u < 0.2:
+        attributes["numerics"] = "exact"
+    elif u < 0.4:
+        attributes["numerics"] = "fast"
+    elif u < 0.43:
+        attributes["numerics"] = ["", "Fast", "faster", "bf16", 1][int(rng.integers(5))]
+        return False
+    return True
+
+
 def fp8_codes(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
     """W's e4m3 codes in a random style: checkpoint-like normal weights, every byte (NaN codes
     included), blocks spanning too many binades for int16, saturated, or zero."""
@@ -396,13 +409,7 @@ def fp8_case(rng: np.random.Generator, index: int, omit_inputs: bool) -> Case:
         attributes["block_size"], ok = int(rng.choice([16, 64, 0, -32, 1 << 40])), False
     elif u < 0.15:
         attributes["block_size"], ok = 32.0, False
-    u = rng.random()
-    if u < 0.2:
-        attributes["numerics"] = "exact"
-    elif u < 0.4:
-        attributes["numerics"] = "fast"
-    elif u < 0.43:
-        attributes["numerics"], ok = ["", "Fast", "bf16", 1][int(rng.integers(4))], False
+    ok = numerics_attribute(rng, attributes) and ok
     kb = int(rng.choice([0, 1, 1, 2, 3, 8, 40, 160, 257]))
     k = 32 * kb if rng.random() > 0.04 else int(rng.integers(1, 100)) * 32 + int(
         rng.integers(1, 32))
@@ -494,13 +501,7 @@ def sa_case(rng: np.random.Generator, index: int, omit_inputs: bool) -> Case:
         attributes["softmax_scale"], ok = float(rng.choice([0.0, -1.0, np.nan])), False
     else:
         ok = False  # absent (required)
-    u = rng.random()
-    if u < 0.2:
-        attributes["numerics"] = "exact"
-    elif u < 0.35:
-        attributes["numerics"] = "fast"
-    elif u < 0.37:
-        attributes["numerics"], ok = "faster", False
+    ok = numerics_attribute(rng, attributes) and ok
     q = model_values(rng, (b, s, h, d))
     kv = model_values(rng, (b, n, d))
     sink = model_values(rng, (h,))
