@@ -5,10 +5,13 @@ build/golden_report.json for closing notes)."""
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import onnx
@@ -80,6 +83,18 @@ def custom_op_model(graph: onnx.GraphProto, *, portable: bool = False) -> bytes:
     if portable:
         model.functions.extend(portable_functions())
     return model.SerializeToString()
+
+
+def load_module(path: Path, name: str, register: bool = False) -> ModuleType:
+    """A script (tools/, the upstream reference) imported from its path; `register` puts
+    it in sys.modules first (dataclasses look their module up by name)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    if register:
+        sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def build_cpp_driver(source: Path, folder: Path, *flags: str) -> Path:

@@ -5,30 +5,21 @@ AMX half, run by hand on an AMX CPU, can say which order TDPBF16PS follows)."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+from helpers import ROOT, load_module
 
-from custom_ops.library import cpu_isas
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def load_probe():
-    spec = importlib.util.spec_from_file_location("amx_probe", ROOT / "tools" / "amx_probe.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from csa2onnx.custom_ops.library import cpu_isas
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not found: needed to build the probe")
 @pytest.mark.skipif("avx512bf16" not in cpu_isas(), reason="this CPU has no AVX512-BF16")
 def test_vdpbf16ps_sums_in_the_defined_order(tmp_path: Path) -> None:
-    exe = load_probe().build(tmp_path)
+    exe = load_module(ROOT / "tools" / "amx_probe.py", "amx_probe").build(tmp_path)
     # the AMX half has run on no machine of this project yet: CI does not depend on it
     out = subprocess.run([str(exe), "30", "--no-amx"], capture_output=True, text=True,
                          check=True).stdout

@@ -3,12 +3,11 @@ are not asserted: speed is measured in benchmarks, not tested)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
-from helpers import GOLDENS, ROOT
+from helpers import GOLDENS, ROOT, load_module
 
 from csa2onnx.export import bench, stack
 from csa2onnx.export.bench import BenchError, BenchOptions, read_bandwidth, run_bench
@@ -145,10 +144,7 @@ def test_bench_matrix_json_and_errors(capsys) -> None:
 def test_decode_side_by_side_times_both_formats_in_turns(capsys, tmp_path: Path) -> None:
     """tools/decode_side_by_side.py: both exports prefilled, their decode steps alternated,
     one row per batch with a ratio."""
-    spec = importlib.util.spec_from_file_location(
-        "decode_side_by_side", ROOT / "tools" / "decode_side_by_side.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_module(ROOT / "tools" / "decode_side_by_side.py", "decode_side_by_side")
     times = tool.side_by_side(GOLDENS / "case5_fp8.json", (0, 1), 2, 8, 3, 1, "exact",
                               tmp_path / "a")
     assert sorted(times) == ["bf16", "fp8"] and all(len(t) == 3 for t in times.values())

@@ -6,7 +6,6 @@ fp8_gemm through torch), the standard-op body, the graph wrapper's typing, and e
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 from types import ModuleType
@@ -17,6 +16,7 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
+from helpers import load_module
 from onnx import TensorProto, helper
 
 from csa2onnx.custom_ops import make_session, session_options
@@ -571,11 +571,7 @@ def kernel_cpu() -> ModuleType:
     path = REFERENCE_DIR / "kernel_cpu.py"
     if not path.is_file():
         pytest.skip(f"{REFERENCE_DIR} (the upstream kernel_cpu.py oracle) is absent")
-    spec = importlib.util.spec_from_file_location("csa2onnx_test_kernel_cpu", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_module(path, "csa2onnx_test_kernel_cpu")
 
 
 def test_matches_upstream_act_quant_and_fp8_gemm() -> None:

@@ -15,7 +15,6 @@ process, not pytest.
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import shutil
 import subprocess
@@ -24,18 +23,13 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from helpers import ROOT, load_module
 
-ROOT = Path(__file__).resolve().parents[1]
 TOOL = ROOT / "tools" / "fuzz_ops.py"
 
 
 def load_tool() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("fuzz_ops", TOOL)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["fuzz_ops"] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
+    return load_module(TOOL, "fuzz_ops", register=True)
 
 
 @pytest.fixture(scope="module")

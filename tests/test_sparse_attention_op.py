@@ -5,7 +5,6 @@ and its errors."""
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from helpers import custom_op_model
+from helpers import custom_op_model, load_module
 from onnx import TensorProto, helper
 
 from csa2onnx.custom_ops import make_session
@@ -47,11 +46,7 @@ def run(q, kv, sink, idx, scale):
 @functools.cache
 def _oracle_module():
     pytest.importorskip("torch", reason="the oracle is torch")
-    spec = importlib.util.spec_from_file_location("torch_reference",
-                                                  ROOT / "tools" / "torch_reference.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_module(ROOT / "tools" / "torch_reference.py", "torch_reference")
 
 
 def oracle(q, kv, sink, idx, scale) -> np.ndarray:
