@@ -19,11 +19,10 @@ ApplyRope, RopeCosSin and TorchRMSNorm every layout they take; and each forced
 instruction-set path the CPU has (SparseAttention, TorchLinear, IndexerScore and ApplyRope
 checked against their own definition paths; the others against the NumPy definitions of
 custom_ops/reference.py, the C library's cosf/sinf, or a float64 evaluation for
-TorchRMSNorm). A case must
-either return outputs of the right shape (checked against an oracle where the input is
-valid) or raise an onnxruntime error.
-Findings: a crash, a sanitizer report, a hang, a wrong shape or value, a valid input
-rejected or an invalid one accepted.
+TorchRMSNorm). A case must either return outputs of the right shape (checked against an
+oracle where the input is valid) or raise an onnxruntime error. Findings: a crash, a
+sanitizer report, a hang, a wrong shape or value, a valid input rejected or an invalid one
+accepted.
 A crashed worker is restarted after the case that killed it, so one run reports them all.
 Case i of seed S is reproducible alone: `--seed S --start i --cases 1 -v`.
 
@@ -125,22 +124,18 @@ class Case:
     inputs: list[str] = field(default_factory=list)  # node input names; [] = the usual ones
     k: np.ndarray | None = None  # topk only
     k_type: int = INT64
-    w: np.ndarray | None = None  # fp8 only: W's codes [N, K] (uint8)
-    w_scale: np.ndarray | None = None  # fp8 only: WScale
-    w_constant: bool = False  # fp8 only: W and WScale initializers, not inputs
-    isa: str | None = None  # fp8, sa: the path forced when the kernel is created
-    more: dict[str, tuple[int, np.ndarray]] = field(default_factory=dict)  # sa: other inputs
+    isa: str | None = None  # the path forced when the kernel is created (the op's variable)
+    more: dict[str, tuple[int, np.ndarray]] = field(default_factory=dict)  # other inputs: type
+    constants: tuple[str, ...] = ()  # those of `more` given as initializers, not fed
     expect_ok: bool | None = None  # None: no prediction, only crash and shape checks
     notes: list[str] = field(default_factory=list)
 
     def describe(self) -> str:
         k = "" if self.k is None else f" K={self.k.tolist()!r}:{self.k.dtype}"
-        if self.w is not None:
-            k = (f" W={list(self.w.shape)} WScale={list(self.w_scale.shape)} "
-                 f"constant={self.w_constant} isa={self.isa}")
         if self.more:
             k = " " + " ".join(f"{name}={list(a.shape)}:{a.dtype}"
                                for name, (_, a) in self.more.items()) + f" isa={self.isa}"
+            k += f" constants={list(self.constants)}" if self.constants else ""
         inputs = f" inputs={self.inputs}" if self.inputs else ""
         return (f"#{self.index} {self.op} x_type={self.x_type} shape={list(self.x.shape)}{k} "
                 f"attrs={self.attributes}{inputs} outputs={self.outputs} threads={self.threads} "
@@ -422,7 +417,7 @@ def fp8_case(rng: np.random.Generator, index: int, omit_inputs: bool) -> Case:
         rows = 1
     x_type = FLOAT if rng.random() < 0.9 else random_x_type(rng)
     ok = ok and x_type == FLOAT
-    if rng.random() < 0.6:  # values a model feeds (bf16-valued), else anything
+    if rng.random() < 0.6:  # normal values at one scale, else anything
         x = rng.standard_normal((*lead, k)).astype(np.float32) * np.float32(
             2.0 ** int(rng.integers(-20, 20)))
     else:
@@ -450,9 +445,11 @@ def fp8_case(rng: np.random.Generator, index: int, omit_inputs: bool) -> Case:
         notes.append("inputs omitted")
     if ok and x_k == k:
         notes.append(f"rows={int(np.prod(x.shape[:-1], dtype=np.int64))}")
-    return Case(index, "fp8", x_type, x, attributes, ["Y"], int(rng.integers(1, 3)),
-                inputs=inputs, expect_ok=ok, notes=notes, w=w, w_scale=w_scale,
-                w_constant=bool(rng.random() < 0.5), isa=isa)
+    threads = int(rng.integers(1, 3))
+    constants = ("W", "WScale") if rng.random() < 0.5 else ()
+    return Case(index, "fp8", x_type, x, attributes, ["Y"], threads, inputs=inputs,
+                expect_ok=ok, notes=notes, isa=isa, constants=constants,
+                more={"W": (FLOAT8E4M3FN, w), "WScale": (FLOAT, w_scale)})
 
 
 ISA_VARIABLES = {"fp8": "CSA_FP8_LINEAR_ISA", "sa": "CSA_SPARSE_ATTENTION_ISA",
@@ -678,10 +675,11 @@ def linear_case(rng: np.random.Generator, index: int, omit_inputs: bool) -> Case
         x, ok = model_values(rng, (*lead, groups * k + 1)), False
     w_type = BFLOAT16 if bf16 else FLOAT
     w_array = bf16_bits(w) if bf16 else w
-    return Case(index, "linear", FLOAT, x, attributes, ["Y"], int(rng.integers(1, 3)),
-                expect_ok=ok, isa=forced_isa(rng, ("scalar", "avx2", "avx512", "avx512bf16")),
+    threads = int(rng.integers(1, 3))
+    isa = forced_isa(rng, ("scalar", "avx2", "avx512", "avx512bf16"))
+    return Case(index, "linear", FLOAT, x, attributes, ["Y"], threads, expect_ok=ok, isa=isa,
                 more={"W": (w_type, np.ascontiguousarray(w_array))},
-                w_constant=bool(rng.random() < 0.5),
+                constants=("W",) if rng.random() < 0.5 else (),
                 notes=[f"G={groups} N={n} K={k} bf16={bf16} panels={panels}"])
 
 
@@ -971,11 +969,12 @@ def check_fp8(case: Case, outputs: dict[str, np.ndarray]) -> str | None:
     from csa2onnx.custom_ops.reference import fp8_linear
 
     got = outputs["Y"]
-    want_shape = (*case.x.shape[:-1], case.w.shape[0])
+    codes, w_scale = case.more["W"][1], case.more["WScale"][1]
+    want_shape = (*case.x.shape[:-1], codes.shape[0])
     if got.shape != want_shape:
         return f"Y shape {list(got.shape)}, expected {list(want_shape)}"
-    w = case.w.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
-    want = fp8_linear(case.x, w, case.w_scale)
+    w = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    want = fp8_linear(case.x, w, w_scale)
     if case.attributes.get("numerics") == "fast" and case.isa is None:
         if not np.array_equal(np.isnan(got), np.isnan(want)):
             return "fast numerics: NaN where the definition has none, or the reverse"
@@ -1004,19 +1003,15 @@ class Runner:
         h = self.helper
         graph_outputs: list[str] = []
         nodes = []
-        initializers = []
+        initializers = [h.make_tensor(name, case.more[name][0], list(case.more[name][1].shape),
+                                      case.more[name][1].tobytes(), raw=True)
+                        for name in case.constants]
         if case.op == "fp4":
             op_type, out_types = "Fp4QuantDequant", {"Y": case.x_type, "Scale": FLOAT}
             node_inputs = case.inputs or ["X"]
         elif case.op == "fp8":
             op_type, out_types = "Fp8Linear", {"Y": FLOAT}
             node_inputs = case.inputs or ["X", "W", "WScale"]
-            if case.w_constant:
-                initializers = [
-                    h.make_tensor("W", FLOAT8E4M3FN, list(case.w.shape), case.w.tobytes(),
-                                  raw=True),
-                    h.make_tensor("WScale", FLOAT, list(case.w_scale.shape),
-                                  case.w_scale.tobytes(), raw=True)]
         elif case.op in ("write", "pack", "unpack"):
             op_type, out_types, node_inputs = {
                 "write": ("WriteRows", {"CacheOut": case.x_type}, ["X", "Rows", "RowStart"]),
@@ -1032,10 +1027,6 @@ class Runner:
                 "linear": ("TorchLinear", {"Y": FLOAT}, ["X", "W"]),
                 "indexer": ("IndexerScore", {"Score": FLOAT}, ["Q", "W", "Keys", "Width"])}[
                     case.op]
-            if case.op == "linear" and case.w_constant:
-                w_type, w = case.more["W"]
-                initializers = [h.make_tensor("W", w_type, list(w.shape), w.tobytes(),
-                                              raw=True)]
         elif case.op == "sa":
             op_type, out_types = "SparseAttention", {"O": FLOAT}
             node_inputs = case.inputs or ["Q", "KV", "Sink", "Idx", *(
@@ -1110,19 +1101,13 @@ class Runner:
             if x_name in (case.inputs or [x_name]):  # as is: ascontiguousarray makes 0-d 1-d
                 feeds[x_name] = self.feed(case.x, case.x_type)
             for name, (onnx_type, array) in case.more.items():
-                if name == "W" and case.w_constant:
+                if name in case.constants:
                     continue
                 if name in (case.inputs or [name]):
                     feeds[name] = self.ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
                         array, onnx_type)
             if case.k is not None and "K" in (case.inputs or ["K"]):
                 feeds["K"] = self.ort.OrtValue.ortvalue_from_numpy(case.k)
-            if case.w is not None and not case.w_constant:
-                if "W" in (case.inputs or ["W"]):
-                    feeds["W"] = self.ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
-                        case.w, FLOAT8E4M3FN)
-                if "WScale" in (case.inputs or ["WScale"]):
-                    feeds["WScale"] = self.ort.OrtValue.ortvalue_from_numpy(case.w_scale)
             got = session.run_with_ort_values(names, feeds)
             outputs = dict(zip(names, (v.numpy() for v in got), strict=True))
         except ort_errors as e:
