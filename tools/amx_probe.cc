@@ -148,9 +148,11 @@ struct TileConfig {
   uint8_t rows[16] = {};
 };
 
-__attribute__((target("amx-tile,amx-bf16"))) void configure_tiles() {
+// Tiles 0 .. count-1, each 16 rows of 64 bytes (C: 16 x 16 f32; A: 16 x 32 bf16; B: 16 pairs
+// x 16 columns).
+__attribute__((target("amx-tile,amx-bf16"))) void configure_tiles(int count) {
   TileConfig cfg;
-  for (int t = 0; t < 3; ++t) {  // 0: C [16][16] f32, 1: A [16][32] bf16, 2: B [16 pairs][16 cols]
+  for (int t = 0; t < count; ++t) {
     cfg.rows[t] = kTile;
     cfg.colsb[t] = 64;
   }
@@ -222,12 +224,7 @@ __attribute__((target("avx512f,avx512bf16"))) double vdpbf16ps_gflops() {
 }
 
 __attribute__((target("amx-tile,amx-bf16"))) double amx_gflops() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = kTile;
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
+  configure_tiles(8);  // 0-3: C, 4-5: A, 6-7: B
   alignas(64) static uint16_t a[2][kTile * kTileK], b[2][kTile * kTileK];
   for (int i = 0; i < kTile * kTileK; ++i) a[0][i] = a[1][i] = b[0][i] = b[1][i] = 0x3F80;
   _tile_zero(0);
@@ -267,7 +264,7 @@ int main(int argc, char** argv) {
   const bool amx = !skip_amx && has_amx() && request_amx();
   std::printf("AMX-BF16: %s\n", amx ? "yes" : skip_amx ? "not tried (--no-amx)"
                                    : has_amx() ? "present, but the OS refused the tile state" : "no");
-  if (amx) configure_tiles();
+  if (amx) configure_tiles(3);  // 0: C, 1: A, 2: B
   std::mt19937_64 rng(1);
   const char* kinds[3] = {"normal", "wide exponents", "2-bit values (ties)"};
   bool defined = true;
