@@ -217,6 +217,25 @@ def test_avx512bf16_takes_vdpbf16ps_where_exact(monkeypatch):
     assert after["fmaf"] - before["fmaf"] == 2 * (1 + 38 + 38)  # float and packed keys
 
 
+def test_packed_keys_at_every_scale_byte(monkeypatch):
+    """Packed keys whose e8m0 scale bytes sit at and past the ends of the range the
+    avx512bf16 path turns into pairs straight from the codes (2..252: every value normal and
+    finite): 0 and 1 (values down to float denormals), 253 and 254 (values that overflow to
+    inf), 255 (NaN) and the edges themselves, each in a key row of its own among ordinary
+    rows; the op on the packed rows gives the standard ops' bits on the floats they hold,
+    on every path."""
+    q, w, keys, packed = case(13, 2, 1, 32, 128, 200, adversarial=False)
+    code_bytes = 128 // 2
+    edges = [0, 1, 2, 3, 126, 127, 251, 252, 253, 254, 255]
+    for i, byte in enumerate(edges):
+        packed[i % 2, 9 * i + 1, code_bytes + i % 4] = byte  # one block of the row
+    packed[1, 150, code_bytes:] = 252  # a whole row at the top edge, next to ordinary rows
+    keys = unpack_quantized(packed, FORMAT, 128)
+    assert np.isinf(keys).any() and np.isnan(keys).any()
+    assert (np.abs(keys[keys != 0]) < 2.0**-126).any()  # float denormals
+    check(monkeypatch, q, w, keys, packed, 200)
+
+
 def test_orders_decide_ties(monkeypatch):
     """Inputs whose scores change with the dot's and the head sum's order: onnxruntime's
     results are the ones the orders above predict, and the op gives them on every path."""

@@ -307,6 +307,55 @@ __attribute__((always_inline)) inline void tile_row(const Tile& tile, int64_t r,
 // values always do). Any other query row or key block runs tile_heads' fma chains.
 namespace pairs = sparse_attention::tiled::pairs;
 
+// A packed fp4_e8m0_32 key row (packed_quant.h) straight to its swapped pairs, without the
+// floats: value(code) * 2^(byte - 127) is bf16 value(code) with (byte - 127) added to the
+// exponent field (codes of nonzero magnitude) while the result stays normal and finite, i.e.
+// for scale bytes 2..252 (a nonzero e2m1 magnitude, 0.5..6, lands on biased exponents
+// byte - 1 .. byte + 2). The unpacked floats are exactly those values, so the pairs are
+// swap_row's of them. Returns false, writing nothing, for a row with any other scale byte.
+// lo / hi are lowered / raised to byte - 1 / byte + 2 of each block: a range containing the
+// exact one (pairs::Scan's), so chains_exact on it implies chains_exact on the exact one.
+struct E2m1Bf16 {
+  alignas(64) uint32_t bits[16];  // bf16 bits of kE2m1Values, low half of each dword
+  constexpr E2m1Bf16() : bits() {
+    constexpr uint32_t magnitude[8] = {0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0};
+    for (int c = 0; c < 16; ++c) bits[c] = magnitude[c & 7] | (c >= 8 ? 0x8000u : 0u);
+  }
+};
+inline constexpr E2m1Bf16 kE2m1Bf16{};
+constexpr __mmask16 kNonzeroCodes = 0xFEFE;  // codes 0 and 8 are +0 and -0
+
+CSA_TARGET_AVX512BF16 inline bool swap_packed_fp4_e8m0(const uint8_t* p, int64_t d, pairs::u32* out,
+                                                      uint32_t& lo, uint32_t& hi) {
+  constexpr int64_t kBlock = packed::kFp4E8m0Block;
+  static_assert(kBlock == 32, "one block is 16 code bytes, 16 pairs");
+  const uint8_t* scales = p + packed::code_bytes(packed::Format::kFp4E8m0, d);
+  uint32_t blo = 255, bhi = 0;
+  for (int64_t b = 0; b < d / kBlock; ++b) {
+    blo = scales[b] < blo ? scales[b] : blo;
+    bhi = scales[b] > bhi ? scales[b] : bhi;
+  }
+  if (blo < 2 || bhi > 252) return false;
+  const __m512i table = _mm512_load_si512(kE2m1Bf16.bits);
+  for (int64_t b = 0; b < d / kBlock; ++b) {
+    const int exponent = static_cast<int>(scales[b]) - 127;  // bf16's exponent field: bit 7
+    const __m512i low =
+        _mm512_mask_add_epi32(table, kNonzeroCodes, table, _mm512_set1_epi32(exponent * 128));
+    const __m512i high = _mm512_maskz_slli_epi32(packed::kAll16, low, 16);
+    // byte i holds element 2i (bits 0-3: the pair's high word; vpermd reads index bits 0-3)
+    // and element 2i + 1 (bits 4-7: its low word)
+    const __m512i bytes = _mm512_maskz_cvtepu8_epi32(
+        packed::kAll16, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + b * kBlock / 2)));
+    const __m512i odd = _mm512_maskz_srli_epi32(packed::kAll16, bytes, 4);
+    const __m512i swapped = _mm512_or_si512(_mm512_maskz_permutexvar_epi32(packed::kAll16, bytes, high),
+                                            _mm512_maskz_permutexvar_epi32(packed::kAll16, odd, low));
+    _mm512_storeu_si512(out + b * kBlock / 2, swapped);
+  }
+  lo = blo - 1 < lo ? blo - 1 : lo;
+  hi = bhi + 2 > hi ? bhi + 2 : hi;
+  return true;
+}
+
 // A query row's pairs, q2 [D/2][hp] swapped, and the range of its values.
 struct PairRow {
   const pairs::u32* q2;

@@ -8,8 +8,10 @@
 // the key rows scored); output Score (float [b, s, T], bf16 values).
 // In parallel over (batch entry, block of 16 queries, tile of 64 key rows), heads in vector
 // lanes: each query row is transposed once per call, each task unpacks its key tile once
-// (row-major) for its queries. CSA_INDEXER_SCORE_ISA (or CSA2ONNX_ISA; read when a session
-// creates the kernel) forces a path: "avx512bf16" (the tiles with vdpbf16ps where exact:
+// (row-major) for its queries (on the avx512bf16 path, packed fp4_e8m0_32 keys go straight
+// from their codes to the pairs vdpbf16ps reads: indexer_score.h swap_packed_fp4_e8m0).
+// CSA_INDEXER_SCORE_ISA (or CSA2ONNX_ISA; read when a session creates the kernel) forces a
+// path: "avx512bf16" (the tiles with vdpbf16ps where exact:
 // indexer_score.h; the default on a CPU with AVX512-BF16), "avx512", "avx2", "scalar" (the
 // tiles without SIMD) or "reference" (the scalar definition, one query row per task); all
 // give the same bits.
@@ -148,16 +150,37 @@ CSA_TARGET_AVX512BF16 __attribute__((flatten)) void tiled_avx512bf16(const Job& 
   is::pairs::u32* keys2 = reinterpret_cast<is::pairs::u32*>(terms + kKeys * j.hp);
   const float* blocks[kBlocks];
   is::pairs::Range range[kBlocks];
-  for (int64_t c = 0; c < cols; c += kKeys) {
-    const float* keys = key_block<V>(j, bi * j.r + t0 + c, std::min(kKeys, cols - c),
-                                     unpacked + c * pr.d);
-    blocks[c / kKeys] = keys;
-    is::pairs::Scan scan;
-    for (int64_t k = 0; k < kKeys; ++k)
-      is::pairs::swap_row(keys + k * pr.d, pr.d, keys2 + (c + k) * half, scan);
-    range[c / kKeys] = scan.range();
-  }
   const int64_t first_row = bi * pr.s + s0;
+  // Packed fp4_e8m0_32 keys become pairs straight from their codes; floats are made only for
+  // a block that a query row of the task cannot take on pairs (its fma chains read them) or
+  // whose scales the direct path does not take.
+  const bool direct = j.packed != nullptr && j.format == packed::Format::kFp4E8m0;
+  for (int64_t c = 0; c < cols; c += kKeys) {
+    const int64_t blk = c / kKeys, n = std::min(kKeys, cols - c);
+    is::pairs::u32* k2 = keys2 + c * half;
+    bool paired = direct;
+    if (direct) {
+      uint32_t lo = 255, hi = 0;
+      for (int64_t k = 0; k < n && paired; ++k)
+        paired = is::swap_packed_fp4_e8m0(j.packed + (bi * j.r + t0 + c + k) * j.row_bytes, pr.d,
+                                          k2 + k * half, lo, hi);
+      if (paired) {
+        std::memset(k2 + n * half, 0, static_cast<size_t>((kKeys - n) * half) * sizeof(*k2));
+        range[blk] = {true, lo, hi};
+      }
+    }
+    bool floats = !paired;
+    for (int64_t r = 0; r < rows && !floats; ++r)
+      floats = !is::pairs::chains_exact(j.q_range[first_row + r], range[blk], pr.d);
+    blocks[blk] = nullptr;
+    if (!floats) continue;
+    const float* keys = key_block<V>(j, bi * j.r + t0 + c, n, unpacked + c * pr.d);
+    blocks[blk] = keys;
+    if (paired) continue;
+    is::pairs::Scan scan;
+    for (int64_t k = 0; k < kKeys; ++k) is::pairs::swap_row(keys + k * pr.d, pr.d, k2 + k * half, scan);
+    range[blk] = scan.range();
+  }
   const is::Tile tile{&pr, j.qt + first_row * pr.d * j.hp, j.wt + first_row * j.hp, j.hp,
                       blocks, cols, j.out + first_row * pr.t + t0};
   uint64_t on_pairs = 0, on_fma = 0;
