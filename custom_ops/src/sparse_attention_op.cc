@@ -353,6 +353,10 @@ struct SparseAttentionKernel {
     require_node_io(info, kOp, 4, 1);  // Compressed is optional
     fast = numerics_is_fast(info, kOp);
     isa = select_isa("CSA_SPARSE_ATTENTION_ISA", /*has_reference=*/true, /*has_bf16=*/true);
+#ifdef CSA_X86
+    // the exact softmax's exp path is decided here, once, not in the first call's time
+    if (!fast && (isa == Isa::kAvx512 || isa == Isa::kAvx512Bf16)) sa::tiled::libm_expf_vector();
+#endif
     scale = required_attribute<float>(info, kOp, "softmax_scale", "a float");
     if (!(scale > 0.0f)) fail(kOp, "softmax_scale must be > 0, got " + std::to_string(scale));
     // absent: no packed cache

@@ -50,6 +50,7 @@
 #include <atomic>
 #include <limits>
 
+#include "libm_expf.h"
 #include "packed_quant.h"
 #include "simd.h"
 #include "sparse_attention.h"
@@ -136,12 +137,37 @@ struct VScalar {
   static inline T round_bf16(T x) { return sparse_attention::round_bf16(x); }
 };
 
+// The softmax's exp, the definition's std::exp per value (Cfg::Exp).
+struct StdExp {
+  static inline void apply(float* x, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) x[i] = std::exp(x[i]);
+  }
+};
+#ifdef CSA_X86
+// On AVX-512: std::exp as glibc computes it, 8 values a step, where this process's libm is
+// that function (libm_expf.h; decided once, libm_expf_vector), else StdExp.
+inline bool libm_expf_vector() {
+  static const bool same = cpu_has_x86_64_v4() && libm_expf::matches_libm();
+  return same;
+}
+struct LibmExp {
+  CSA_TARGET_AVX512 static inline void apply(float* x, int64_t n) {
+    if (libm_expf_vector()) {
+      libm_expf::apply_avx512(x, n);
+    } else {
+      StdExp::apply(x, n);
+    }
+  }
+};
+#endif
+
 // Tile shapes per instruction set (accumulators in registers).
 // AVX-512 (32 zmm): logits 64 heads x 4 entries, 32 x 8 or 16 x 12... (16 accumulators),
 // 4-lane logits 16 heads x 4 entries x 4 lanes; P @ V 4 heads x 64 columns.
 #ifdef CSA_X86
 struct CfgAvx512 {
   using V = VAvx512;
+  using Exp = LibmExp;
   CSA_TARGET_AVX512 static inline void unpack(packed::Format f, const uint8_t* p, int64_t d,
                                               float* y) {
     packed::unpack_row_avx512(f, p, d, y);
@@ -159,6 +185,7 @@ struct CfgAvx512Bf16 : CfgAvx512 {
 // AVX2 (16 ymm): 8 accumulators per tile.
 struct CfgAvx2 {
   using V = VAvx2;
+  using Exp = StdExp;
   CSA_TARGET_AVX2 static inline void unpack(packed::Format f, const uint8_t* p, int64_t d,
                                             float* y) {
     packed::unpack_row_avx2(f, p, d, y);
@@ -173,6 +200,7 @@ struct CfgAvx2 {
 // Without SIMD: small tiles (fmaf is a libm call there; this path is for checking).
 struct CfgScalar {
   using V = VScalar;
+  using Exp = StdExp;
   static inline void unpack(packed::Format f, const uint8_t* p, int64_t d, float* y) {
     packed::unpack_row_scalar(f, p, d, y);
   }
@@ -566,17 +594,12 @@ inline void sum64(const float* p, int64_t ld, const int* slot, float* out) {
 }
 
 // The block's online softmax for heads [0, gp), vectorised across heads (the definition's
-// operations per head, one rounding each; only exp is scalar, std::exp as in the
-// definition). lsum [64][gp]: the valid entries' logit sums, overwritten; pb [64][gp]:
+// operations per head, one rounding each; exp is Exp's: the definition's std::exp, per value
+// or as libm computes it 8 at a time). lsum [64][gp]: the valid entries' logit sums, overwritten; pb [64][gp]:
 // bf16(p) of the valid entries. Entries at -1 have logit -inf, which changes no maximum,
 // and p = exp(-inf - m_new) = 0 exactly (m_new >= -1e30 is never NaN or -inf).
-// Exp::apply(x, n): x[i] = exp(x[i]) for i < n (the definition's std::exp here; the fast
-// kernel passes its own).
-struct StdExp {
-  static inline void apply(float* x, int64_t n) {
-    for (int64_t i = 0; i < n; ++i) x[i] = std::exp(x[i]);
-  }
-};
+// Exp::apply(x, n): x[i] = exp(x[i]) for i < n (the definition's std::exp: Cfg::Exp; the
+// fast kernel passes its own).
 
 template <typename V, typename Exp = StdExp>
 inline void softmax(const Shape& s, float scale, int64_t nv, const int* slot, float* lsum,
@@ -757,7 +780,7 @@ inline void task(const Problem& pr, const Shape& s, int64_t h0, const float* q,
                                               lsum + j * gp + g0, gp);
     }
 
-    softmax<typename Cfg::V>(s, pr.scale, nv, slot, lsum, pb, m, total, alpha);
+    softmax<typename Cfg::V, typename Cfg::Exp>(s, pr.scale, nv, slot, lsum, pb, m, total, alpha);
 
     // P @ V: column blocks outer, so a column slice of the tile serves every head
     int64_t e0 = 0;
