@@ -318,7 +318,8 @@ namespace pairs = sparse_attention::tiled::pairs;
 struct E2m1Bf16 {
   alignas(64) uint32_t bits[16];  // bf16 bits of kE2m1Values, low half of each dword
   constexpr E2m1Bf16() : bits() {
-    constexpr uint32_t magnitude[8] = {0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0};
+    constexpr uint32_t magnitude[8] = {0x0000, 0x3F00, 0x3F80, 0x3FC0,
+                                       0x4000, 0x4040, 0x4080, 0x40C0};
     for (int c = 0; c < 16; ++c) bits[c] = magnitude[c & 7] | (c >= 8 ? 0x8000u : 0u);
   }
 };
@@ -347,8 +348,9 @@ CSA_TARGET_AVX512BF16 inline bool swap_packed_fp4_e8m0(const uint8_t* p, int64_t
     const __m512i bytes = _mm512_maskz_cvtepu8_epi32(
         packed::kAll16, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + b * kBlock / 2)));
     const __m512i odd = _mm512_maskz_srli_epi32(packed::kAll16, bytes, 4);
-    const __m512i swapped = _mm512_or_si512(_mm512_maskz_permutexvar_epi32(packed::kAll16, bytes, high),
-                                            _mm512_maskz_permutexvar_epi32(packed::kAll16, odd, low));
+    const __m512i swapped =
+        _mm512_or_si512(_mm512_maskz_permutexvar_epi32(packed::kAll16, bytes, high),
+                        _mm512_maskz_permutexvar_epi32(packed::kAll16, odd, low));
     _mm512_storeu_si512(out + b * kBlock / 2, swapped);
   }
   lo = blo - 1 < lo ? blo - 1 : lo;

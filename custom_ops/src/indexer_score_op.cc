@@ -11,10 +11,9 @@
 // (row-major) for its queries (on the avx512bf16 path, packed fp4_e8m0_32 keys go straight
 // from their codes to the pairs vdpbf16ps reads: indexer_score.h swap_packed_fp4_e8m0).
 // CSA_INDEXER_SCORE_ISA (or CSA2ONNX_ISA; read when a session creates the kernel) forces a
-// path: "avx512bf16" (the tiles with vdpbf16ps where exact:
-// indexer_score.h; the default on a CPU with AVX512-BF16), "avx512", "avx2", "scalar" (the
-// tiles without SIMD) or "reference" (the scalar definition, one query row per task); all
-// give the same bits.
+// path: "avx512bf16" (the tiles with vdpbf16ps where exact: indexer_score.h; the default on
+// a CPU with AVX512-BF16), "avx512", "avx2", "scalar" (the tiles without SIMD) or
+// "reference" (the scalar definition, one query row per task); all give the same bits.
 // Compiled with -ffp-contract=off: the orders keep multiplies and adds apart.
 #include "ort_api.h"
 
@@ -178,7 +177,8 @@ CSA_TARGET_AVX512BF16 __attribute__((flatten)) void tiled_avx512bf16(const Job& 
     blocks[blk] = keys;
     if (paired) continue;
     is::pairs::Scan scan;
-    for (int64_t k = 0; k < kKeys; ++k) is::pairs::swap_row(keys + k * pr.d, pr.d, k2 + k * half, scan);
+    for (int64_t k = 0; k < kKeys; ++k)
+      is::pairs::swap_row(keys + k * pr.d, pr.d, k2 + k * half, scan);
     range[blk] = scan.range();
   }
   const is::Tile tile{&pr, j.qt + first_row * pr.d * j.hp, j.wt + first_row * j.hp, j.hp,

@@ -49,14 +49,17 @@ CSA_TARGET_AVX512 inline __m256 main_path8(__m256 xf) {
   const __m512i ki = _mm512_castpd_si512(z);
   const __m512d r = _mm512_fmsub_pd(inv, xd, _mm512_sub_pd(z, shift));
   // T[ki % 32]: entries 0-15 or 16-31 by index bits 0-3, bit 4 picks between them
-  const __m512i lo = _mm512_permutex2var_epi64(_mm512_load_si512(kTable), ki, _mm512_load_si512(kTable + 8));
+  const __m512i lo =
+      _mm512_permutex2var_epi64(_mm512_load_si512(kTable), ki, _mm512_load_si512(kTable + 8));
   const __m512i hi =
       _mm512_permutex2var_epi64(_mm512_load_si512(kTable + 16), ki, _mm512_load_si512(kTable + 24));
   const __mmask8 upper = _mm512_test_epi64_mask(ki, _mm512_set1_epi64(16));
-  const __m512i t = _mm512_add_epi64(_mm512_mask_mov_epi64(lo, upper, hi), _mm512_maskz_slli_epi64(0xff, ki, 47));
+  const __m512i t = _mm512_add_epi64(_mm512_mask_mov_epi64(lo, upper, hi),
+                                     _mm512_maskz_slli_epi64(0xff, ki, 47));
   const __m512d zc = _mm512_fmadd_pd(_mm512_set1_pd(kC0), r, _mm512_set1_pd(kC1));
   const __m512d r2 = _mm512_mul_pd(r, r);
-  const __m512d y = _mm512_fmadd_pd(zc, r2, _mm512_fmadd_pd(r, _mm512_set1_pd(kC2), _mm512_set1_pd(1.0)));
+  const __m512d y1 = _mm512_fmadd_pd(r, _mm512_set1_pd(kC2), _mm512_set1_pd(1.0));
+  const __m512d y = _mm512_fmadd_pd(zc, r2, y1);
   return _mm512_maskz_cvtpd_ps(0xff, _mm512_mul_pd(y, _mm512_castsi512_pd(t)));
 }
 
@@ -80,30 +83,30 @@ CSA_TARGET_AVX512 inline void apply_avx512(float* x, int64_t n) {
   }
 }
 
-// Whether apply_avx512 is this process's std::exp: every 4099th float bit pattern (the
-// stride is odd: every exponent and every low-bit pattern is met) and the special values.
+// Whether apply_avx512 gives std::exp's bits on x[0, n) (n <= 1024; x is overwritten).
+CSA_TARGET_AVX512 inline bool same_as_std_exp(float* x, int64_t n) {
+  float want[1024];
+  for (int64_t i = 0; i < n; ++i) want[i] = std::exp(x[i]);
+  apply_avx512(x, n);
+  return std::memcmp(x, want, static_cast<size_t>(n) * sizeof(float)) == 0;
+}
+
+// Whether apply_avx512 is this process's std::exp: the special values, then every 4099th
+// float bit pattern (the stride is odd: every exponent and every low-bit pattern is met).
 // Call only where AVX-512 runs.
 CSA_TARGET_AVX512 inline bool matches_libm() {
-  constexpr int64_t kChunk = 1024;
-  float x[kChunk], want[kChunk];
-  uint64_t b = 0;
-  const float specials[] = {0.0f, -0.0f, INFINITY, -INFINITY, NAN, -NAN, 88.0f, -88.0f,
-                            0x1.62e42ep6f, 0x1.62e430p6f, -0x1.9fe368p6f, -0x1.9fe36ap6f,
-                            -0x1.9d1d9ep6f, -0x1.9d1da0p6f, 87.99999f, -87.99999f};
-  bool first = true;
-  while (b <= 0xFFFFFFFFull) {
+  float specials[] = {0.0f, -0.0f, INFINITY, -INFINITY, NAN, -NAN, 88.0f, -88.0f,
+                      0x1.62e42ep6f, 0x1.62e430p6f, -0x1.9fe368p6f, -0x1.9fe36ap6f,
+                      -0x1.9d1d9ep6f, -0x1.9d1da0p6f, 87.99999f, -87.99999f};
+  if (!same_as_std_exp(specials, sizeof specials / sizeof specials[0])) return false;
+  float x[1024];
+  for (uint64_t b = 0; b <= 0xFFFFFFFFull;) {
     int64_t n = 0;
-    if (first) {
-      for (float s : specials) x[n++] = s;
-      first = false;
-    }
-    for (; n < kChunk && b <= 0xFFFFFFFFull; ++n, b += 4099) {
+    for (; n < 1024 && b <= 0xFFFFFFFFull; ++n, b += 4099) {
       const uint32_t u = static_cast<uint32_t>(b);
       std::memcpy(&x[n], &u, sizeof u);
     }
-    for (int64_t i = 0; i < n; ++i) want[i] = std::exp(x[i]);
-    apply_avx512(x, n);
-    if (std::memcmp(x, want, static_cast<size_t>(n) * sizeof(float)) != 0) return false;
+    if (!same_as_std_exp(x, n)) return false;
   }
   return true;
 }

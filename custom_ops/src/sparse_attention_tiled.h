@@ -595,13 +595,13 @@ inline void sum64(const float* p, int64_t ld, const int* slot, float* out) {
 
 // The block's online softmax for heads [0, gp), vectorised across heads (the definition's
 // operations per head, one rounding each; exp is Exp's: the definition's std::exp, per value
-// or as libm computes it 8 at a time). lsum [64][gp]: the valid entries' logit sums, overwritten; pb [64][gp]:
-// bf16(p) of the valid entries. Entries at -1 have logit -inf, which changes no maximum,
+// or as libm computes it 8 at a time). lsum [64][gp]: the valid entries' logit sums,
+// overwritten; pb [64][gp]: bf16(p) of the valid entries. Entries at -1 have logit -inf, which changes no maximum,
 // and p = exp(-inf - m_new) = 0 exactly (m_new >= -1e30 is never NaN or -inf).
 // Exp::apply(x, n): x[i] = exp(x[i]) for i < n (the definition's std::exp: Cfg::Exp; the
 // fast kernel passes its own).
 
-template <typename V, typename Exp = StdExp>
+template <typename V, typename Exp>
 inline void softmax(const Shape& s, float scale, int64_t nv, const int* slot, float* lsum,
                     float* pb, float* m, float* total, float* alpha) {
   using T = typename V::T;
@@ -780,7 +780,8 @@ inline void task(const Problem& pr, const Shape& s, int64_t h0, const float* q,
                                               lsum + j * gp + g0, gp);
     }
 
-    softmax<typename Cfg::V, typename Cfg::Exp>(s, pr.scale, nv, slot, lsum, pb, m, total, alpha);
+    softmax<typename Cfg::V, typename Cfg::Exp>(s, pr.scale, nv, slot, lsum, pb, m, total,
+                                                 alpha);
 
     // P @ V: column blocks outer, so a column slice of the tile serves every head
     int64_t e0 = 0;
