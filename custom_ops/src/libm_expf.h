@@ -1,4 +1,4 @@
-// std::exp(float) as glibc computes it, 16 values at a time, bit for bit. SparseAttention's
+// std::exp(float) as glibc computes it, 8 values at a time, bit for bit. SparseAttention's
 // softmax is defined with std::exp per value (sparse_attention.h); on x86-64 glibc (2.28 and
 // later) with FMA that is __expf_fma (sysdeps/ieee754/flt-32/e_expf.c), which for |x| < 88
 // computes in double
