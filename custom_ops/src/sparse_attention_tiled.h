@@ -596,8 +596,9 @@ inline void sum64(const float* p, int64_t ld, const int* slot, float* out) {
 // The block's online softmax for heads [0, gp), vectorised across heads (the definition's
 // operations per head, one rounding each; exp is Exp's: the definition's std::exp, per value
 // or as libm computes it 8 at a time). lsum [64][gp]: the valid entries' logit sums,
-// overwritten; pb [64][gp]: bf16(p) of the valid entries. Entries at -1 have logit -inf, which changes no maximum,
-// and p = exp(-inf - m_new) = 0 exactly (m_new >= -1e30 is never NaN or -inf).
+// overwritten; pb [64][gp]: bf16(p) of the valid entries. Entries at -1 have logit -inf,
+// which changes no maximum, and p = exp(-inf - m_new) = 0 exactly (m_new >= -1e30 is never
+// NaN or -inf).
 // Exp::apply(x, n): x[i] = exp(x[i]) for i < n (the definition's std::exp: Cfg::Exp; the
 // fast kernel passes its own).
 
