@@ -153,16 +153,22 @@ def torch_linear(op: OpBuilder, x: ir.Value, w: ir.Value, *,
 
 
 def fp8_linear(op: OpBuilder, x: ir.Value, w: ir.Value, w_scale: ir.Value, *,
-               numerics: Numerics | None = None) -> ir.Value:
+               numerics: Numerics | None = None, rounded: bool = False) -> ir.Value:
     """The released checkpoint's fp8 linear: act_quant(x) (e4m3, power-of-two scale per 32
     inputs) fused with the block-scaled GEMM against W [N, K] float8e4m3fn and WScale
     [ceil(N/32), K/32] float32 (custom_ops/reference.py `fp8_linear`). float32 result
-    [..., N], not rounded: round to bf16 where the reference does.
+    [..., N]; `rounded`: y through bfloat16 as a Cast pair would (the kernel fuses it; a
+    portable graph gets the Casts).
 
     `numerics` (None: the graph's) "fast": the same terms summed in another order
     (vdpbf16ps on a CPU with AVX512-BF16, VBMI and GFNI, the exact kernel elsewhere); the
     node gets the attribute only then, so exact graphs do not change."""
-    return _csa(op).Fp8Linear(x, w, w_scale, **_numerics_attribute(op, numerics))
+    attributes: dict[str, int | str] = dict(_numerics_attribute(op, numerics))
+    if rounded and is_portable(op):
+        return round_bf16(op, _csa(op).Fp8Linear(x, w, w_scale, **attributes))
+    if rounded:
+        attributes["round_output"] = 1
+    return _csa(op).Fp8Linear(x, w, w_scale, **attributes)
 
 
 def rope_cos_sin(op: OpBuilder, positions: ir.Value, inverse_frequencies: Sequence[float],

@@ -262,7 +262,8 @@ SIGNATURES: tuple[OpSignature, ...] = (
         (Param("X", _FLOAT), Param("W", "tensor(float8e4m3fn)"), Param("WScale", _FLOAT)),
         (Param("Y", _FLOAT),), _infer_fp8_linear,
         attributes=(Attribute("block_size", _Attr.INT, default=32),
-                    Attribute("numerics", _Attr.STRING, default="exact"))),
+                    Attribute("numerics", _Attr.STRING, default="exact"),
+                    Attribute("round_output", _Attr.INT, default=0))),
     OpSignature(
         "TorchRMSNorm", "W * (X * rsqrt(mean(X^2) + epsilon)), the mean in torch CPU's order.",
         (Param("X", _FLOAT), Param("W", "TW")), (Param("Y", _FLOAT),),

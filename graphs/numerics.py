@@ -123,7 +123,7 @@ class Fp8Linear(nn.Module):
         self.scale = weight(w.scale, FLOAT)
 
     def forward(self, op: OpBuilder, x: ir.Value) -> ir.Value:
-        return round_bf16(op, fp8_linear(op, x, self.weight, self.scale))
+        return fp8_linear(op, x, self.weight, self.scale, rounded=True)
 
 
 TorchWeight = np.ndarray | PackedWeight  # a TorchLinear weight, plain or packed

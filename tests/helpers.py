@@ -109,6 +109,19 @@ def build_cpp_driver(source: Path, folder: Path, *flags: str) -> Path:
     return exe
 
 
+def cast_pair(y: np.ndarray) -> np.ndarray:
+    """onnxruntime's Cast float -> bfloat16 -> float of y, run by onnxruntime itself (what a
+    kernel's round_output must equal bit for bit)."""
+    nodes = [helper.make_node("Cast", ["Y"], ["B"], to=onnx.TensorProto.BFLOAT16),
+             helper.make_node("Cast", ["B"], ["Z"], to=onnx.TensorProto.FLOAT)]
+    graph = helper.make_graph(nodes, "casts",
+                              [helper.make_tensor_value_info("Y", onnx.TensorProto.FLOAT, None)],
+                              [helper.make_tensor_value_info("Z", onnx.TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)],
+                              ir_version=IR_VERSION)
+    return ort.InferenceSession(model.SerializeToString()).run(None, {"Y": y})[0]
+
+
 def bf16_values(x: np.ndarray) -> np.ndarray:
     return (np.asarray(x, np.float32).view(np.uint32) & 0xFFFF0000).view(np.float32)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import GOLDENS, ROOT, hard_values
+from helpers import GOLDENS, ROOT, cast_pair, hard_values
 from test_fp8_linear import (
     assert_same,
     defined_case,
@@ -66,8 +66,8 @@ def build_shim(folder: Path) -> ctypes.CDLL:
                    check=True, capture_output=True, text=True)
     shim = ctypes.CDLL(str(library))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    shim.csa_fp8_linear.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int, ptr, ptr,
-                                    i64]
+    shim.csa_fp8_linear.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int,
+                                    ctypes.c_int, ptr, ptr, i64]
     shim.csa_fp4_round_trip.argtypes = [ctypes.c_int, ptr, ptr, ptr, i64, i64, ctypes.c_int,
                                         ptr, i64]
     return shim
@@ -90,16 +90,17 @@ def _call(fn, *args) -> None:
 
 
 def fp8_linear_cuda(shim: ctypes.CDLL, x: np.ndarray, codes: np.ndarray, w_scale: np.ndarray,
-                    reps: int = 1) -> tuple[np.ndarray, float]:
-    """Y of the CUDA kernel, and the mean ms of one launch over `reps`."""
+                    reps: int = 1, round_output: bool = False) -> tuple[np.ndarray, float]:
+    """Y of the CUDA kernel (through bf16 with `round_output`), and the mean ms of one
+    launch over `reps`."""
     x, codes = np.ascontiguousarray(x, np.float32), np.ascontiguousarray(codes, np.uint8)
     w_scale = np.ascontiguousarray(w_scale, np.float32)
     (m, k), n = x.shape, codes.shape[0]
     assert codes.shape == (n, k) and w_scale.shape == (-(-n // 32), k // 32)
     y = np.empty((m, n), np.float32)
     ms = ctypes.c_float(0.0)
-    _call(shim.csa_fp8_linear, *map(_address, (x, codes, w_scale, y)), m, n, k, reps,
-          ctypes.addressof(ms))
+    _call(shim.csa_fp8_linear, *map(_address, (x, codes, w_scale, y)), m, n, k,
+          int(round_output), reps, ctypes.addressof(ms))
     return y, ms.value
 
 
@@ -142,6 +143,16 @@ def test_fp8_linear_edge_inputs(shim) -> None:
 def test_fp8_linear_nan_and_inf(shim) -> None:
     x, codes, w_scale, want = nan_inf_case()
     assert_same(fp8_linear_cuda(shim, x, codes, w_scale)[0], want)
+
+
+def test_fp8_linear_round_output_is_the_cast_pair(shim) -> None:
+    """round_output: onnxruntime's Cast pair of the unrounded Y, bit for bit (ort_cast.h's
+    rule in the kernel's store), NaN and inf rows and a NaN column included."""
+    for x, codes, w_scale, _ in (nan_inf_case(), defined_case(130, 65, 96)):
+        unrounded = fp8_linear_cuda(shim, x, codes, w_scale)[0]
+        rounded = fp8_linear_cuda(shim, x, codes, w_scale, round_output=True)[0]
+        np.testing.assert_array_equal(rounded.view(np.uint32),
+                                      cast_pair(unrounded).view(np.uint32))
 
 
 def test_fp8_linear_rows_past_one_grid(shim) -> None:

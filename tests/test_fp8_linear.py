@@ -16,7 +16,7 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
-from helpers import load_module
+from helpers import cast_pair, load_module
 from onnx import TensorProto, helper
 
 from csa2onnx.custom_ops import make_session, session_options
@@ -634,6 +634,73 @@ def test_wrapper_types_the_output_and_runs() -> None:
              "ws": ort.OrtValue.ortvalue_from_numpy(w_scale)}
     y = make_session(model.SerializeToString()).run_with_ort_values(["y"], feeds)[0].numpy()
     assert_same(y, fp8_linear(x, values(codes), w_scale).reshape(2, 3, n))
+
+
+# ------------------------------------------------------------ round_output (fused Casts)
+@pytest.mark.parametrize("numerics", ["exact", "fast"])
+def test_round_output_is_the_cast_pair_on_every_path(numerics: str) -> None:
+    """round_output=1 is onnxruntime's Cast pair of the unrounded Y, bit for bit, on every
+    path (the fast kernel where the CPU has it), W fed and constant, one to 130 rows (the
+    few-rows path, the tiles, two chunks), with NaN and inf rows and a NaN column."""
+    rng = np.random.default_rng(53)
+    n, k = 100, 256
+    x, codes, w_scale = random_case(rng, 300, n, k)
+    x[3, 7], x[5, 2] = np.nan, np.inf
+    codes[9, 100] = 0x7F
+    base = {} if numerics == "exact" else {"numerics": "fast"}
+    isas = ISAS if numerics == "exact" else (None,)
+    for isa in isas:
+        for constant in (False, True):
+            weights = (codes, w_scale) if constant else (None, None)
+            models = [fp8_model(*weights, attrs=base),
+                      fp8_model(*weights, attrs={**base, "round_output": 1})]
+            try:
+                plain, rounded = (session_for(model, isa) for model in models)
+            except Errors as e:
+                assert "does not support it" in str(e)
+                continue
+            feeds = () if constant else (codes, w_scale)
+            for m in (1, 3, 7, 130, 300):
+                unrounded = run(plain, x[:m], *feeds)
+                want = cast_pair(unrounded)
+                assert not np.array_equal(unrounded.view(np.uint32), want.view(np.uint32))
+                np.testing.assert_array_equal(run(rounded, x[:m], *feeds).view(np.uint32),
+                                              want.view(np.uint32),
+                                              err_msg=f"{isa} constant={constant} M={m}")
+
+
+def test_round_output_must_be_0_or_1() -> None:
+    with pytest.raises(Errors, match="Fp8Linear: round_output must be 0 or 1, got 2"):
+        session_for(fp8_model(attrs={"round_output": 2}))
+
+
+def test_wrapper_rounds_in_the_kernel_or_by_casts_when_portable() -> None:
+    """ops.fp8_linear(rounded=True): the node's round_output in a library graph, a Cast pair
+    after the node in a portable one (whose standard-op body has no such attribute)."""
+    k, n = 64, 40
+    inputs = [("x", ir.DataType.FLOAT, ["m", k]), ("w", ir.DataType.FLOAT8E4M3FN, [n, k]),
+              ("ws", ir.DataType.FLOAT, [2, 2])]
+
+    def rounded(op, x, w, ws):
+        return csa_ops.fp8_linear(op, x, w, ws, rounded=True)
+
+    fused = build_model("fp8", inputs, ["y"], rounded)
+    portable = build_model("fp8", inputs, ["y"], rounded, portable=True)
+    assert [(nd.op_type, [a.name for a in nd.attribute]) for nd in fused.graph.node] == [
+        ("Fp8Linear", ["round_output"])]
+    assert [nd.op_type for nd in portable.graph.node] == ["Fp8Linear", "Cast", "Cast"]
+    rng = np.random.default_rng(59)
+    x, codes, w_scale = random_case(rng, 6, n, k)
+    feeds = {"x": x, "w": codes, "ws": w_scale}
+    want = cast_pair(fp8_linear(x, values(codes), w_scale))
+    library_free = ort.InferenceSession(portable.SerializeToString(),
+                                        providers=["CPUExecutionProvider"])
+    for session in (make_session(fused.SerializeToString()), library_free):
+        y = session.run_with_ort_values(["y"], {
+            name: (ort.OrtValue.ortvalue_from_numpy_with_onnx_type(v, TensorProto.FLOAT8E4M3FN)
+                   if name == "w" else ort.OrtValue.ortvalue_from_numpy(v))
+            for name, v in feeds.items()})[0].numpy()
+        assert_same(y, want)
 
 
 # ------------------------------------------------------------------------------ errors

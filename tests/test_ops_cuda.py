@@ -174,8 +174,10 @@ def test_torch_topk_runs_on_the_cpu_inside_a_cuda_session() -> None:
         np.testing.assert_array_equal(got_v.view(np.uint32), want_v.view(np.uint32))
 
 
-def fp8_linear_model() -> bytes:
-    node = helper.make_node("Fp8Linear", ["X", "W", "WScale"], ["Y"], domain="csa2onnx")
+def fp8_linear_model(round_output: int = 0) -> bytes:
+    attributes = {"round_output": 1} if round_output else {}
+    node = helper.make_node("Fp8Linear", ["X", "W", "WScale"], ["Y"], domain="csa2onnx",
+                            **attributes)
     graph = helper.make_graph(
         [node], "fp8",
         [helper.make_tensor_value_info("X", TensorProto.FLOAT, None),
@@ -185,10 +187,13 @@ def fp8_linear_model() -> bytes:
     return helper.make_model(graph, opset_imports=OPSETS, ir_version=IR_VERSION).SerializeToString()
 
 
+@pytest.mark.parametrize("round_output", [0, 1])
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 40, 32), (3, 1000, 1280), (70, 300, 2048),
                                            (2, 33, 0), (0, 5, 64)])
-def test_fp8_linear_cuda_kernel_matches_cpu_kernel(m: int, n: int, k: int) -> None:
-    """Every bit (NaN for NaN), NaN rows and columns and every e4m3 code included."""
+def test_fp8_linear_cuda_kernel_matches_cpu_kernel(m: int, n: int, k: int,
+                                                   round_output: int) -> None:
+    """Every bit (NaN for NaN), NaN rows and columns and every e4m3 code included; with
+    round_output, through bf16 as the Cast pair (both kernels)."""
     rng = np.random.default_rng(m * 7 + n + k)
     x = (rng.standard_normal((m, k)) * np.exp2(rng.integers(-20, 20, (m, 1)))).astype(np.float32)
     codes = rng.integers(0, 256, (n, k), dtype=np.uint8)
@@ -200,7 +205,7 @@ def test_fp8_linear_cuda_kernel_matches_cpu_kernel(m: int, n: int, k: int) -> No
              "W": ort.OrtValue.ortvalue_from_numpy_with_onnx_type(codes,
                                                                   TensorProto.FLOAT8E4M3FN),
              "WScale": ort.OrtValue.ortvalue_from_numpy(w_scale)}
-    model = fp8_linear_model()
+    model = fp8_linear_model(round_output)
     cpu = make_session(model).run_with_ort_values(["Y"], feeds)[0].numpy()
     cuda = cuda_only_session(model).run_with_ort_values(["Y"], feeds)[0].numpy()
     assert same(cuda, cpu)

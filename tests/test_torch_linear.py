@@ -16,7 +16,7 @@ import ml_dtypes
 import numpy as np
 import onnxruntime as ort
 import pytest
-from helpers import custom_op_model
+from helpers import cast_pair, custom_op_model
 from onnx import TensorProto, helper, numpy_helper
 
 from csa2onnx.custom_ops import make_session, session_options
@@ -900,18 +900,6 @@ def test_panels64_bad_shapes_and_attributes_are_clear_errors() -> None:
 
 
 # ------------------------------------------------------------ round_output (fused Casts)
-def cast_pair(y: np.ndarray) -> np.ndarray:
-    """onnxruntime's Cast float -> bfloat16 -> float of y, run by onnxruntime itself."""
-    nodes = [helper.make_node("Cast", ["Y"], ["B"], to=TensorProto.BFLOAT16),
-             helper.make_node("Cast", ["B"], ["Z"], to=TensorProto.FLOAT)]
-    graph = helper.make_graph(nodes, "casts",
-                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)],
-                              [helper.make_tensor_value_info("Z", TensorProto.FLOAT, None)])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)],
-                              ir_version=IR_VERSION)
-    return ort.InferenceSession(model.SerializeToString()).run(None, {"Y": y})[0]
-
-
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("w_type", ["bf16", "f32"])
 def test_round_output_is_the_cast_pair_on_every_path(isa: str, w_type: str) -> None:

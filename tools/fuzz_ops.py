@@ -404,6 +404,10 @@ def fp8_case(rng: np.random.Generator, index: int, omit_inputs: bool) -> Case:
         attributes["block_size"], ok = int(rng.choice([16, 64, 0, -32, 1 << 40])), False
     elif u < 0.15:
         attributes["block_size"], ok = 32.0, False
+    elif u < 0.17:
+        attributes["round_output"], ok = choose(rng, [2, -1]), False
+    elif u < 0.6:
+        attributes["round_output"] = choose(rng, [0, 1])
     ok = numerics_attribute(rng, attributes) and ok
     kb = int(rng.choice([0, 1, 1, 2, 3, 8, 40, 160, 257]))
     k = 32 * kb if rng.random() > 0.04 else int(rng.integers(1, 100)) * 32 + int(
@@ -966,7 +970,7 @@ def check_fp8(case: Case, outputs: dict[str, np.ndarray]) -> str | None:
     fast numerics: the shape, and NaN exactly where the definition has it."""
     import ml_dtypes
 
-    from csa2onnx.custom_ops.reference import fp8_linear
+    from csa2onnx.custom_ops.reference import fp8_linear, round_bf16
 
     got = outputs["Y"]
     codes, w_scale = case.more["W"][1], case.more["WScale"][1]
@@ -975,6 +979,8 @@ def check_fp8(case: Case, outputs: dict[str, np.ndarray]) -> str | None:
         return f"Y shape {list(got.shape)}, expected {list(want_shape)}"
     w = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
     want = fp8_linear(case.x, w, w_scale)
+    if case.attributes.get("round_output") == 1:
+        want = round_bf16(want)
     if case.attributes.get("numerics") == "fast" and case.isa is None:
         if not np.array_equal(np.isnan(got), np.isnan(want)):
             return "fast numerics: NaN where the definition has none, or the reverse"

@@ -15,8 +15,19 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kChunkBlocks = 32;  // K blocks quantised per pass (4 KiB of shared memory)
 
+// onnxruntime's Cast float -> bfloat16 -> float (ort_cast.h's scalar form, bit for bit).
+__device__ float cast_bf16(float x) {
+  unsigned u = __float_as_uint(x);
+  if ((u & 0x7fffffffu) > 0x7f800000u) {
+    u = (u & 0x80000000u) | 0x7fc00000u;
+  } else {
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  }
+  return __uint_as_float(u);
+}
+
 __global__ void fp8_linear_kernel(const float* x, const uint8_t* w, const float* wscale,
-                                  float* y, int64_t M, int64_t N, int64_t K) {
+                                  float* y, int64_t M, int64_t N, int64_t K, bool round_output) {
   __shared__ float xq[kChunkBlocks * Fp8::kBlock];
   __shared__ float xs[kChunkBlocks];
   const int64_t KB = K / Fp8::kBlock;
@@ -45,20 +56,20 @@ __global__ void fp8_linear_kernel(const float* x, const uint8_t* w, const float*
         }
       }
     }
-    if (n < N) y[m * N + n] = acc;
+    if (n < N) y[m * N + n] = round_output ? cast_bf16(acc) : acc;
   }
 }
 
 }  // namespace
 
 std::string launch_fp8_linear(const float* x, const uint8_t* w, const float* wscale, float* y,
-                              int64_t M, int64_t N, int64_t K, void* stream) {
+                              int64_t M, int64_t N, int64_t K, bool round_output, void* stream) {
   if (M == 0 || N == 0) return {};  // a launch of an empty grid is an error
   const int64_t col_blocks = (N + kThreads - 1) / kThreads;
   if (col_blocks > 0x7fffffff) return "too many columns for one launch";
   const unsigned rows = static_cast<unsigned>(M < 65535 ? M : 65535);
   fp8_linear_kernel<<<dim3(static_cast<unsigned>(col_blocks), rows), kThreads, 0,
-                      static_cast<cudaStream_t>(stream)>>>(x, w, wscale, y, M, N, K);
+                      static_cast<cudaStream_t>(stream)>>>(x, w, wscale, y, M, N, K, round_output);
   const cudaError_t err = cudaGetLastError();
   return err == cudaSuccess ? std::string() : std::string(cudaGetErrorString(err));
 }

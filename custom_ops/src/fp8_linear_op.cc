@@ -1,8 +1,9 @@
 // Fp8Linear (domain csa2onnx): Y = fp8_gemm(act_quant(X), W, WScale) with the block rule
 // of fp8_linear.h. Inputs X (float, [..., K], rank >= 1), W (float8e4m3fn, [N, K], one byte
 // per weight), WScale (float, [ceil(N/32), K/32], the checkpoint's ue8m0 scales); attribute
-// block_size (default 32, the only size supported); output Y (float, [..., N]), not rounded
-// to bf16 (the graph rounds). Attribute numerics: "exact" (the default: everything below)
+// block_size (default 32, the only size supported); output Y (float, [..., N]). Attribute
+// round_output (int, default 0): 1 rounds Y through bfloat16 as the graph's Cast pair would
+// (ort_cast.h, fused into the tasks' stores). Attribute numerics: "exact" (the default: everything below)
 // or "fast" (fp8_linear_fast.cc: the same terms in another summation order, where the CPU
 // has its instructions; otherwise this exact kernel).
 //
@@ -63,6 +64,7 @@
 #include "fp8_linear_kernels.h"
 #include "fp8_linear_op.h"
 #include "kernel_support.h"
+#include "ort_cast.h"
 #include "simd.h"
 #ifdef CSA_WITH_CUDA
 #include "fp8_linear_cuda.h"
@@ -450,6 +452,7 @@ struct Call {
   const XChunk* xc;
   float* y;           // the chunk's first output row
   int64_t N, K, KB, NB, panels;
+  bool round_output;  // Y through bfloat16 (the graph's Cast pair, fused)
 };
 
 // The override slots of one task and block chunk: exact float sums of the lanes the tiles'
@@ -673,21 +676,34 @@ void run_task(const Call& c, int64_t task, TaskCounts& tally) {
 
   const int64_t n0 = panel * kPanel;
   const int64_t cols = c.N - n0 < kPanel ? c.N - n0 : kPanel;
-  for (int64_t r = 0; r < rows; ++r)
-    std::memcpy(c.y + (r0 + r) * c.N + n0, out + r * kPanel,
-                static_cast<size_t>(cols) * sizeof(float));
+  for (int64_t r = 0; r < rows; ++r) {
+    float* y = c.y + (r0 + r) * c.N + n0;
+    const float* o = out + r * kPanel;
+    if (c.round_output) {
+      for (int64_t i = 0; i < cols; ++i) y[i] = ort_cast::cast_bf16(o[i]);
+    } else {
+      std::memcpy(y, o, static_cast<size_t>(cols) * sizeof(float));
+    }
+  }
   tally = {small ? 1u : 0u, lane_sums, row_sums, wide_sums};
 }
 
-// Attributes and node I/O, checked when the session creates the kernel; returns whether
-// the node asks for numerics "fast".
-bool check_node(const OrtKernelInfo* info) {
+// Attributes and node I/O, checked when the session creates the kernel.
+struct NodeAttributes {
+  bool fast = false;          // numerics "fast"
+  bool round_output = false;  // round_output 1
+};
+
+NodeAttributes check_node(const OrtKernelInfo* info) {
   require_node_io(info, kOp, 3, 1);
   const int64_t block_size =
       optional_attribute<int64_t>(info, kOp, "block_size", "an int").value_or(kBlock);
   if (block_size != kBlock)
     fail(kOp, "block_size must be 32 (the only size supported), got " + std::to_string(block_size));
-  return numerics_is_fast(info, kOp);
+  const int64_t round = optional_attribute<int64_t>(info, kOp, "round_output", "an int").value_or(0);
+  if (round != 0 && round != 1)
+    fail(kOp, "round_output must be 0 or 1, got " + std::to_string(round));
+  return {numerics_is_fast(info, kOp), round == 1};
 }
 
 // numerics "fast" runs fp8_linear_fast.cc where the path is avx512bf16 (the default on a
@@ -705,9 +721,12 @@ struct Fp8LinearKernel {
   Kernels kern;
   WMeta constant_meta;  // W's figures when W is a constant initializer
   bool fast = false;    // numerics "fast" on a CPU that has its kernel
+  bool round_output = false;
 
   Fp8LinearKernel(const OrtApi*, const OrtKernelInfo* info) : kern(kernels_for(select_path())) {
-    fast = check_node(info) && fast_path_available();
+    const NodeAttributes attributes = check_node(info);
+    fast = attributes.fast && fast_path_available();
+    round_output = attributes.round_output;
     const Ort::ConstValue w = constant_input(info, 1);
     if (w == nullptr) return;  // not a constant: its figures are computed on every call
     const std::vector<int64_t> shape = w.GetTensorTypeAndShapeInfo().GetShape();
@@ -757,6 +776,8 @@ struct Fp8LinearKernel {
       for (const int64_t col : known ? constant_meta.nan_columns
                                      : fp8_fast::nan_columns(codes, d.N, d.K))
         for (int64_t m = 0; m < d.M; ++m) out[m * d.N + col] = nan;
+      if (round_output)
+        for (int64_t i = 0; i < d.M * d.N; ++i) out[i] = ort_cast::cast_bf16(out[i]);
       return;
     }
 
@@ -784,7 +805,7 @@ struct Fp8LinearKernel {
     const bool uses_xt = kern.uses_xt && meta->any_bad;
     std::atomic<bool> failed{false};
     Call call{kern, meta, codes, wscale.Data(), nullptr, &xc, nullptr,
-              d.N, d.K, d.KB, d.NB, (d.N + kPanel - 1) / kPanel};
+              d.N, d.K, d.KB, d.NB, (d.N + kPanel - 1) / kPanel, round_output};
     for (int64_t m0 = 0; m0 < d.M; m0 += chunk) {
       xc.rows = d.M - m0 < chunk ? d.M - m0 : chunk;
       xc.rows16 = (xc.rows + kLanes - 1) / kLanes * kLanes;
@@ -834,7 +855,9 @@ struct Fp8LinearKernel {
 #ifdef CSA_WITH_CUDA
 struct Fp8LinearCudaKernel {
   // numerics "fast" runs the exact CUDA kernel (it is already the fast one there)
-  Fp8LinearCudaKernel(const OrtApi*, const OrtKernelInfo* info) { check_node(info); }
+  bool round_output = false;
+  Fp8LinearCudaKernel(const OrtApi*, const OrtKernelInfo* info)
+      : round_output(check_node(info).round_output) {}
 
   Ort::Status Compute(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& x,
                       const Ort::Custom::Tensor<Ort::Float8E4M3FN_t>& w,
@@ -849,7 +872,7 @@ struct Fp8LinearCudaKernel {
       void* stream = Ort::KernelContext(ctx).GetGPUComputeStream();
       const std::string error =
           launch_fp8_linear(x.Data(), reinterpret_cast<const uint8_t*>(w.Data()), wscale.Data(),
-                            out, d.M, d.N, d.K, stream);
+                            out, d.M, d.N, d.K, round_output, stream);
       if (!error.empty()) ORT_CXX_API_THROW("Fp8Linear (CUDA): " + error, ORT_RUNTIME_EXCEPTION);
     });
   }

@@ -75,8 +75,8 @@ int csa_cuda_device_count() {
 // y[M, N] = Fp8Linear(x[M, K], w[N, K] e4m3 codes, wscale[ceil(N/32), K/32]); with reps > 1
 // the launch is repeated and *ms_per_call gets the mean time of one (CUDA events).
 int csa_fp8_linear(const float* x, const uint8_t* w, const float* wscale, float* y, int64_t M,
-                   int64_t N, int64_t K, int reps, float* ms_per_call, char* err,
-                   int64_t err_size) {
+                   int64_t N, int64_t K, int round_output, int reps, float* ms_per_call,
+                   char* err, int64_t err_size) {
   return guarded(err, err_size, [&] {
     if (K % 32 != 0 || M < 0 || N < 0 || reps < 1) throw Failed{"bad arguments"};
     const size_t xb = sizeof(float) * M * K, wb = static_cast<size_t>(N) * K,
@@ -92,7 +92,8 @@ int csa_fp8_linear(const float* x, const uint8_t* w, const float* wscale, float*
     check(cudaEventRecord(start), "cudaEventRecord");
     for (int r = 0; r < reps; ++r)
       check_launch(csa::launch_fp8_linear(dx.as<float>(), dw.as<uint8_t>(), ds.as<float>(),
-                                          dy.as<float>(), M, N, K, nullptr),
+                                          dy.as<float>(), M, N, K, round_output != 0,
+                                          nullptr),
                    "launch_fp8_linear");
     check(cudaEventRecord(stop), "cudaEventRecord");
     check(cudaEventSynchronize(stop), "fp8_linear kernel");
