@@ -8,10 +8,13 @@
 // smallest trailing-zero count of the nonzero units (the bitwise OR's lowest set bit). Then
 // u >> t is exact for every value of the block, and the block is "int16" when
 // max |u >> t| < 2^15. For an int16 x block and an int16 w block the products are below
-// 2^30 and the dot S = sum (ux >> tx) * (uw >> tw) is exact in int32, summed in any order,
-// whenever sum |ux >> tx| * |uw >> tw| < 2^31, which the kernel checks with the bound
-//   max|x| * sum|w| < 2^31  or  sum|x| * max|w| < 2^31
-// (per x block and per group of 16 w blocks: the largest sum and largest max among them).
+// 2^30 and the dot S = sum (ux >> tx) * (uw >> tw) is exact in int32 lanes, summed in any
+// order, whenever |S| < 2^31: the lanes add modulo 2^32 (vpdpwssd, vpmaddwd and vpaddd wrap,
+// and a pair of int16 products never reaches 2^31), so partial sums may wrap and come back.
+// The kernel checks |S| < 2^31 with three bounds, any one enough:
+//   max|x| * sum|w| < 2^31,  sum|x| * max|w| < 2^31,  or  ceil||x|| * ceil||w|| < 2^31
+// (the last by Cauchy-Schwarz, ||.|| the Euclidean norm of the block's u >> t; per x block and
+// per group of 16 w blocks: the largest sum, max and norm among them).
 // The block's dot is then S * 2^(tx + tw - 18) exactly, and
 //   float(dot) = float(S) * 2^tw * 2^(tx - 18)
 // (one rounding, int32 -> float, then two exact power-of-two scalings: |S| < 2^31 and S is an
@@ -62,25 +65,38 @@ struct BlockInts {
   uint32_t shift = 0;   // t: the power of two taken out of every value (0 for a zero block)
   uint32_t absmax = 0;  // max |u >> t|
   uint32_t l1 = 0;      // sum |u >> t| (< 2^23)
+  uint32_t l2 = 0;      // ceil(||u >> t||), the Euclidean norm rounded up (< 2^21)
   bool fits() const { return absmax < kInt16Limit; }
 };
+
+// ceil(sqrt(sq)), exactly for sq < 2^52 (the double's square root corrected by integers).
+inline uint32_t sqrt_ceil(uint64_t sq) {
+  uint64_t r = static_cast<uint64_t>(__builtin_sqrt(static_cast<double>(sq)));
+  while (r * r < sq) ++r;
+  while (r > 0 && (r - 1) * (r - 1) >= sq) --r;
+  return static_cast<uint32_t>(r);
+}
 
 inline BlockInts analyse_block(const int32_t* u) {
   uint32_t any = 0;
   for (int i = 0; i < Fp8::kBlock; ++i) any |= static_cast<uint32_t>(u[i] < 0 ? -u[i] : u[i]);
   BlockInts b;
   b.shift = any != 0 ? static_cast<uint32_t>(__builtin_ctz(any)) : 0u;
+  uint64_t sq = 0;
   for (int i = 0; i < Fp8::kBlock; ++i) {
     const uint32_t a = static_cast<uint32_t>(u[i] < 0 ? -u[i] : u[i]) >> b.shift;
     b.absmax = a > b.absmax ? a : b.absmax;
     b.l1 += a;
+    sq += uint64_t{a} * a;
   }
+  b.l2 = sqrt_ceil(sq);
   return b;
 }
 
 // The largest value v with v * q <= kSumLimit (q > 0), or all of uint32 for q == 0: an x
 // block pairs with a group of w blocks in int32 when the group's largest sum |w| is at most
-// limit(max |x|) or its largest max |w| at most limit(sum |x|).
+// limit(max |x|), or its largest max |w| at most limit(sum |x|), or its largest norm at most
+// limit(norm of x).
 inline uint32_t sum_limit(uint32_t q) { return q == 0 ? 0xFFFFFFFFu : kSumLimit / q; }
 
 // 2^e as a float, e in [-126, 127] (bit fields: exact).

@@ -172,9 +172,11 @@ CSA_INLINE void row_digits(const RowJob& j, int32_t* h, int32_t* l) {
 struct FlagJob {
   const uint32_t* lim_l1;   // [KB][ld] at the task's first row
   const uint32_t* lim_max;
+  const uint32_t* lim_l2;
   int64_t ld, rows, kb0, kbs;
   const uint32_t* l1max;    // [kbs][kGroups] of this panel
   const uint32_t* absmax;
+  const uint32_t* l2max;
   const uint16_t* bad;      // [kbs][kGroups]
   uint8_t* flags;           // [kbs][rows]: bit c = group c's int32 sums may not be exact
   uint64_t* masks;          // [kbs][rows]: 16 bits per group, the lanes the tiles take from slots
@@ -212,18 +214,21 @@ CSA_INLINE void flags_generic(const FlagJob& j) {
   for (int64_t kbi = 0; kbi < j.kbs; ++kbi) {
     const uint32_t* __restrict l1 = j.lim_l1 + (j.kb0 + kbi) * j.ld;
     const uint32_t* __restrict mx = j.lim_max + (j.kb0 + kbi) * j.ld;
+    const uint32_t* __restrict l2 = j.lim_l2 + (j.kb0 + kbi) * j.ld;
     const uint32_t a0 = j.l1max[kbi * kGroups], a1 = j.l1max[kbi * kGroups + 1];
     const uint32_t a2 = j.l1max[kbi * kGroups + 2], a3 = j.l1max[kbi * kGroups + 3];
     const uint32_t b0 = j.absmax[kbi * kGroups], b1 = j.absmax[kbi * kGroups + 1];
     const uint32_t b2 = j.absmax[kbi * kGroups + 2], b3 = j.absmax[kbi * kGroups + 3];
+    const uint32_t c0 = j.l2max[kbi * kGroups], c1 = j.l2max[kbi * kGroups + 1];
+    const uint32_t c2 = j.l2max[kbi * kGroups + 2], c3 = j.l2max[kbi * kGroups + 3];
     uint64_t base = 0;
     for (int64_t c = 0; c < kGroups; ++c) base |= uint64_t{j.bad[kbi * kGroups + c]} << (16 * c);
     uint8_t* __restrict f = j.flags + kbi * j.rows;
     uint64_t* __restrict mk = j.masks + kbi * j.rows;
     for (int64_t r = 0; r < j.rows; ++r) {
-      const uint32_t p = l1[r], q = mx[r];
-      const uint32_t f0 = (a0 > p) & (b0 > q), f1 = (a1 > p) & (b1 > q);
-      const uint32_t f2 = (a2 > p) & (b2 > q), f3 = (a3 > p) & (b3 > q);
+      const uint32_t p = l1[r], q = mx[r], s = l2[r];
+      const uint32_t f0 = (a0 > p) & (b0 > q) & (c0 > s), f1 = (a1 > p) & (b1 > q) & (c1 > s);
+      const uint32_t f2 = (a2 > p) & (b2 > q) & (c2 > s), f3 = (a3 > p) & (b3 > q) & (c3 > s);
       f[r] = static_cast<uint8_t>(f0 | (f1 << 1) | (f2 << 2) | (f3 << 3));
       mk[r] = base | (uint64_t{f0} * 0xFFFFu) | (uint64_t{f1} * 0xFFFF0000u) |
               (uint64_t{f2} * 0xFFFF00000000u) | (uint64_t{f3} * 0xFFFF000000000000u);
@@ -493,11 +498,13 @@ CSA_TARGET_AVX512 CSA_INLINE void flags_avx512_body(const FlagJob& j) {
   for (int64_t kbi = 0; kbi < j.kbs; ++kbi) {
     const uint32_t* l1 = j.lim_l1 + (j.kb0 + kbi) * j.ld;
     const uint32_t* mx = j.lim_max + (j.kb0 + kbi) * j.ld;
-    __m512i a[kGroups], b[kGroups], lanes[kGroups];
+    const uint32_t* l2 = j.lim_l2 + (j.kb0 + kbi) * j.ld;
+    __m512i a[kGroups], b[kGroups], n2[kGroups], lanes[kGroups];
     uint64_t base = 0;
     for (int64_t c = 0; c < kGroups; ++c) {
       a[c] = _mm512_set1_epi32(static_cast<int>(j.l1max[kbi * kGroups + c]));
       b[c] = _mm512_set1_epi32(static_cast<int>(j.absmax[kbi * kGroups + c]));
+      n2[c] = _mm512_set1_epi32(static_cast<int>(j.l2max[kbi * kGroups + c]));
       lanes[c] = _mm512_set1_epi64(static_cast<long long>(uint64_t{0xFFFF} << (16 * c)));
       base |= uint64_t{j.bad[kbi * kGroups + c]} << (16 * c);
     }
@@ -508,10 +515,12 @@ CSA_TARGET_AVX512 CSA_INLINE void flags_avx512_body(const FlagJob& j) {
       const __mmask16 in = j.rows - r >= kLanes ? __mmask16{0xFFFF}
                                                  : static_cast<__mmask16>((1u << (j.rows - r)) - 1u);
       const __m512i p = _mm512_maskz_loadu_epi32(in, l1 + r), q = _mm512_maskz_loadu_epi32(in, mx + r);
+      const __m512i s = _mm512_maskz_loadu_epi32(in, l2 + r);
       __m512i bits = _mm512_setzero_si512();
       __m512i m_lo = base_v, m_hi = base_v;
       for (int64_t c = 0; c < kGroups; ++c) {
-        const __mmask16 k = _mm512_cmpgt_epu32_mask(a[c], p) & _mm512_cmpgt_epu32_mask(b[c], q);
+        const __mmask16 k = _mm512_cmpgt_epu32_mask(a[c], p) & _mm512_cmpgt_epu32_mask(b[c], q) &
+                            _mm512_cmpgt_epu32_mask(n2[c], s);
         bits = _mm512_mask_or_epi32(bits, k, bits, _mm512_set1_epi32(1 << c));
         m_lo = _mm512_mask_or_epi64(m_lo, static_cast<__mmask8>(k), m_lo, lanes[c]);
         m_hi = _mm512_mask_or_epi64(m_hi, static_cast<__mmask8>(k >> 8), m_hi, lanes[c]);

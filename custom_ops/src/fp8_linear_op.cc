@@ -10,10 +10,10 @@
 // W is read in place: the kernel keeps no copy of it. For a constant W it keeps, computed
 // once when the session creates the kernel, per (column, K block) the power of two t that
 // every value of the block is a multiple of (1 byte), and per (16 columns, K block) the
-// lanes whose block does not fit int16 and the largest sum and max of |w >> t| (10 bytes):
-// 1/32 + 10/512 ~ 0.05 bytes a weight. A W fed as a graph input gets the same figures on
-// every call. For the one-row kernel t is kept a second time, per column (row of W) over
-// its blocks, padded by 16: 1/32 + 10/512 + 1/32 ~ 0.08 bytes a weight in all.
+// lanes whose block does not fit int16 and the largest sum, max and norm of |w >> t|
+// (14 bytes): 1/32 + 14/512 ~ 0.06 bytes a weight. A W fed as a graph input gets the same
+// figures on every call. For the one-row kernel t is kept a second time, per column (row of W) over
+// its blocks, padded by 16: 1/32 + 14/512 + 1/32 ~ 0.09 bytes a weight in all.
 //
 // The block dots are integer sums (fp8_int_blocks.h): act_quant(X) and W become int16
 // units >> t per block, and every int32 lane of a vpdpwssd accumulation (AVX512-VNNI; else
@@ -135,7 +135,7 @@ struct WMeta {
   // [panels][KB][4 groups] (0 past the last group), so that a task reads its chunk's as one
   // run: the lanes that are not int16, and the int16 lanes' largest sum and max
   std::vector<uint16_t> panel_bad;
-  std::vector<uint32_t> panel_l1max, panel_absmax;
+  std::vector<uint32_t> panel_l1max, panel_absmax, panel_l2max;
 
   void reset(int64_t N, int64_t K) {
     n = N;
@@ -148,6 +148,7 @@ struct WMeta {
     panel_bad.assign(figures, 0);
     panel_l1max.assign(figures, 0);
     panel_absmax.assign(figures, 0);
+    panel_l2max.assign(figures, 0);
     nan_column.assign(static_cast<size_t>(groups * kLanes), 0);
     nan_columns.clear();
     any_bad = false;
@@ -176,6 +177,7 @@ struct WMeta {
           } else {
             panel_l1max[pat] = bi.l1 > panel_l1max[pat] ? bi.l1 : panel_l1max[pat];
             panel_absmax[pat] = bi.absmax > panel_absmax[pat] ? bi.absmax : panel_absmax[pat];
+            panel_l2max[pat] = bi.l2 > panel_l2max[pat] ? bi.l2 : panel_l2max[pat];
           }
         }
         nan_column[col] = nan ? 1 : 0;
@@ -204,7 +206,7 @@ struct XChunk {
   std::vector<uint8_t> xlo;       // [rows][K]: the low digit where the block is not int16
   std::vector<int32_t> xt;        // [K/2][rows16] (AVX-512 lanes-over-rows sums)
   std::vector<uint8_t> shift, fits;
-  std::vector<uint32_t> lim_l1, lim_max;
+  std::vector<uint32_t> lim_l1, lim_max, lim_l2;
   std::vector<float> xs, cm;
 
   // Room for max_rows rows of K (buffers only grow).
@@ -218,6 +220,7 @@ struct XChunk {
     grow(fits, cells);
     grow(lim_l1, cells);
     grow(lim_max, cells);
+    grow(lim_l2, cells);
     grow(xs, cells);
     grow(cm, cells);
   }
@@ -249,6 +252,7 @@ CSA_INLINE void quantize_row_body(const QuantJob& q, int64_t r) {
     c.fits[at] = b.fits() ? 1 : 0;
     c.lim_l1[at] = b.fits() ? fp8_int::sum_limit(b.absmax) : 0u;
     c.lim_max[at] = b.fits() ? fp8_int::sum_limit(b.l1) : 0u;
+    c.lim_l2[at] = b.fits() ? fp8_int::sum_limit(b.l2) : 0u;
     if (b.fits()) {
       for (int64_t i = 0; i < kBlock; ++i) dst[kb * kBlock + i] = static_cast<int16_t>(u[i] >> b.shift);
     } else {  // two digits (the tiles' sums of this row are replaced wherever they matter)
@@ -303,6 +307,13 @@ CSA_TARGET_AVX512 void quantize_avx512(const QuantJob& q, int64_t r) {
     const uint32_t absmax = static_cast<uint32_t>(_mm512_reduce_max_epu32(_mm512_max_epu32(m0, m1)));
     const uint32_t l1 = static_cast<uint32_t>(_mm512_reduce_add_epi32(_mm512_add_epi32(m0, m1)));
     const bool fits = absmax < fp8_int::kInt16Limit;
+    uint32_t l2 = 0;
+    if (fits) {  // squares below 2^30, two lanes' below 2^31; their sum in 64-bit lanes
+      const __m512i sq = _mm512_add_epi32(_mm512_mullo_epi32(m0, m0), _mm512_mullo_epi32(m1, m1));
+      const __m512i wide = _mm512_add_epi64(_mm512_cvtepu32_epi64(_mm512_castsi512_si256(sq)),
+                                            _mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64(sq, 1)));
+      l2 = fp8_int::sqrt_ceil(static_cast<uint64_t>(_mm512_reduce_add_epi64(wide)));
+    }
     const size_t at = static_cast<size_t>(kb * c.rows + r);
     c.xs[at] = xs;
     c.shift[at] = static_cast<uint8_t>(shift);
@@ -310,6 +321,7 @@ CSA_TARGET_AVX512 void quantize_avx512(const QuantJob& q, int64_t r) {
     c.fits[at] = fits ? 1 : 0;
     c.lim_l1[at] = fits ? fp8_int::sum_limit(absmax) : 0u;
     c.lim_max[at] = fits ? fp8_int::sum_limit(l1) : 0u;
+    c.lim_l2[at] = fits ? fp8_int::sum_limit(l2) : 0u;
     int16_t* d = dst + kb * kBlock;
     if (fits) {
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(d), _mm512_cvtepi32_epi16(s0));
@@ -602,8 +614,9 @@ void run_task(const Call& c, int64_t task, TaskCounts& tally) {
     // figures (the chunk's entries only: a chunk of few rows spans up to 256 blocks)
     const size_t figures = static_cast<size_t>(panel_group_index(c.KB, kb0, panel * kGroups));
     ov.bad = meta.panel_bad.data() + figures;
-    c.kern.flags({xc.lim_l1.data() + r0, xc.lim_max.data() + r0, xc.rows, rows, kb0, kbs,
-                  meta.panel_l1max.data() + figures, meta.panel_absmax.data() + figures, ov.bad,
+    c.kern.flags({xc.lim_l1.data() + r0, xc.lim_max.data() + r0, xc.lim_l2.data() + r0, xc.rows,
+                  rows, kb0, kbs, meta.panel_l1max.data() + figures,
+                  meta.panel_absmax.data() + figures, meta.panel_l2max.data() + figures, ov.bad,
                   flags, masks});
     uint8_t any[kMaxChunkKb] = {};
     for (int64_t kbi = 0; kbi < kbs; ++kbi)
