@@ -82,7 +82,7 @@ def fp8_act_quant(x: np.ndarray, block: int = 32) -> tuple[np.ndarray, np.ndarra
     blocks = x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
     amax = np.maximum(np.abs(blocks).max(axis=-1, keepdims=True), FP8_AMAX_FLOOR)
     scales = pow2_ceil(amax * np.float32(1.0 / 448.0))
-    with np.errstate(over="ignore"):
+    with np.errstate(over="ignore", invalid="ignore"):  # inf / inf, inf * 0: NaN, as in torch
         y = round_bf16(round_e4m3(blocks / scales) * scales)
     return y.reshape(x.shape), scales[..., 0]
 
