@@ -3,17 +3,17 @@
 // per weight), WScale (float, [ceil(N/32), K/32], the checkpoint's ue8m0 scales); attribute
 // block_size (default 32, the only size supported); output Y (float, [..., N]). Attribute
 // round_output (int, default 0): 1 rounds Y through bfloat16 as the graph's Cast pair would
-// (ort_cast.h, fused into the tasks' stores). Attribute numerics: "exact" (the default: everything below)
-// or "fast" (fp8_linear_fast.cc: the same terms in another summation order, where the CPU
-// has its instructions; otherwise this exact kernel).
+// (ort_cast.h, fused into the tasks' stores). Attribute numerics: "exact" (the default:
+// everything below) or "fast" (fp8_linear_fast.cc: the same terms in another summation
+// order, where the CPU has its instructions; otherwise this exact kernel).
 //
 // W is read in place: the kernel keeps no copy of it. For a constant W it keeps, computed
 // once when the session creates the kernel, per (column, K block) the power of two t that
 // every value of the block is a multiple of (1 byte), and per (16 columns, K block) the
 // lanes whose block does not fit int16 and the largest sum, max and norm of |w >> t|
 // (14 bytes): 1/32 + 14/512 ~ 0.06 bytes a weight. A W fed as a graph input gets the same
-// figures on every call. For the one-row kernel t is kept a second time, per column (row of W) over
-// its blocks, padded by 16: 1/32 + 14/512 + 1/32 ~ 0.09 bytes a weight in all.
+// figures on every call. For the one-row kernel t is kept a second time, per column (row of
+// W) over its blocks, padded by 16: 1/32 + 14/512 + 1/32 ~ 0.09 bytes a weight in all.
 //
 // The block dots are integer sums (fp8_int_blocks.h): act_quant(X) and W become int16
 // units >> t per block, and every int32 lane of a vpdpwssd accumulation (AVX512-VNNI; else
@@ -123,7 +123,8 @@ Dims check_shapes(const std::vector<int64_t>& x, const std::vector<int64_t>& w,
 
 // ------------------------------------------------------------------------ W figures
 // What the kernel keeps of W (fp8_int_blocks.h): t per (column, block), and per (group of
-// 16 columns, block) the lanes that are not int16 and the int16 lanes' largest sum and max.
+// 16 columns, block) the lanes that are not int16 and the int16 lanes' largest sum, max and
+// norm.
 struct WMeta {
   int64_t n = -1, k = -1, kb = 0, groups = 0;
   std::vector<uint8_t> shift;     // [panels][KB][64] (WView::shift_at), 0 past N
@@ -133,7 +134,7 @@ struct WMeta {
   bool any_bad = false;
   // per (group of 16 columns, block), stored per panel (64 columns) and block,
   // [panels][KB][4 groups] (0 past the last group), so that a task reads its chunk's as one
-  // run: the lanes that are not int16, and the int16 lanes' largest sum and max
+  // run: the lanes that are not int16, and the int16 lanes' largest sum, max and norm
   std::vector<uint16_t> panel_bad;
   std::vector<uint32_t> panel_l1max, panel_absmax, panel_l2max;
 
@@ -310,8 +311,9 @@ CSA_TARGET_AVX512 void quantize_avx512(const QuantJob& q, int64_t r) {
     uint32_t l2 = 0;
     if (fits) {  // squares below 2^30, two lanes' below 2^31; their sum in 64-bit lanes
       const __m512i sq = _mm512_add_epi32(_mm512_mullo_epi32(m0, m0), _mm512_mullo_epi32(m1, m1));
-      const __m512i wide = _mm512_add_epi64(_mm512_cvtepu32_epi64(_mm512_castsi512_si256(sq)),
-                                            _mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64(sq, 1)));
+      const __m512i lo = _mm512_cvtepu32_epi64(_mm512_castsi512_si256(sq));
+      const __m512i hi = _mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64(sq, 1));
+      const __m512i wide = _mm512_add_epi64(lo, hi);
       l2 = fp8_int::sqrt_ceil(static_cast<uint64_t>(_mm512_reduce_add_epi64(wide)));
     }
     const size_t at = static_cast<size_t>(kb * c.rows + r);
@@ -713,7 +715,8 @@ NodeAttributes check_node(const OrtKernelInfo* info) {
       optional_attribute<int64_t>(info, kOp, "block_size", "an int").value_or(kBlock);
   if (block_size != kBlock)
     fail(kOp, "block_size must be 32 (the only size supported), got " + std::to_string(block_size));
-  const int64_t round = optional_attribute<int64_t>(info, kOp, "round_output", "an int").value_or(0);
+  const int64_t round =
+      optional_attribute<int64_t>(info, kOp, "round_output", "an int").value_or(0);
   if (round != 0 && round != 1)
     fail(kOp, "round_output must be 0 or 1, got " + std::to_string(round));
   return {numerics_is_fast(info, kOp), round == 1};

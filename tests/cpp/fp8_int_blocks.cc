@@ -11,7 +11,11 @@
 
 namespace {
 
-bool is_ceil_root(uint64_t sq, uint64_t r) { return r * r >= sq && (r == 0 || (r - 1) * (r - 1) < sq); }
+using ull = unsigned long long;
+
+bool is_ceil_root(uint64_t sq, uint64_t r) {
+  return r * r >= sq && (r == 0 || (r - 1) * (r - 1) < sq);
+}
 
 }  // namespace
 
@@ -20,9 +24,8 @@ int main() {
   uint64_t checked = 0, bad = 0;
   auto check = [&](uint64_t sq) {
     ++checked;
-    if (!is_ceil_root(sq, sqrt_ceil(sq))) {
-      if (++bad <= 5) std::printf("sqrt_ceil(%llu) = %u\n", static_cast<unsigned long long>(sq), sqrt_ceil(sq));
-    }
+    if (!is_ceil_root(sq, sqrt_ceil(sq)) && ++bad <= 5)
+      std::printf("sqrt_ceil(%llu) = %u\n", static_cast<ull>(sq), sqrt_ceil(sq));
   };
   for (uint64_t sq = 0; sq < (uint64_t{1} << 20); ++sq) check(sq);
   for (uint64_t r = 1; r <= (uint64_t{1} << 21); ++r) {
@@ -41,8 +44,9 @@ int main() {
       sq += a * a;
     }
     ++checked;
-    if (!is_ceil_root(sq, b.l2) && ++bad <= 5) std::printf("block %d: l2 %u for sum %llu\n", trial, b.l2, static_cast<unsigned long long>(sq));
+    if (!is_ceil_root(sq, b.l2) && ++bad <= 5)
+      std::printf("block %d: l2 %u for the sum %llu\n", trial, b.l2, static_cast<ull>(sq));
   }
-  std::printf("checked=%llu bad=%llu\n", static_cast<unsigned long long>(checked), static_cast<unsigned long long>(bad));
+  std::printf("checked=%llu bad=%llu\n", static_cast<ull>(checked), static_cast<ull>(bad));
   return bad == 0 ? 0 : 1;
 }
