@@ -21,8 +21,9 @@
 // block when the precondition holds (both blocks int16, sums bounded below 2^31). A task
 // (64 columns x up to 256 rows) converts its columns of W to int16 k-pairs 8 K blocks at a
 // time (AVX512-VBMI: a 16x16 transpose by word permutes, table lookups, variable shifts)
-// into a thread-local panel and multiplies them in tiles of 6 rows x 64 columns, one K block
-// at a time; with at most 4 rows (decode) the pairs go straight from the conversion into
+// into a thread-local panel and multiplies them in tiles of 3 rows x 64 columns, one K block
+// at a time (the outputs in registers over the 8 blocks; AVX2: 2 rows x 32 columns, outputs
+// in memory); with at most 4 rows (decode) the pairs go straight from the conversion into
 // vpdpwssd, up to 256 K blocks a step (fewer for 2 to 4 rows: X's chunk stays in L1),
 // each W row in order against every row of X, 64 codes a zmm (lanes over k, block sums by
 // an add/shuffle tree; a panel is one sequential stream, prefetched 16 KiB ahead). The
