@@ -686,8 +686,8 @@ def test_wrapper_types_the_output_and_runs() -> None:
 @pytest.mark.parametrize("numerics", ["exact", "fast"])
 def test_round_output_is_the_cast_pair_on_every_path(numerics: str) -> None:
     """round_output=1 is onnxruntime's Cast pair of the unrounded Y, bit for bit, on every
-    path (the fast kernel where the CPU has it), W fed and constant, one to 130 rows (the
-    few-rows path, the tiles, two chunks), with NaN and inf rows and a NaN column."""
+    path (the fast kernel where the CPU has it), W fed and constant, one to 300 rows (the
+    few-rows path, the tiles, two 256-row chunks), with NaN and inf rows and a NaN column."""
     rng = np.random.default_rng(53)
     n, k = 100, 256
     x, codes, w_scale = random_case(rng, 300, n, k)
