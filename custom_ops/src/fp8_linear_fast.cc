@@ -41,6 +41,7 @@
 #include "fp8_linear.h"
 #include "fp8_linear_kernels.h"
 #include "kernel_support.h"
+#include "ort_cast.h"
 #include "simd.h"
 
 namespace csa::fp8_fast {
@@ -216,6 +217,7 @@ struct Call {
   int64_t M, N, K, KB;
   int64_t panels, task_rows;  // prefill
   std::atomic<bool>* out_of_memory;  // a task's buffers could not be allocated
+  bool round_output;  // Y through bfloat16 (ort_cast.h)
 };
 
 // fn(call, t) on the pool for t in [0, tasks); an allocation failure in a task is recorded
@@ -318,7 +320,10 @@ CSA_TARGET_FAST void decode_rows(const Call& c, int64_t n0, int64_t rows, const 
   alignas(64) float s[16];
   _mm512_store_ps(s, sums16(v));
   for (int64_t r = 0; r < rows; ++r)
-    for (int m = 0; m < MR; ++m) c.y[m * c.N + n0 + r] = s[r * MR + m];
+    for (int m = 0; m < MR; ++m) {
+      const float v = s[r * MR + m];
+      c.y[m * c.N + n0 + r] = c.round_output ? ort_cast::cast_bf16(v) : v;
+    }
 }
 
 template <int MR>
@@ -398,9 +403,15 @@ CSA_TARGET_FAST void prefill_task(const Call& c, int64_t t) {
     dp_bf16::dp_rows(xb + k0 / 2, pairs, rows, chunk.data(), 0, (k1 - k0) / 2, out.data());
   }
   const int64_t n0 = panel * kPanel, cols = c.N - n0 < kPanel ? c.N - n0 : kPanel;
-  for (int64_t r = 0; r < rows; ++r)
-    std::memcpy(c.y + (r0 + r) * c.N + n0, out.data() + r * kPanel,
-                static_cast<size_t>(cols) * sizeof(float));
+  for (int64_t r = 0; r < rows; ++r) {
+    float* y = c.y + (r0 + r) * c.N + n0;
+    const float* o = out.data() + r * kPanel;
+    if (c.round_output) {
+      for (int64_t i = 0; i < cols; ++i) y[i] = ort_cast::cast_bf16(o[i]);
+    } else {
+      std::memcpy(y, o, static_cast<size_t>(cols) * sizeof(float));
+    }
+  }
 }
 
 #pragma GCC diagnostic pop
@@ -433,7 +444,8 @@ bool run(OrtKernelContext* ctx, const Problem& p) {
     if (!q.ok.load()) return false;
   }
   std::atomic<bool> out_of_memory{false};
-  Call c{xq, p.w, p.ws, p.y, p.M, p.N, p.K, KB, (p.N + kPanel - 1) / kPanel, 0, &out_of_memory};
+  Call c{xq, p.w, p.ws, p.y, p.M, p.N, p.K, KB, (p.N + kPanel - 1) / kPanel, 0, &out_of_memory,
+         p.round_output};
   if (p.M <= kDecodeRows) {
     run_call(ctx, c, static_cast<size_t>(NB), decode_task);
     return true;

@@ -18,6 +18,7 @@ struct Problem {
   const float* ws;   // [ceil(N/32)][K/32]
   float* y;          // [M][N]
   int64_t M, N, K;   // M, N >= 1; K >= 32, a multiple of 32
+  bool round_output;  // Y through bfloat16 (the graph's Cast pair, ort_cast.h)
 };
 
 // Y by the fast kernel, or false when some term is not exact in bf16 for this call (a scale

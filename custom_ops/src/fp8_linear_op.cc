@@ -787,14 +787,13 @@ struct Fp8LinearKernel {
     counts.calls.fetch_add(1, std::memory_order_relaxed);
     const int64_t work = d.M * d.N * d.K;  // multiply-adds
     const float nan = Fp8::from_bits(0x7FC00000u);
-    if (fast && fp8_fast::run(ctx, {x.Data(), codes, wscale.Data(), out, d.M, d.N, d.K})) {
+    if (fast &&
+        fp8_fast::run(ctx, {x.Data(), codes, wscale.Data(), out, d.M, d.N, d.K, round_output})) {
       counts.fast_calls.fetch_add(1, std::memory_order_relaxed);
       const bool known = constant_meta.n == d.N && constant_meta.k == d.K;
       for (const int64_t col : known ? constant_meta.nan_columns
                                      : fp8_fast::nan_columns(codes, d.N, d.K))
-        for (int64_t m = 0; m < d.M; ++m) out[m * d.N + col] = nan;
-      if (round_output)
-        for (int64_t i = 0; i < d.M * d.N; ++i) out[i] = ort_cast::cast_bf16(out[i]);
+        for (int64_t m = 0; m < d.M; ++m) out[m * d.N + col] = nan;  // a bf16 value already
       return;
     }
 
