@@ -542,10 +542,16 @@ CSA_TARGET_AVX512 CSA_INLINE __m512 digits_to_float16(__m512i hi, __m512i lo) {
 }
 
 // w_digits_generic with vector operations: units = mantissa << E from the code's fields
-// (e4m3fn: NaN codes 0), then >> t and the two digits.
-CSA_TARGET_AVX512 CSA_INLINE void w_digits_avx512(const uint8_t* codes, uint32_t t, int32_t* wh,
-                                                  int32_t* wl) {
+// (e4m3fn: NaN codes 0), then >> t and the two digits, as int16 pairs in two registers (built
+// there: two 256-bit stores read back as one zmm would miss store forwarding, ~25% of f_lanes'
+// time with a few rows).
+struct WDigits {
+  __m512i hi, lo;
+};
+
+CSA_TARGET_AVX512 CSA_INLINE WDigits w_digits_avx512(const uint8_t* codes, uint32_t t) {
   const __m512i zero = _mm512_setzero_si512();
+  __m256i h[2], l[2];
   for (int half = 0; half < 2; ++half) {
     const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * half)));
     const __m512i e = _mm512_and_si512(_mm512_srli_epi32(c, 3), _mm512_set1_epi32(15));
@@ -558,11 +564,11 @@ CSA_TARGET_AVX512 CSA_INLINE void w_digits_avx512(const uint8_t* codes, uint32_t
     u = _mm512_maskz_mov_epi32(static_cast<__mmask16>(~nan), u);
     u = _mm512_mask_sub_epi32(u, _mm512_test_epi32_mask(c, _mm512_set1_epi32(0x80)), zero, u);
     const __m512i v = _mm512_sra_epi32(u, _mm_cvtsi32_si128(static_cast<int>(t)));  // exact
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(wh + 8 * half),
-                        _mm512_cvtepi32_epi16(_mm512_srai_epi32(v, fp8_int::kDigitBits)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(wl + 8 * half),
-                        _mm512_cvtepi32_epi16(_mm512_and_si512(v, _mm512_set1_epi32(255))));
+    h[half] = _mm512_cvtepi32_epi16(_mm512_srai_epi32(v, fp8_int::kDigitBits));
+    l[half] = _mm512_cvtepi32_epi16(_mm512_and_si512(v, _mm512_set1_epi32(255)));
   }
+  return {_mm512_inserti64x4(_mm512_castsi256_si512(h[0]), h[1], 1),
+          _mm512_inserti64x4(_mm512_castsi256_si512(l[0]), l[1], 1)};
 }
 
 // f_lanes with 16 rows per zmm: X^T pairs times the W block's digits broadcast.
@@ -570,19 +576,20 @@ CSA_TARGET_AVX512 CSA_INLINE void w_digits_avx512(const uint8_t* codes, uint32_t
 // across lanes), not a zmm of 16 rows with most lanes idle.
 template <bool kVnni>
 CSA_TARGET_AVX512 CSA_INLINE void f_lanes_avx512_body(const FJob& j) {
-  alignas(64) int32_t wh[kPairs], wl[kPairs];
-  w_digits_avx512(j.codes, j.t, wh, wl);
+  const WDigits d = w_digits_avx512(j.codes, j.t);
   if (j.rows <= kSmallRows) {
-    const __m512i h_pairs = _mm512_load_si512(wh), l_pairs = _mm512_load_si512(wl);
     for (int64_t r = 0; r < j.rows; ++r) {
       const __m512i x = _mm512_loadu_si512(j.xi + r * j.K);
       __m512i h = _mm512_setzero_si512(), l = _mm512_setzero_si512();
-      CSA_DP16(kVnni, h, x, h_pairs);
-      CSA_DP16(kVnni, l, x, l_pairs);
+      CSA_DP16(kVnni, h, x, d.hi);
+      CSA_DP16(kVnni, l, x, d.lo);
       j.f[r] = digits_to_float(_mm512_reduce_add_epi32(h), _mm512_reduce_add_epi32(l));
     }
     return;
   }
+  alignas(64) int32_t wh[kPairs], wl[kPairs];  // one zmm store each, read back a pair at a time
+  _mm512_store_si512(wh, d.hi);
+  _mm512_store_si512(wl, d.lo);
   for (int64_t r = 0; r < j.rows; r += kLanes) {
     __m512i h = _mm512_setzero_si512(), l = _mm512_setzero_si512();
     for (int64_t p = 0; p < kPairs; ++p) {

@@ -548,7 +548,7 @@ struct Patch {
             const int64_t col = panel * kPanel + gi * kLanes + i;
             const uint8_t* codes = c.w + col * c.K + kb * kBlock;
             for (int64_t e = 0; e < kBlock; ++e) uw[e] = fp8_int::kUnits.v[codes[e]];
-            const uint32_t tw = meta.shift_rows[col * (meta.kb + kLanes) + kb];
+            const uint32_t tw = meta.shift[panel_column_index(meta.kb, kb, col)];
             job.out[gi][i] = fp8_int::exact_dot(ux, 0, uw, tw);
             ++wide_sums;
           }
@@ -663,7 +663,7 @@ void run_task(const Call& c, int64_t task, TaskCounts& tally) {
                          xc.rows16,
                          rows,
                          c.w + col * c.K + kb * kBlock,
-                         meta.shift_rows[col * (meta.kb + kLanes) + kb],
+                         *wv.shift_at(kb, col),  // the panel's run: cached, unlike shift_rows
                          f};
           c.kern.f_lanes(job);
           for (int64_t r = 0; r < rows; ++r) slot[r * kLanes + i] = f[r];
