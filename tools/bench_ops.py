@@ -21,6 +21,10 @@ machine's load then hits them alike), and each time is the median over the round
     python tools/bench_ops.py --only indexer [--indexer-baseline-max-gib 6]   # IndexerScore
     python tools/bench_ops.py --only rope                                    # ApplyRope
 
+--baseline-library OLD.so also times that build's Fp8Linear (exact, same weights and X) and
+IndexerScore in the same turns as this one's, checking their outputs bit for bit: an A/B of
+a kernel change in one process (the IndexerScore section then leaves the standard ops out).
+
 Fp4QuantDequant: values/s of the onnxruntime kernel, the NumPy definition
 (custom_ops/reference.py) and a compact torch version of the same round trip, on a float32
 [4096, 4096] input, both scale formats. TorchTopK: rows/s of the kernel and torch.topk (CPU).
@@ -215,12 +219,14 @@ def uniform_fp8_weights(rng: np.random.Generator, n: int, k: int
 
 
 def bench_fp8_linear(rows: list[int], rounds: int, min_time: float, threads: int = 2,
-                     weights: str = "checkpoint", shapes: list[tuple[int, int]] | None = None
-                     ) -> None:
+                     weights: str = "checkpoint", shapes: list[tuple[int, int]] | None = None,
+                     baseline: str | None = None) -> None:
     """Fp8Linear vs the bf16 TorchLinear on the same [N, K] and values, timed in turns
-    (interleaved_times); printed as a table of medians and best rounds."""
+    (interleaved_times); printed as a table of medians and best rounds. With `baseline` (an
+    older build of the library) its exact Fp8Linear is timed in the same turns, its output
+    checked bit for bit, and a line per row gives this build's time over its."""
     rng = np.random.default_rng(1)
-    options = session_options(threads)
+    options = quiet(session_options(threads))
     make_weights = checkpoint_fp8_weights if weights == "checkpoint" else uniform_fp8_weights
     print(f"Fp8Linear vs bf16 TorchLinear, intra_op_num_threads={threads}, {os.cpu_count()} "
           f"CPUs, W constant ({weights} weights); ms per call, median (best) of {rounds} "
@@ -233,6 +239,8 @@ def bench_fp8_linear(rows: list[int], rounds: int, min_time: float, threads: int
         fp8 = make_session(fp8_linear_model(codes, w_scale), options=options)
         fast = make_session(fp8_linear_model(codes, w_scale, "fast"), options=options)
         bf16 = make_session(bf16_linear_model(w), options=options)
+        base = (linear_session(fp8_linear_model(codes, w_scale), threads, library=baseline,
+                               spinning=False) if baseline else None)
         for m in rows:
             x = round_bf16(rng.standard_normal((m, k)).astype(np.float32))
             # spot check against the NumPy definition where it is quick
@@ -240,10 +248,15 @@ def bench_fp8_linear(rows: list[int], rounds: int, min_time: float, threads: int
                                                              fp8_linear(x, w, w_scale)):
                 print(f"warning: Fp8Linear differs from the definition at M={m} K={k} N={n}",
                       file=sys.stderr)
-            times = interleaved_times({"fp8": lambda s=fp8, f={"X": x}: s.run(None, f),
-                                       "fast": lambda s=fast, f={"X": x}: s.run(None, f),
-                                       "bf16": lambda s=bf16, f={"X": x}: s.run(None, f)},
-                                      rounds, min_time)
+            fns = {"fp8": lambda s=fp8, f={"X": x}: s.run(None, f),
+                   "fast": lambda s=fast, f={"X": x}: s.run(None, f),
+                   "bf16": lambda s=bf16, f={"X": x}: s.run(None, f)}
+            if base is not None:
+                if not same_bits(base.run(None, {"X": x})[0], fp8.run(None, {"X": x})[0]):
+                    print(f"warning: Fp8Linear differs from the baseline build at M={m} K={k} "
+                          f"N={n}", file=sys.stderr)
+                fns["base"] = lambda s=base, f={"X": x}: s.run(None, f)
+            times = interleaved_times(fns, rounds, min_time)
             (med8, best8), (medf, bestf) = times["fp8"], times["fast"]
             med16, best16 = times["bf16"]
             print(f"{k:>5} {n:>6} {m:>5} {med8 * 1e3:9.3f} ({best8 * 1e3:7.3f}) "
@@ -251,6 +264,10 @@ def bench_fp8_linear(rows: list[int], rounds: int, min_time: float, threads: int
                   f"{med16 * 1e3:9.3f} ({best16 * 1e3:7.3f}) {med8 / med16:5.2f} "
                   f"({best8 / best16:4.2f}) {medf / med16:5.2f} ({bestf / best16:4.2f}) "
                   f"{n * k / 2**20:7.1f}MB {2 * n * k / 2**20:7.1f}MB", flush=True)
+            if base is not None:
+                medb, bestb = times["base"]
+                print(f"{'':>18} baseline build {medb * 1e3:9.3f} ({bestb * 1e3:7.3f}) ms: this "
+                      f"build / baseline {med8 / medb:5.3f} ({best8 / bestb:5.3f})", flush=True)
 
 
 def linear_model(w_bits: np.ndarray) -> bytes:
@@ -263,16 +280,29 @@ def linear_model(w_bits: np.ndarray) -> bytes:
     return helper.make_model(graph, opset_imports=OPSETS, ir_version=IR_VERSION).SerializeToString()
 
 
+def quiet(options: ort.SessionOptions) -> ort.SessionOptions:
+    """`options` with idle intra-op threads not spinning, as `csa2onnx bench` runs its
+    sessions: sessions timed in turns then leave the cores to each other."""
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return options
+
+
 def linear_session(model: bytes, threads: int, isa: str | None = None,
-                   library: str | None = None) -> ort.InferenceSession:
+                   library: str | None = None, arena: bool = True,
+                   spinning: bool = True) -> ort.InferenceSession:
     """A session on `model`; `isa` forces TorchLinear's path (read when the kernel is made),
-    `library` registers another build of the custom-op library instead of this one."""
+    `library` registers another build of the custom-op library instead of this one (any
+    op's model: --baseline-library), `arena` False turns onnxruntime's CPU arena off,
+    `spinning` False is quiet()."""
     if library is None:
         options = session_options(threads)
     else:
         options = ort.SessionOptions()
         options.register_custom_ops_library(library)
         options.intra_op_num_threads = threads
+    options.enable_cpu_mem_arena = arena
+    if not spinning:
+        quiet(options)
     old = os.environ.pop("CSA_TORCH_LINEAR_ISA", None)
     if isa is not None:
         os.environ["CSA_TORCH_LINEAR_ISA"] = isa
@@ -651,9 +681,11 @@ def indexer_models(d: int) -> tuple[bytes, bytes]:
 def bench_indexer_score(args: argparse.Namespace, threads: int,
                         rng: np.random.Generator) -> list[Row]:
     h, d = 32, 128
-    options = session_options(threads)
+    options = quiet(session_options(threads))
     options.enable_cpu_mem_arena = False  # as the runtime's prefill session
     fused, standard = (make_session(m, options=options) for m in indexer_models(d))
+    base = (linear_session(indexer_models(d)[0], threads, library=args.baseline_library,
+                           arena=False, spinning=False) if args.baseline_library else None)
     rows = []
     for b, s, t in INDEXER_SHAPES:
         q = fp4_round_trip(rng.standard_normal((b, s, h, d)).astype(np.float32), 32, "e8m0")[0]
@@ -661,12 +693,21 @@ def bench_indexer_score(args: argparse.Namespace, threads: int,
         cache = pack_quantized(rng.standard_normal((b, t, d)).astype(np.float32), "fp4_e8m0_32")
         feeds = {"Q": q, "W": w, "K": cache, "T": np.array([t], np.int64)}
         fns = {"onnxruntime kernel": lambda f=feeds: fused.run(None, f)}
-        if b * s * h * t * 4 <= args.indexer_baseline_max_gib * 2**30:
+        if base is not None:
+            if not same_bits(base.run(None, feeds)[0], fused.run(None, feeds)[0]):
+                print(f"warning: IndexerScore b={b} s={s} T={t} differs from the baseline build",
+                      file=sys.stderr)
+            fns["kernel, baseline build"] = lambda f=feeds: base.run(None, f)
+        # with a baseline build, the two builds only: the standard ops' large intermediates
+        # would leave the call after them a cold cache (in turns, always the same one)
+        if base is None and b * s * h * t * 4 <= args.indexer_baseline_max_gib * 2**30:
             fns["standard ops"] = lambda f=feeds: standard.run(None, f)
             if not same_bits(fused.run(None, feeds)[0], standard.run(None, feeds)[0]):
                 print(f"warning: IndexerScore b={b} s={s} T={t} differs from the standard ops",
                       file=sys.stderr)
-        for impl, seconds in interleaved_medians(fns, args.repeat).items():
+        # decode calls take a millisecond or less: many calls (as SparseAttention's)
+        repeat = args.repeat * 20 if s == 1 else args.repeat
+        for impl, seconds in interleaved_medians(fns, repeat).items():
             rows.append(("IndexerScore H32 D128", f"b={b} s={s} T={t}", impl, seconds,
                          b * s * t / seconds, "scores/s"))
     return rows
@@ -757,7 +798,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=0,
                         help="threads for onnxruntime and torch (default: torch's count)")
     parser.add_argument("--baseline-library", default=None,
-                        help="an older libcsa2onnx_ops.so to time TorchLinear against")
+                        help="an older libcsa2onnx_ops.so to time TorchLinear, Fp8Linear "
+                             "(exact) and IndexerScore against, its outputs checked bit for bit")
     parser.add_argument("--sparse-torch", default=str(upstream.reference_dir() / "kernel_cpu.py"),
                         help="a file defining the reference's torch sparse_attn (default: the "
                              "upstream reference's kernel_cpu.py)")
@@ -783,7 +825,7 @@ def main(argv: list[str] | None = None) -> int:
             shapes = [(int(k), int(n)) for k, n in
                       (shape.split("x") for shape in args.fp8_shapes.split(","))]
         bench_fp8_linear([int(r) for r in args.fp8_rows.split(",")], args.repeat, args.min_time,
-                         args.threads or 2, args.fp8_weights, shapes)
+                         args.threads or 2, args.fp8_weights, shapes, args.baseline_library)
         print()
 
     if args.threads:
