@@ -239,7 +239,7 @@ def bench_fp8_linear(rows: list[int], rounds: int, min_time: float, threads: int
         fp8 = make_session(fp8_linear_model(codes, w_scale), options=options)
         fast = make_session(fp8_linear_model(codes, w_scale, "fast"), options=options)
         bf16 = make_session(bf16_linear_model(w), options=options)
-        base = (linear_session(fp8_linear_model(codes, w_scale), threads, library=baseline,
+        base = (op_session(fp8_linear_model(codes, w_scale), threads, library=baseline,
                                spinning=False) if baseline else None)
         for m in rows:
             x = round_bf16(rng.standard_normal((m, k)).astype(np.float32))
@@ -287,13 +287,12 @@ def quiet(options: ort.SessionOptions) -> ort.SessionOptions:
     return options
 
 
-def linear_session(model: bytes, threads: int, isa: str | None = None,
-                   library: str | None = None, arena: bool = True,
-                   spinning: bool = True) -> ort.InferenceSession:
-    """A session on `model`; `isa` forces TorchLinear's path (read when the kernel is made),
-    `library` registers another build of the custom-op library instead of this one (any
-    op's model: --baseline-library), `arena` False turns onnxruntime's CPU arena off,
-    `spinning` False is quiet()."""
+def op_session(model: bytes, threads: int, isa: str | None = None, library: str | None = None,
+               arena: bool = True, spinning: bool = True) -> ort.InferenceSession:
+    """A session on `model` (any op's); `isa` forces TorchLinear's path (read when the kernel
+    is made), `library` registers another build of the custom-op library instead of this one
+    (--baseline-library), `arena` False turns onnxruntime's CPU arena off, `spinning` False
+    is quiet()."""
     if library is None:
         options = session_options(threads)
     else:
@@ -356,10 +355,10 @@ def bench_linear(ms: list[int], threads: int, rounds: int, min_time: float,
         w_bf16 = torch.from_numpy(w).bfloat16()
         w_bits = w_bf16.view(torch.int16).numpy().view(np.uint16)
         model = linear_model(w_bits)
-        sessions = {"kernel (default path)": linear_session(model, threads),
-                    "kernel avx512 fmaf tiles": linear_session(model, threads, "avx512")}
+        sessions = {"kernel (default path)": op_session(model, threads),
+                    "kernel avx512 fmaf tiles": op_session(model, threads, "avx512")}
         if baseline:
-            sessions["kernel, baseline build"] = linear_session(model, threads, None, baseline)
+            sessions["kernel, baseline build"] = op_session(model, threads, None, baseline)
         for m in ms:
             x_bf16 = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)).bfloat16()
             x = x_bf16.float().numpy()
@@ -684,7 +683,7 @@ def bench_indexer_score(args: argparse.Namespace, threads: int,
     options = quiet(session_options(threads))
     options.enable_cpu_mem_arena = False  # as the runtime's prefill session
     fused, standard = (make_session(m, options=options) for m in indexer_models(d))
-    base = (linear_session(indexer_models(d)[0], threads, library=args.baseline_library,
+    base = (op_session(indexer_models(d)[0], threads, library=args.baseline_library,
                            arena=False, spinning=False) if args.baseline_library else None)
     rows = []
     for b, s, t in INDEXER_SHAPES:
