@@ -494,26 +494,42 @@ CSA_TARGET_AVX512 inline __m512i fp4_indices_avx512(const uint8_t* p) {
   return _mm512_maskz_cvtepu8_epi32(kAll16, n);
 }
 
+// block_scale of up to 16 scale bytes, one per lane (lanes past n: unspecified).
+CSA_TARGET_AVX512 inline __m512 block_scales_avx512(Format f, const uint8_t* scales, int64_t n) {
+  const __mmask16 in = n >= 16 ? kAll16 : static_cast<__mmask16>((1u << n) - 1u);
+  const __m512i c = _mm512_maskz_cvtepu8_epi32(kAll16, _mm_maskz_loadu_epi8(in, scales));
+  if (f == Format::kFp4E4m3) return e4m3_values_avx512(c);
+  // e8m0_value: 2^(byte - 127) by the exponent field, byte 0 the denormal 2^-127, 0xFF NaN
+  const __m512i bits = _mm512_mask_mov_epi32(_mm512_maskz_slli_epi32(kAll16, c, 23),
+                                             _mm512_cmpeq_epi32_mask(c, _mm512_setzero_si512()),
+                                             _mm512_set1_epi32(0x00400000));
+  return _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(c, _mm512_set1_epi32(0xFF)),
+                              _mm512_castsi512_ps(bits), _mm512_set1_ps(quiet_nan()));
+}
+
+// The blocks' scales are decoded 16 at a time (measured in SparseAttention's decode, batch
+// 4: unpacking its fp4_e4m3_16 rows took 13% of the samples with block_scale's branches a
+// byte at a time, 9% this way).
 CSA_TARGET_AVX512 inline void unpack_row_avx512(Format f, const uint8_t* p, int64_t d, float* y) {
   const uint8_t* scales = p + code_bytes(f, d);
-  const int64_t block = block_of(f);
-  if (is_fp4(f)) {
-    const __m512 table = _mm512_load_ps(kE2m1Values);
-    for (int64_t b = 0; b < d / block; ++b) {
-      const __m512 s = _mm512_set1_ps(block_scale(f, scales[b]));
+  const int64_t block = block_of(f), blocks = d / block;
+  const __m512 table = _mm512_load_ps(kE2m1Values);
+  alignas(64) float s[16];
+  for (int64_t b0 = 0; b0 < blocks; b0 += 16) {
+    _mm512_store_ps(s, block_scales_avx512(f, scales + b0, blocks - b0));
+    const int64_t b1 = blocks - b0 < 16 ? blocks : b0 + 16;
+    for (int64_t b = b0; b < b1; ++b) {
+      const __m512 sv = _mm512_set1_ps(s[b - b0]);
       for (int64_t i = 0; i < block; i += 16) {
-        const __m512i idx = fp4_indices_avx512(p + (b * block + i) / 2);
-        const __m512 v = _mm512_maskz_permutexvar_ps(kAll16, idx, table);
-        _mm512_storeu_ps(y + b * block + i, _mm512_mul_ps(v, s));
-      }
-    }
-  } else {
-    for (int64_t b = 0; b < d / block; ++b) {
-      const __m512 s = _mm512_set1_ps(block_scale(f, scales[b]));
-      for (int64_t i = 0; i < block; i += 16) {
-        const __m512i c = _mm512_maskz_cvtepu8_epi32(kAll16, 
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + b * block + i)));
-        _mm512_storeu_ps(y + b * block + i, _mm512_mul_ps(e4m3_values_avx512(c), s));
+        __m512 v;
+        if (is_fp4(f)) {
+          v = _mm512_maskz_permutexvar_ps(kAll16, fp4_indices_avx512(p + (b * block + i) / 2),
+                                          table);
+        } else {
+          v = e4m3_values_avx512(_mm512_maskz_cvtepu8_epi32(
+              kAll16, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + b * block + i))));
+        }
+        _mm512_storeu_ps(y + b * block + i, _mm512_mul_ps(v, sv));
       }
     }
   }
