@@ -508,9 +508,17 @@ struct Patch {
       const uint8_t* fits_row = xc.fits.data() + kb * xc.rows + r0;
       const uint8_t* flag_row = flags + kbi * rows;
       // the flagged rows' blocks of X, fetched together rather than one miss at a time
-      for (int64_t r = ra; r < rb; ++r)
-        if (flag_row[r] != 0)
-          __builtin_prefetch(xc.xi.data() + (r0 + r) * c.K + kb * kBlock);
+      for (int64_t r = ra; r < rb; ++r) {
+        if (r + 8 <= rb) {  // 8 flags at a time: most are 0
+          uint64_t f8;
+          std::memcpy(&f8, flag_row + r, 8);
+          if (f8 == 0) {
+            r += 7;
+            continue;
+          }
+        }
+        if (flag_row[r] != 0) __builtin_prefetch(xc.xi.data() + (r0 + r) * c.K + kb * kBlock);
+      }
       for (int64_t r = ra; r < rb; ++r) {
         // 8 rows at a time while none of them needs anything
         if (r + 8 <= rb) {
