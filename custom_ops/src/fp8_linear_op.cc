@@ -556,7 +556,7 @@ struct Patch {
             const int64_t col = panel * kPanel + gi * kLanes + i;
             const uint8_t* codes = c.w + col * c.K + kb * kBlock;
             for (int64_t e = 0; e < kBlock; ++e) uw[e] = fp8_int::kUnits.v[codes[e]];
-            const uint32_t tw = meta.shift[panel_column_index(meta.kb, kb, col)];
+            const uint32_t tw = *meta.view(c.w).shift_at(kb, col);
             job.out[gi][i] = fp8_int::exact_dot(ux, 0, uw, tw);
             ++wide_sums;
           }
