@@ -53,6 +53,23 @@ def run_tool(*args: str, timeout: float) -> tuple[int, str, dict[str, int]]:
     return run.returncode, output, {"cases": int(summary[1]), "findings": int(summary[2])}
 
 
+def test_a_stale_sanitizer_library_is_refused(tmp_path: Path) -> None:
+    # A library built before the kernels changed would fuzz the old kernels and pass.
+    fuzz_ops = load_tool()
+    if fuzz_ops.sanitizer_runtimes() is None:
+        pytest.skip("g++ has no libasan.so/libubsan.so")
+    library = tmp_path / fuzz_ops.LIBRARY_NAME
+    library.write_bytes(b"__asan_report __ubsan_handle")  # looks instrumented
+    for stamp in ("0" * 64, None):  # another build's digest, and none at all
+        if stamp is None:
+            (tmp_path / fuzz_ops.STAMP_NAME).unlink()
+        else:
+            (tmp_path / fuzz_ops.STAMP_NAME).write_text(stamp + "\n")
+        run = subprocess.run([sys.executable, str(TOOL), "--library", str(library)],
+                             capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert run.returncode == 2 and "is stale" in run.stderr, run.stdout + run.stderr
+
+
 def test_sanitizer_reports_are_caught(asan_library: Path) -> None:
     # Without this, "0 findings" could just mean the sanitizer never ran.
     rc, output, counts = run_tool("--self-test", "--library", str(asan_library), timeout=120)

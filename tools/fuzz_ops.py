@@ -4,9 +4,11 @@ TorchRMSNorm) under AddressSanitizer and UBSan.
 
     python tools/fuzz_ops.py --build --cases 30000 --seed 1
 
-`--build` builds the sanitizer library (custom_ops/build-asan, CPU kernels only) first. The
-cases run in a worker subprocess with the sanitizer runtimes preloaded (Python itself is not
-instrumented, so they must come first) and `CSA2ONNX_OPS_LIBRARY` pointing at that library.
+`--build` builds the sanitizer library (custom_ops/build-asan, CPU kernels only) first;
+without it a library built from other sources than today's is refused (it would fuzz old
+kernels). The cases run in a worker subprocess with the sanitizer runtimes preloaded (Python
+itself is not instrumented, so they must come first) and `CSA2ONNX_OPS_LIBRARY` pointing at
+that library.
 Each case is a random model and input: shapes with 0-sized and huge dims, valid and invalid
 attributes, K of every value and shape, every dtype, NaN/inf/subnormal/random-bit data, 1 or
 2 threads; for Fp8Linear also W constant or fed, every code (NaN codes, blocks too wide for
@@ -49,6 +51,7 @@ from typing import Any
 
 import numpy as np
 
+from csa2onnx.custom_ops.build import STAMP_NAME, sources_digest
 from csa2onnx.graphs.standalone import IR_VERSION
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,6 +94,14 @@ def build_asan_library(build_dir: Path = ASAN_BUILD) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return build_dir / LIBRARY_NAME
+
+
+def is_stale(library: Path) -> bool:
+    """Whether the library was built from other sources than custom_ops' today (or has no
+    build stamp): fuzzing it would test old kernels, as custom_ops/library.py refuses for the
+    main library."""
+    stamp = library.parent / STAMP_NAME
+    return not stamp.is_file() or stamp.read_text().strip() != sources_digest()
 
 
 def is_instrumented(library: Path) -> bool:
@@ -1336,6 +1347,10 @@ def main(argv: list[str] | None = None) -> int:
     library = build_asan_library() if args.build else args.library.resolve()
     if not library.is_file():
         print(f"fuzz_ops: no library at {library}; run with --build", file=sys.stderr)
+        return 2
+    if is_stale(library):
+        print(f"fuzz_ops: {library} is stale (custom_ops' sources changed since it was built, "
+              "or it has no build stamp); run with --build", file=sys.stderr)
         return 2
     if not is_instrumented(library):
         print(f"fuzz_ops: {library} is not built with -fsanitize=address,undefined",
