@@ -39,6 +39,12 @@ def sources_digest() -> str:
     return h.hexdigest()
 
 
+def built_from_current_sources(build_dir: Path) -> bool:
+    """Whether the library in build_dir was built from today's sources (its build's stamp)."""
+    stamp = build_dir / STAMP_NAME
+    return stamp.is_file() and stamp.read_text().strip() == sources_digest()
+
+
 def _ort_api_version(include_dir: Path) -> int:
     text = (include_dir / "onnxruntime_c_api.h").read_text(errors="replace")
     match = re.search(r"#define\s+ORT_API_VERSION\s+(\d+)", text)

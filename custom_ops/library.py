@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from csa2onnx.custom_ops.build import LIBRARY_NAME, STAMP_NAME, sources_digest
+from csa2onnx.custom_ops.build import LIBRARY_NAME, built_from_current_sources
 
 DOMAIN = "csa2onnx"
 DOMAIN_VERSION = 1
@@ -39,14 +39,11 @@ def library_path(check_stale: bool = True) -> Path:
             f"custom-op library not found at {path}; build it with `{BUILD_COMMAND}` "
             "(or run the README's setup command)"
         )
-    if check_stale and not override:
-        stamp = path.parent / STAMP_NAME
-        built_from = stamp.read_text().strip() if stamp.is_file() else ""
-        if built_from != sources_digest():
-            raise CustomOpLibraryError(
-                f"custom-op library {path} is stale (its sources changed since it was built); "
-                f"rebuild it with `{BUILD_COMMAND}`"
-            )
+    if check_stale and not override and not built_from_current_sources(path.parent):
+        raise CustomOpLibraryError(
+            f"custom-op library {path} is stale (its sources changed since it was built); "
+            f"rebuild it with `{BUILD_COMMAND}`"
+        )
     return path
 
 

@@ -25,6 +25,8 @@ from types import ModuleType
 import pytest
 from helpers import ROOT, load_module
 
+from csa2onnx.custom_ops.build import STAMP_NAME
+
 TOOL = ROOT / "tools" / "fuzz_ops.py"
 
 
@@ -62,9 +64,9 @@ def test_a_stale_sanitizer_library_is_refused(tmp_path: Path) -> None:
     library.write_bytes(b"__asan_report __ubsan_handle")  # looks instrumented
     for stamp in ("0" * 64, None):  # another build's digest, and none at all
         if stamp is None:
-            (tmp_path / fuzz_ops.STAMP_NAME).unlink()
+            (tmp_path / STAMP_NAME).unlink()
         else:
-            (tmp_path / fuzz_ops.STAMP_NAME).write_text(stamp + "\n")
+            (tmp_path / STAMP_NAME).write_text(stamp + "\n")
         run = subprocess.run([sys.executable, str(TOOL), "--library", str(library)],
                              capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert run.returncode == 2 and "is stale" in run.stderr, run.stdout + run.stderr

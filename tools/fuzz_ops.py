@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from csa2onnx.custom_ops.build import STAMP_NAME, sources_digest
+from csa2onnx.custom_ops.build import built_from_current_sources
 from csa2onnx.graphs.standalone import IR_VERSION
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,14 +94,6 @@ def build_asan_library(build_dir: Path = ASAN_BUILD) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return build_dir / LIBRARY_NAME
-
-
-def is_stale(library: Path) -> bool:
-    """Whether the library was built from other sources than custom_ops' today (or has no
-    build stamp): fuzzing it would test old kernels, as custom_ops/library.py refuses for the
-    main library."""
-    stamp = library.parent / STAMP_NAME
-    return not stamp.is_file() or stamp.read_text().strip() != sources_digest()
 
 
 def is_instrumented(library: Path) -> bool:
@@ -1348,7 +1340,7 @@ def main(argv: list[str] | None = None) -> int:
     if not library.is_file():
         print(f"fuzz_ops: no library at {library}; run with --build", file=sys.stderr)
         return 2
-    if is_stale(library):
+    if not built_from_current_sources(library.parent):  # it would fuzz old kernels
         print(f"fuzz_ops: {library} is stale (custom_ops' sources changed since it was built, "
               "or it has no build stamp); run with --build", file=sys.stderr)
         return 2
