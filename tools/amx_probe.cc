@@ -142,7 +142,7 @@ __attribute__((target("avx512f,avx512bf16"))) void vdpbf16ps_sums(const Case& c,
   }
 }
 
-struct TileConfig {
+struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
@@ -156,7 +156,9 @@ __attribute__((target("amx-tile,amx-bf16"))) void configure_tiles(int count) {
     cfg.rows[t] = kTile;
     cfg.colsb[t] = 64;
   }
-  _tile_loadconfig(&cfg);
+  // Not _tile_loadconfig: GCC 12's macro names only 8 bytes of the config as read, so -O2
+  // dropped the stores to the rest and ldtilecfg faulted on a half-written config.
+  __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
 }
 
 // C = A @ B over K by TDPBF16PS, pairs as stored or swapped (in both operands).
