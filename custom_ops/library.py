@@ -100,6 +100,15 @@ def torch_linear_dp_calls() -> int:
     return int(fn())
 
 
+def torch_linear_amx_calls() -> int:
+    """How many TorchLinear calls in this process ran on AMX tiles (numerics "fast" on a CPU
+    with AMX-BF16)."""
+    fn = ctypes.CDLL(str(library_path())).csa2onnx_torch_linear_amx_calls
+    fn.restype = ctypes.c_uint64
+    fn.argtypes = []
+    return int(fn())
+
+
 SPARSE_ATTENTION_PAIR_COUNTS = ("pairs", "pv_fmaf", "fmaf")
 
 
@@ -127,14 +136,15 @@ def indexer_score_pair_counts() -> dict[str, int]:
 
 
 FP8_LINEAR_COUNTS = ("calls", "small_tasks", "lane_sums", "row_sums", "wide_sums",
-                     "fast_calls")
+                     "fast_calls", "fast_amx_calls")
 
 
 def fp8_linear_counts() -> dict[str, int]:
     """Fp8Linear's counts in this process (the tests check that a case built for one of the
     kernel's exact fallbacks took it): calls; tasks on the few-rows path; W blocks that are
     not int16, summed against every row; (row, K block, 16 columns) summed in two digits;
-    (row, K block, column) summed in int64; calls the fast kernel (numerics "fast") summed."""
+    (row, K block, column) summed in int64; calls the fast kernel (numerics "fast") summed,
+    and those of them on AMX tiles."""
     fn = ctypes.CDLL(str(library_path())).csa2onnx_fp8_linear_counts
     fn.restype = ctypes.c_uint64
     fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_uint64]

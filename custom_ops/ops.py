@@ -119,7 +119,7 @@ def split_groups(op: OpBuilder, x: ir.Value, groups: int, axis: int = -1) -> lis
 
 def torch_linear(op: OpBuilder, x: ir.Value, w: ir.Value, *,
                  panels: tuple[int, int] | None = None, rounded: bool = False,
-                 groups: int = 1) -> ir.Value:
+                 groups: int = 1, numerics: Numerics | None = None) -> ir.Value:
     """float32 x @ W^T (W: [N, K], bfloat16 or float32) summed in torch CPU's order.
 
     `groups` G: G linears of one shape in one node, x [..., G*K] and W [G*N, K] -> y
@@ -129,6 +129,10 @@ def torch_linear(op: OpBuilder, x: ir.Value, w: ir.Value, *,
     (custom_ops/weight_layout.py), which the kernel reads in place; not in a portable graph,
     whose MatMul body reads a plain W. `rounded`: y through bfloat16 as a Cast pair would
     (the kernel fuses it; a portable graph gets the Casts).
+
+    `numerics` (None: the graph's) "fast": with bf16 W on a CPU with AMX-BF16, 16 rows or
+    more sum on AMX tiles (TDPBF16PS, its own order); elsewhere the exact kernel. The node
+    gets the attribute only then, so exact graphs do not change.
     """
     if groups < 1:
         raise ValueError(f"TorchLinear groups must be >= 1, got {groups}")
@@ -143,7 +147,9 @@ def torch_linear(op: OpBuilder, x: ir.Value, w: ir.Value, *,
                         strict=True)
             y = op.Concat(*[_csa(op).TorchLinear(xg, wg) for xg, wg in parts], axis=-1)
         return round_bf16(op, y) if rounded else y
-    attributes: dict[str, int | str] = {"round_output": 1} if rounded else {}
+    attributes: dict[str, int | str] = dict(_numerics_attribute(op, numerics))
+    if rounded:
+        attributes["round_output"] = 1
     if groups != 1:
         attributes["groups"] = groups
     if panels is not None:

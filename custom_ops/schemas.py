@@ -256,7 +256,8 @@ SIGNATURES: tuple[OpSignature, ...] = (
         (Attribute("weight_layout", _Attr.STRING, default="plain"),
          Attribute("out_features", _Attr.INT), Attribute("in_features", _Attr.INT),
          Attribute("round_output", _Attr.INT, default=0),
-         Attribute("groups", _Attr.INT, default=1))),
+         Attribute("groups", _Attr.INT, default=1),
+         Attribute("numerics", _Attr.STRING, default="exact"))),
     OpSignature(
         "Fp8Linear", "act_quant fused with the block-scaled e4m3 GEMM (reference.md).",
         (Param("X", _FLOAT), Param("W", "tensor(float8e4m3fn)"), Param("WScale", _FLOAT)),

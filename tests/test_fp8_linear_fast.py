@@ -182,6 +182,26 @@ def test_a_wrong_term_is_caught(sessions) -> None:
         assert (round_bf16(broken) != round_bf16(exact)).mean() > 10 * BF16_DIFFER_RATE
 
 
+AMX = all(f" {flag}" in _FLAGS for flag in ("amx_bf16", "amx_tile"))
+
+
+@needs_fast_cpu
+@pytest.mark.skipif(not AMX, reason="the prefill's AMX tiles need a CPU with AMX-BF16")
+@pytest.mark.parametrize(("m", "n", "k"), [(16, 64, 512), (17, 65, 544), (33, 70, 96),
+                                           (100, 130, 1056), (481, 64, 64)])
+def test_amx_prefill_is_within_the_derived_bound(sessions, m: int, n: int, k: int) -> None:
+    """16 rows or more on AMX tiles (amx_bf16_tiles.h): rows past a 32-row strip and a
+    480-row task, columns past a panel, K past a 512-k chunk."""
+    rng = np.random.default_rng(m + n + k)
+    codes, w_scale = checkpoint_like(rng, n, k)
+    x = activations(rng, m, k)
+    before = fp8_linear_counts()["fast_amx_calls"]
+    fast, exact, calls = both(sessions, x, codes, w_scale)
+    assert calls == 1 and fp8_linear_counts()["fast_amx_calls"] == before + 1
+    c = compare(fast, exact, x, codes, w_scale)
+    assert c.bf16_ok(), c
+
+
 # ------------------------------------------------------------------ determinism, shapes
 @needs_fast_cpu
 @pytest.mark.parametrize("m", [1, 3, 4, 5, 200])

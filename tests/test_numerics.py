@@ -22,7 +22,7 @@ from csa2onnx.export.verify import verify_case
 from csa2onnx.export.weights import from_golden
 
 # The ops that have a fast kernel: a fast graph marks each of their nodes, and only those.
-FAST_OPS = {"Fp8Linear", "SparseAttention"}
+FAST_OPS = {"Fp8Linear", "SparseAttention", "TorchLinear"}
 
 
 def test_numerics_are_checked() -> None:

@@ -28,7 +28,9 @@
 //     the exact kernel ~13), four chains per output, the chains added, a tree per 16 outputs.
 //   prefill: per task (64 columns x up to 480 rows) W is converted 512 k at a time into a
 //     64 KiB bf16 panel chunk (the weights stay fp8 in memory; the tables), W' = wq * ws
-//     by an exponent add, transposed 16 x 16 into TorchLinear's panel layout.
+//     by an exponent add, transposed 16 x 16 into TorchLinear's panel layout; 16 rows or
+//     more on a CPU with AMX-BF16 multiply each chunk on AMX tiles (amx_bf16_tiles.h:
+//     TDPBF16PS's own order within a 16-pair step; within the same bound), else vdpbf16ps.
 // NaN codes are 0 in the sums; the op sets their columns to NaN (as the exact kernel).
 // Built for x86-64-v4 + AVX512-BF16 + AVX512-VBMI + GFNI; elsewhere cpu_supported() is false.
 #include "fp8_linear_fast.h"
@@ -37,6 +39,7 @@
 #include <cstring>
 #include <new>
 
+#include "amx_bf16_tiles.h"
 #include "dp_bf16_tiles.h"
 #include "fp8_linear.h"
 #include "fp8_linear_kernels.h"
@@ -218,6 +221,7 @@ struct Call {
   int64_t panels, task_rows;  // prefill
   std::atomic<bool>* out_of_memory;  // a task's buffers could not be allocated
   bool round_output;  // Y through bfloat16 (ort_cast.h)
+  bool amx;           // the prefill tiles are AMX's (amx_bf16_tiles.h)
 };
 
 // fn(call, t) on the pool for t in [0, tasks); an allocation failure in a task is recorded
@@ -400,7 +404,10 @@ CSA_TARGET_FAST void prefill_task(const Call& c, int64_t t) {
   for (int64_t k0 = 0; k0 < c.K; k0 += kChunkK) {
     const int64_t k1 = k0 + kChunkK < c.K ? k0 + kChunkK : c.K;
     convert_chunk(c, panel, k0, k1, chunk.data());
-    dp_bf16::dp_rows(xb + k0 / 2, pairs, rows, chunk.data(), 0, (k1 - k0) / 2, out.data());
+    if (c.amx)
+      amx_bf16::amx_rows(xb + k0 / 2, pairs, rows, chunk.data(), 0, (k1 - k0) / 2, out.data());
+    else
+      dp_bf16::dp_rows(xb + k0 / 2, pairs, rows, chunk.data(), 0, (k1 - k0) / 2, out.data());
   }
   const int64_t n0 = panel * kPanel, cols = c.N - n0 < kPanel ? c.N - n0 : kPanel;
   for (int64_t r = 0; r < rows; ++r) {
@@ -417,6 +424,8 @@ CSA_TARGET_FAST void prefill_task(const Call& c, int64_t t) {
 #pragma GCC diagnostic pop
 
 }  // namespace
+
+bool amx_supported() { return cpu_supported() && amx_bf16::enable(); }
 
 bool run(OrtKernelContext* ctx, const Problem& p) {
   const int64_t KB = p.K / kBlock, NB = (p.N + kGroupRows - 1) / kGroupRows;
@@ -445,7 +454,7 @@ bool run(OrtKernelContext* ctx, const Problem& p) {
   }
   std::atomic<bool> out_of_memory{false};
   Call c{xq, p.w, p.ws, p.y, p.M, p.N, p.K, KB, (p.N + kPanel - 1) / kPanel, 0, &out_of_memory,
-         p.round_output};
+         p.round_output, p.amx && p.M >= kAmxMinRows};
   if (p.M <= kDecodeRows) {
     run_call(ctx, c, static_cast<size_t>(NB), decode_task);
     return true;
@@ -453,13 +462,15 @@ bool run(OrtKernelContext* ctx, const Problem& p) {
   // rows per task: the fewest blocks of at most kMaxTaskRows, a multiple of the tile's 6
   const int64_t blocks = (p.M + kMaxTaskRows - 1) / kMaxTaskRows;
   const int64_t per = (p.M + blocks - 1) / blocks;
-  c.task_rows = (per + dp_bf16::kTileRows - 1) / dp_bf16::kTileRows * dp_bf16::kTileRows;
+  const int64_t tile = c.amx ? 2 * amx_bf16::kTile : dp_bf16::kTileRows;  // rows of a tile
+  c.task_rows = (per + tile - 1) / tile * tile;
   const int64_t row_blocks = (p.M + c.task_rows - 1) / c.task_rows;
   run_call(ctx, c, static_cast<size_t>(c.panels * row_blocks), prefill_task);
   return true;
 }
 
 #else   // not x86: cpu_supported() is false and the op never calls run
+bool amx_supported() { return false; }
 bool run(OrtKernelContext*, const Problem&) { return false; }
 #endif  // CSA_X86
 

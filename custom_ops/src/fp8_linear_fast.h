@@ -12,6 +12,11 @@ namespace csa::fp8_fast {
 // Whether this CPU has what the fast kernel needs (AVX512-BF16, AVX512-VBMI and GFNI).
 bool cpu_supported();
 
+// Whether this process can run the prefill's tiles on AMX-BF16 (amx_bf16_tiles.h enable()),
+// which it does from kAmxMinRows rows (fewer: vdpbf16ps).
+bool amx_supported();
+constexpr int64_t kAmxMinRows = 16;
+
 struct Problem {
   const float* x;    // [M][K]
   const uint8_t* w;  // [N][K] e4m3fn codes
@@ -19,6 +24,7 @@ struct Problem {
   float* y;          // [M][N]
   int64_t M, N, K;   // M, N >= 1; K >= 32, a multiple of 32
   bool round_output;  // Y through bfloat16 (the graph's Cast pair, ort_cast.h)
+  bool amx;           // prefill of 16 rows or more on AMX tiles (amx_bf16::enable() was true)
 };
 
 // Y by the fast kernel, or false when some term is not exact in bf16 for this call (a scale

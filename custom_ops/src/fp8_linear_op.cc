@@ -85,6 +85,7 @@ constexpr const char* kOp = "Fp8Linear";
 struct Counts {
   std::atomic<uint64_t> calls{0}, small_tasks{0}, lane_sums{0}, row_sums{0}, wide_sums{0};
   std::atomic<uint64_t> fast_calls{0};  // calls the fast kernel summed (numerics "fast")
+  std::atomic<uint64_t> fast_amx_calls{0};  // ... of them on AMX tiles
 };
 Counts counts;
 
@@ -746,11 +747,13 @@ struct Fp8LinearKernel {
   Kernels kern;
   WMeta constant_meta;  // W's figures when W is a constant initializer
   bool fast = false;    // numerics "fast" on a CPU that has its kernel
+  bool amx = false;     // ... and AMX-BF16 for its prefill tiles
   bool round_output = false;
 
   Fp8LinearKernel(const OrtApi*, const OrtKernelInfo* info) : kern(kernels_for(select_path())) {
     const NodeAttributes attributes = check_node(info);
     fast = attributes.fast && fast_path_available();
+    amx = fast && fp8_fast::amx_supported();
     round_output = attributes.round_output;
     const Ort::ConstValue w = constant_input(info, 1);
     if (w == nullptr) return;  // not a constant: its figures are computed on every call
@@ -796,8 +799,11 @@ struct Fp8LinearKernel {
     const int64_t work = d.M * d.N * d.K;  // multiply-adds
     const float nan = Fp8::from_bits(0x7FC00000u);
     if (fast &&
-        fp8_fast::run(ctx, {x.Data(), codes, wscale.Data(), out, d.M, d.N, d.K, round_output})) {
+        fp8_fast::run(ctx, {x.Data(), codes, wscale.Data(), out, d.M, d.N, d.K, round_output,
+                                amx})) {
       counts.fast_calls.fetch_add(1, std::memory_order_relaxed);
+      if (amx && d.M >= fp8_fast::kAmxMinRows)
+        counts.fast_amx_calls.fetch_add(1, std::memory_order_relaxed);
       const bool known = constant_meta.n == d.N && constant_meta.k == d.K;
       for (const int64_t col : known ? constant_meta.nan_columns
                                      : fp8_fast::nan_columns(codes, d.N, d.K))
@@ -918,12 +924,14 @@ void AppendFp8LinearOps(std::vector<std::unique_ptr<Ort::Custom::OrtLiteCustomOp
 
 // The counts (calls, tasks on the few-rows path, W blocks that are not int16 summed against
 // every row, (row, block, group)s summed in two digits, (row, block, column)s summed in
-// int64, calls the fast kernel summed) into out[0..n); returns how many there are.
+// int64, calls the fast kernel summed, those of them on AMX tiles) into out[0..n); returns
+// how many there are.
 extern "C" __attribute__((visibility("default"))) uint64_t csa2onnx_fp8_linear_counts(uint64_t* out,
                                                                                      uint64_t n) {
   const uint64_t values[] = {csa::counts.calls.load(), csa::counts.small_tasks.load(),
                              csa::counts.lane_sums.load(), csa::counts.row_sums.load(),
-                             csa::counts.wide_sums.load(), csa::counts.fast_calls.load()};
+                             csa::counts.wide_sums.load(), csa::counts.fast_calls.load(),
+                             csa::counts.fast_amx_calls.load()};
   const uint64_t total = sizeof values / sizeof values[0];
   for (uint64_t i = 0; i < n && i < total; ++i) out[i] = values[i];
   return total;

@@ -27,6 +27,10 @@
 //   creation: shape, zero padding, and the exponent range the vdpbf16ps path needs), so
 //   the process holds no copy of it: the exporter stores every TorchLinear weight this way.
 // Both layouts give the same bits on every path.
+// Attribute numerics: "exact" (the default) or "fast": with bf16 W on a CPU with AMX-BF16,
+// calls of 16 rows or more whose X is bf16-exact run on AMX tiles (amx_bf16_tiles.h,
+// TDPBF16PS: its own order, denormals as zero; bits independent of the thread count);
+// everything else runs the exact kernel.
 //
 // Two kinds of tiles, every one giving the same bits:
 // - fmaf tiles (avx512: 6 rows x 64 columns, avx2: 2 x 32, scalar: 1 x 64): walk k in the
@@ -43,7 +47,8 @@
 //
 // CSA_TORCH_LINEAR_ISA (or CSA2ONNX_ISA; read when a session creates the kernel) forces a
 // path for tests: "avx512bf16" (the default where the CPU has AVX512_BF16; float W runs on
-// the avx512 tiles), "avx512", "avx2", "scalar" (the tiles without SIMD) or "reference"
+// the avx512 tiles; unforced on a CPU with AMX, 24 rows or more take the fmaf tiles:
+// kFmafMinRowsOnAmx), "avx512", "avx2", "scalar" (the tiles without SIMD) or "reference"
 // (reference_dot per output, single-threaded; panels64 W is read a column at a time).
 #include "ort_api.h"
 
@@ -62,6 +67,7 @@
 #include <immintrin.h>
 #endif
 
+#include "amx_bf16_tiles.h"
 #include "dp_bf16_tiles.h"
 #include "kernel_support.h"
 #include "ort_cast.h"
@@ -78,15 +84,24 @@ using torch_linear::Order;
 using torch_linear::Plan;
 
 constexpr const char* kOp = "TorchLinear";
+constexpr const char* kIsaVariable = "CSA_TORCH_LINEAR_ISA";
 
 constexpr int64_t kPanel = 64;     // columns per packed panel
 constexpr int64_t kMaxRows = 48;   // rows per task of the fmaf tiles (a multiple of 6 and 2)
 constexpr int64_t kDpRows = 96;    // rows per task of the vdpbf16ps tiles (a multiple of 6)
+constexpr int64_t kAmxMinRows = 16;  // numerics "fast": fewer rows stay on vdpbf16ps
+// Exact on a CPU with AMX (Sapphire Rapids class), the path not forced: from this many rows
+// the avx512 fmaf tiles beat vdpbf16ps, which issues on one port there (measured on a 2-core
+// Xeon with AMX, 2 threads, the released shapes, one process alternating: 0.67-0.79x the
+// time at 24 to 1024 rows; at 16 rows 0.97-0.99x, at 2-4 rows 1.25-1.65x). Same bits.
+constexpr int64_t kFmafMinRowsOnAmx = 24;
 constexpr int64_t kDpBatchPairs = int64_t{1} << 22;  // X pairs converted per batch (16 MiB)
 
 // Calls that ran on vdpbf16ps: the tests read it (csa2onnx_torch_linear_dp_calls) to know
 // that a case they mean for that path did not quietly fall back to the fmaf tiles.
 std::atomic<uint64_t> dp_calls{0};
+// Calls that ran on AMX tiles (numerics "fast"): csa2onnx_torch_linear_amx_calls.
+std::atomic<uint64_t> amx_calls{0};
 
 // float32 W packed as ceil(N/64) panels of [K][64] (zero-padded columns).
 // With G groups (W [G*N, K]) each group's N columns get ceil(N/64) panels of their own,
@@ -593,6 +608,18 @@ CSA_TARGET_AVX512BF16 void task_avx512bf16(const Job& j, size_t task, bool) {
   }
   store_rows(j, tr, buf);
 }
+
+// numerics "fast" on a CPU with AMX: the whole K in one chunk of TDPBF16PS tiles
+// (amx_bf16_tiles.h), W read where it lies.
+CSA_TARGET_AVX512BF16 void task_amx(const Job& j, size_t task, bool) {
+  const TaskRows tr = task_rows(j, task);
+  alignas(64) float buf[kDpRows * kPanel];
+  for (int64_t i = 0; i < tr.rows * kPanel; ++i) buf[i] = 0.0f;
+  const uint32_t* panel = static_cast<const uint32_t*>(j.panels) + tr.panel * j.pairs * kPanel;
+  const uint32_t* xb = j.xb + ((tr.group - j.group0) * j.M + tr.m0) * j.pairs;
+  amx_bf16::amx_rows(xb, j.pairs, tr.rows, panel, 0, j.pairs, buf);
+  store_rows(j, tr, buf);
+}
 #endif
 
 using Task = void (*)(const Job&, size_t, bool);
@@ -617,7 +644,7 @@ void run_groups(OrtKernelContext* ctx, const Job& job, Task task, int64_t groups
 // avx512bf16 (the default where the CPU has it) runs float W on the avx512 tiles: MKL's
 // orders have no pair step for vdpbf16ps.
 Isa select_isa() {
-  return csa::select_isa("CSA_TORCH_LINEAR_ISA", /*has_reference=*/true, /*has_bf16=*/true);
+  return csa::select_isa(kIsaVariable, /*has_reference=*/true, /*has_bf16=*/true);
 }
 
 // The node's attributes, checked when the session creates the kernel.
@@ -626,8 +653,10 @@ struct LinearAttributes {
   int64_t n = 0, k = 0;  // panels64: out_features (N) and in_features (K), a group's
   int64_t groups = 1;    // G
   bool round_output = false;
+  bool fast = false;     // numerics "fast"
 
   explicit LinearAttributes(const OrtKernelInfo* info) {
+    fast = numerics_is_fast(info, kOp);
     const std::string name =
         optional_attribute<std::string>(info, kOp, "weight_layout", "a string").value_or("plain");
     const std::optional<int64_t> out_features =
@@ -675,9 +704,15 @@ struct TorchLinearKernel {
   Packed constant_w;                   // plain: a constant W, packed once
   const S* constant_panels = nullptr;  // panels64: a constant W, checked once, read in place
   ExponentRange constant_range;        // ... and the exponents of its values (bf16)
+  bool amx = false;  // numerics "fast" with bf16 W on a CPU with AMX (and the default path)
+  bool fmaf_prefill = false;  // the CPU has AMX, the path is not forced: exact prefill takes
+                              // the fmaf tiles (kFmafMinRowsOnAmx)
 
   TorchLinearKernel(const OrtApi*, const OrtKernelInfo* info)
       : isa(select_isa()), attrs((require_node_io(info, kOp, 2, 1), info)) {
+    const bool amx_cpu = kBf16 && isa == Isa::kAvx512Bf16 && amx_bf16::cpu_has_amx();
+    fmaf_prefill = amx_cpu && !isa_forced(kIsaVariable);
+    amx = amx_cpu && attrs.fast && amx_bf16::enable();
     const Ort::ConstValue w = constant_input(info, 1);
     if (w == nullptr) return;  // not a constant: packed (plain) or checked (panels64) per call
     const std::vector<int64_t> shape = w.GetTensorTypeAndShapeInfo().GetShape();
@@ -813,7 +848,7 @@ struct TorchLinearKernel {
     if (isa == Isa::kAvx512 || isa == Isa::kAvx512Bf16) task = task_avx512;
     if (isa == Isa::kAvx2) task = task_avx2;
     if constexpr (kBf16) {
-      if (isa == Isa::kAvx512Bf16) {
+      if (isa == Isa::kAvx512Bf16 && !(fmaf_prefill && !amx && M >= kFmafMinRowsOnAmx)) {
         const ExponentRange w_range =
             !in_panels ? packed->range
             : wd == constant_panels ? constant_range
@@ -835,7 +870,13 @@ struct TorchLinearKernel {
           Job part = job;
           part.group0 = g0;
           Task part_task = task;
-          if (bf16_exact && dp_is_exact(x_range, w_range, K)) {
+          if (bf16_exact && amx && M >= kAmxMinRows) {  // fast: no exponent precondition
+            part.xb = xb.get();
+            part.rows_per_task = kDpRows;
+            part.row_blocks = (M + kDpRows - 1) / kDpRows;
+            part_task = task_amx;
+            amx_calls.fetch_add(1, std::memory_order_relaxed);
+          } else if (bf16_exact && dp_is_exact(x_range, w_range, K)) {
             part.xb = xb.get();
             part.rows_per_task = kDpRows;
             part.row_blocks = (M + kDpRows - 1) / kDpRows;
@@ -866,4 +907,8 @@ void AppendTorchLinearOps(std::vector<std::unique_ptr<Ort::Custom::OrtLiteCustom
 
 extern "C" __attribute__((visibility("default"))) uint64_t csa2onnx_torch_linear_dp_calls() {
   return csa::dp_calls.load(std::memory_order_relaxed);
+}
+
+extern "C" __attribute__((visibility("default"))) uint64_t csa2onnx_torch_linear_amx_calls() {
+  return csa::amx_calls.load(std::memory_order_relaxed);
 }
