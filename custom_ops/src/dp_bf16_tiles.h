@@ -20,8 +20,15 @@ namespace csa::dp_bf16 {
 constexpr int64_t kPanel = 64;  // columns per panel
 constexpr int64_t kTileRows = 6;
 
-// MR rows x 64 columns over pairs [p0, p1): 4 x MR zmm accumulators.
-template <int MR>
+// Few rows (decode) stream the panel from memory: each pair step asks for the lines 16 KiB
+// ahead (measured on a 2-core Xeon with AMX, 3 layers' decode: TorchLinear 0.84x the time
+// at batch 1, 0.79x at batch 4; the fp8 decode kernel asks as far ahead).
+constexpr int64_t kPrefetchPairs = 64;
+constexpr int64_t kAheadRows = 4;
+
+// MR rows x 64 columns over pairs [p0, p1): 4 x MR zmm accumulators; kAhead: prefetch the
+// panel kPrefetchPairs pairs ahead (a prefetch past the panel's end reads nothing).
+template <int MR, bool kAhead = false>
 CSA_TARGET_AVX512BF16 __attribute__((always_inline)) inline void dp_tile(
     const uint32_t* xb, int64_t ldxb, const uint32_t* panel, int64_t p0, int64_t p1, float* out) {
   __m512 acc[MR][4];
@@ -29,6 +36,10 @@ CSA_TARGET_AVX512BF16 __attribute__((always_inline)) inline void dp_tile(
     for (int c = 0; c < 4; ++c) acc[m][c] = _mm512_setzero_ps();
   for (int64_t p = p0; p < p1; ++p) {
     const uint32_t* wp = panel + p * kPanel;
+    if (kAhead)
+      for (int c = 0; c < 4; ++c)
+        _mm_prefetch(reinterpret_cast<const char*>(wp + kPrefetchPairs * kPanel + 16 * c),
+                     _MM_HINT_T0);
     __m512bh w[4];
     for (int c = 0; c < 4; ++c) w[c] = (__m512bh)_mm512_loadu_si512(wp + 16 * c);
     for (int m = 0; m < MR; ++m) {
@@ -47,6 +58,14 @@ CSA_TARGET_AVX512BF16 __attribute__((always_inline)) inline void dp_tile(
 CSA_TARGET_AVX512BF16 __attribute__((always_inline)) inline void dp_rows(
     const uint32_t* xb, int64_t ldxb, int64_t rows, const uint32_t* panel, int64_t p0,
     int64_t p1, float* out) {
+  static_assert(kAheadRows == 4, "the switch below names 1 to 4 rows");
+  switch (rows) {
+    case 1: return dp_tile<1, true>(xb, ldxb, panel, p0, p1, out);
+    case 2: return dp_tile<2, true>(xb, ldxb, panel, p0, p1, out);
+    case 3: return dp_tile<3, true>(xb, ldxb, panel, p0, p1, out);
+    case 4: return dp_tile<4, true>(xb, ldxb, panel, p0, p1, out);
+    default: break;
+  }
   int64_t r = 0;
   for (; r + kTileRows <= rows; r += kTileRows)
     dp_tile<6>(xb + r * ldxb, ldxb, panel, p0, p1, out + r * kPanel);
