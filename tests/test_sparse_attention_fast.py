@@ -61,9 +61,13 @@ def fast_model(scale: float, numerics: str | None, packed_format: str | None = N
 def session(monkeypatch, numerics: str | None, scale: float, threads: int = 1,
             isa: tuple[str, str] | None = None,
             packed_format: str | None = None) -> ort.InferenceSession:
-    """A session; `isa` = (variable, value) forces a path (read when the kernel is made)."""
+    """A session; `isa` = (variable, value) forces a path (read when the kernel is made).
+    None: the avx512bf16 path where the CPU has it, so that the fast kernel is what these
+    tests see (unforced, a CPU with AMX runs the avx512 tiles instead: tested below)."""
     for variable in ISA_VARIABLES:
         monkeypatch.delenv(variable, raising=False)
+    if isa is None and HAS_BF16:
+        isa = ("CSA_SPARSE_ATTENTION_ISA", "avx512bf16")
     if isa is not None:
         monkeypatch.setenv(*isa)
     try:
@@ -328,3 +332,24 @@ def test_vector_exp_is_std_exp_but_for_a_last_bit_now_and_then(tmp_path: Path) -
     counts = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", out.stdout.splitlines()[-1])}
     assert out.returncode == 0 and counts["beyond"] == 0 and counts["specials"] == 0, out.stdout
     assert counts["values"] > 30_000_000 and counts["differ"] <= 2e-4 * counts["values"]
+
+
+AMX = "amx_bf16" in (Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else "")
+
+
+@pytest.mark.skipif(not AMX, reason="the AMX-class default needs a CPU with AMX-BF16")
+@pytest.mark.parametrize("numerics", ["exact", "fast"])
+def test_an_amx_cpu_runs_the_avx512_tiles_unforced(monkeypatch, numerics: str) -> None:
+    """Unforced, a CPU with AMX (vdpbf16ps on one port) takes the avx512 fmaf tiles for both
+    numerics: the exact kernel's bits."""
+    rng = np.random.default_rng(11)
+    q = round_bf16(rng.standard_normal((2, 3, 16, 64)).astype(np.float32))
+    kv = round_bf16(rng.standard_normal((2, 40, 64)).astype(np.float32))
+    sink = rng.standard_normal(16).astype(np.float32)
+    idx = rng.integers(-1, 40, (2, 3, 30))
+    feeds = {"Q": q, "KV": kv, "S": sink, "I": idx}
+    for variable in ISA_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    unforced = make_session(fast_model(64**-0.5, numerics), options=session_options(2))
+    want = run(monkeypatch, "exact", q, kv, sink, idx, isa=("CSA_SPARSE_ATTENTION_ISA", "avx512"))
+    np.testing.assert_array_equal(bits(unforced.run(None, feeds)[0]), bits(want))

@@ -27,23 +27,12 @@ constexpr int64_t kPanel = 64;    // columns per panel
 constexpr int64_t kTile = 16;     // rows (and f32 columns) of a tile
 constexpr int64_t kStepPairs = 16;  // k-pairs per TDPBF16PS
 
-// Whether the CPU has AMX-BF16 and AMX-TILE (CPUID leaf 7) beside AVX512-BF16.
-inline bool cpu_has_amx() {
-#ifdef CSA_X86
-  unsigned a, b, c, d;
-  __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
-  return ((d >> 22) & 1u) && ((d >> 24) & 1u) && cpu_has_avx512bf16();
-#else
-  return false;
-#endif
-}
-
-// Whether this process can run AMX-BF16: the CPU has it and Linux grants the tile data
+// Whether this process can run AMX-BF16: the CPU has it (simd.h cpu_has_amx_bf16) and Linux grants the tile data
 // state (arch_prctl ARCH_REQ_XCOMP_PERM, once per process; asking again is harmless).
 // Called when a kernel is created.
 inline bool enable() {
 #ifdef CSA_X86
-  if (!cpu_has_amx()) return false;
+  if (!cpu_has_amx_bf16()) return false;
   constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
   return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
 #else

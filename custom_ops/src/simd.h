@@ -45,4 +45,17 @@ inline bool cpu_has_avx512bf16() {
 #endif
 }
 
+// AVX512-BF16 with AMX-BF16 and AMX-TILE (CPUID leaf 7, EDX bits 22 and 24; GCC 12's
+// __builtin_cpu_supports does not know them): the Sapphire Rapids class, where vdpbf16ps
+// issues on one port and the exact kernels' fmaf tiles beat it on large problems.
+inline bool cpu_has_amx_bf16() {
+#ifdef CSA_X86
+  unsigned a, b, c, d;
+  __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+  return ((d >> 22) & 1u) && ((d >> 24) & 1u) && cpu_has_avx512bf16();
+#else
+  return false;
+#endif
+}
+
 }  // namespace csa

@@ -710,7 +710,7 @@ struct TorchLinearKernel {
 
   TorchLinearKernel(const OrtApi*, const OrtKernelInfo* info)
       : isa(select_isa()), attrs((require_node_io(info, kOp, 2, 1), info)) {
-    const bool amx_cpu = kBf16 && isa == Isa::kAvx512Bf16 && amx_bf16::cpu_has_amx();
+    const bool amx_cpu = kBf16 && isa == Isa::kAvx512Bf16 && cpu_has_amx_bf16();
     fmaf_prefill = amx_cpu && !isa_forced(kIsaVariable);
     amx = amx_cpu && attrs.fast && amx_bf16::enable();
     const Ort::ConstValue w = constant_input(info, 1);
