@@ -22,9 +22,10 @@ constexpr int64_t kTileRows = 6;
 
 // Few rows (decode) stream the panel from memory: each pair step asks for the lines 8 KiB
 // ahead (measured on a 2-core Xeon with AMX, ten 80 MB linears in a row, 2 threads: 23 ->
-// 29-31 GB/s at 1 row, 21 -> 25 GB/s at 4; 4, 12, 16 and 64 KiB ahead were 1-10% slower).
+// 29-32 GB/s at 1 row, 21-23 -> 25-27 GB/s at 4; 4, 12, 16 and 64 KiB ahead were 1-10%
+// slower). Not at 2 rows: there the prefetches measured 20 GB/s against 28 without (not
+// understood; the hardware prefetchers keep up there).
 constexpr int64_t kPrefetchPairs = 32;
-constexpr int64_t kAheadRows = 4;
 
 // MR rows x 64 columns over pairs [p0, p1): 4 x MR zmm accumulators; kAhead: prefetch the
 // panel kPrefetchPairs pairs ahead (a prefetch past the panel's end reads nothing).
@@ -54,14 +55,12 @@ CSA_TARGET_AVX512BF16 __attribute__((always_inline)) inline void dp_tile(
     }
 }
 
-// `rows` rows (any count) in tiles of 6, the last tile smaller.
+// `rows` rows (any count) in tiles of 6, the last tile smaller; 1, 3 or 4 rows prefetching.
 CSA_TARGET_AVX512BF16 __attribute__((always_inline)) inline void dp_rows(
     const uint32_t* xb, int64_t ldxb, int64_t rows, const uint32_t* panel, int64_t p0,
     int64_t p1, float* out) {
-  static_assert(kAheadRows == 4, "the switch below names 1 to 4 rows");
   switch (rows) {
     case 1: return dp_tile<1, true>(xb, ldxb, panel, p0, p1, out);
-    case 2: return dp_tile<2, true>(xb, ldxb, panel, p0, p1, out);
     case 3: return dp_tile<3, true>(xb, ldxb, panel, p0, p1, out);
     case 4: return dp_tile<4, true>(xb, ldxb, panel, p0, p1, out);
     default: break;
