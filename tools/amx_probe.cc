@@ -253,6 +253,50 @@ __attribute__((target("amx-tile,amx-bf16"))) double amx_gflops() {
   return reps * 4.0 * kTile * kTile * kTileK * 2.0 / s / 1e9;
 }
 
+// TDPBSSD (AMX-INT8, int8 products summed exactly into int32) on 2 x 2 C tiles, with A rows
+// of `k_bytes` int8 (64: the full tile; 32: one K block of 32 per instruction, as exact fp8
+// block sums would need): giga multiply-adds per second, one thread. The lever for exact fp8
+// on AMX, where integer sums make the order irrelevant (issue 8).
+__attribute__((target("amx-tile,amx-int8"))) double amx_int8_gmacs(int k_bytes) {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    const bool b = t >= 6;  // B: k_bytes / 4 rows of 64 bytes; A and C: 16 rows
+    cfg.rows[t] = static_cast<uint8_t>(b ? k_bytes / 4 : kTile);
+    cfg.colsb[t] = static_cast<uint16_t>(t >= 4 && t < 6 ? k_bytes : 64);
+  }
+  __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
+  alignas(64) static int8_t a[2][kTile * 64], b[2][kTile * 64];
+  for (int i = 0; i < kTile * 64; ++i) a[0][i] = a[1][i] = b[0][i] = b[1][i] = 1;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const long reps = 2000000;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (long i = 0; i < reps; ++i) {
+    _tile_loadd(4, a[0], 64);
+    _tile_loadd(5, a[1], 64);
+    _tile_loadd(6, b[0], 64);
+    _tile_loadd(7, b[1], 64);
+    _tile_dpbssd(0, 4, 6);
+    _tile_dpbssd(1, 4, 7);
+    _tile_dpbssd(2, 5, 6);
+    _tile_dpbssd(3, 5, 7);
+  }
+  const double s = seconds_since(t0);
+  alignas(64) int32_t sink[kTile * kTile];
+  _tile_stored(0, sink, 64);
+  _tile_release();
+  if (sink[0] == 1) std::printf(" ");
+  return reps * 4.0 * kTile * kTile * k_bytes / s / 1e9;
+}
+
+bool has_amx_int8() {
+  unsigned a, b, c, d;
+  __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+  return ((d >> 25) & 1u) && ((d >> 24) & 1u);  // AMX-INT8, AMX-TILE
+}
+
 }  // namespace
 
 // argv: [cases per kind (default 200)] [--no-amx: compare vdpbf16ps only]
@@ -312,5 +356,8 @@ int main(int argc, char** argv) {
   std::printf("one thread, L1-resident: vdpbf16ps %.0f GFLOP/s", vdpbf16ps_gflops());
   if (amx) std::printf(", tdpbf16ps %.0f GFLOP/s", amx_gflops());
   std::printf("\n");
+  if (amx && has_amx_int8())
+    std::printf("one thread, L1-resident: tdpbssd %.0f G int8 multiply-adds/s with K 64 a "
+                "tile, %.0f with K 32\n", amx_int8_gmacs(64), amx_int8_gmacs(32));
   return defined ? 0 : 1;
 }

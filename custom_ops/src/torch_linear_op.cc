@@ -704,7 +704,7 @@ struct TorchLinearKernel {
   Packed constant_w;                   // plain: a constant W, packed once
   const S* constant_panels = nullptr;  // panels64: a constant W, checked once, read in place
   ExponentRange constant_range;        // ... and the exponents of its values (bf16)
-  bool amx = false;  // numerics "fast" with bf16 W on a CPU with AMX (and the default path)
+  bool amx = false;  // numerics "fast", bf16 W, the avx512bf16 path, AMX granted by the OS
   bool fmaf_prefill = false;  // the CPU has AMX, the path is not forced: exact prefill takes
                               // the fmaf tiles (kFmafMinRowsOnAmx)
 
