@@ -225,8 +225,19 @@ __attribute__((target("avx512f,avx512bf16"))) double vdpbf16ps_gflops() {
   return reps * 24.0 * 32.0 * 2.0 / s / 1e9;  // 32 multiply-adds per vdpbf16ps
 }
 
-__attribute__((target("amx-tile,amx-bf16"))) double amx_gflops() {
-  configure_tiles(8);  // 0-3: C, 4-5: A, 6-7: B
+// One tile instruction's throughput on 2 x 2 C tiles over L1-resident operands, one thread,
+// in giga multiply-adds per second: TDPBF16PS (kInt8 false; 32 bf16 of K a tile) or TDPBSSD
+// (AMX-INT8: int8 products summed exactly into int32, `k_bytes` of K a tile: 64, the full
+// tile, or 32, one fp8 K block an instruction as exact block sums would need; the lever
+// for exact fp8 on AMX, where integer sums make the order irrelevant).
+template <bool kInt8>
+__attribute__((target("amx-tile,amx-bf16,amx-int8"))) double tile_gmacs(int k_bytes) {
+  TileConfig cfg;  // 0-3: C, 4-5: A (16 rows of k_bytes), 6-7: B (k_bytes / 4 rows of 64)
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = static_cast<uint8_t>(t >= 6 ? k_bytes / 4 : kTile);
+    cfg.colsb[t] = static_cast<uint16_t>(t >= 4 && t < 6 ? k_bytes : 64);
+  }
+  __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
   alignas(64) static uint16_t a[2][kTile * kTileK], b[2][kTile * kTileK];
   for (int i = 0; i < kTile * kTileK; ++i) a[0][i] = a[1][i] = b[0][i] = b[1][i] = 0x3F80;
   _tile_zero(0);
@@ -240,55 +251,24 @@ __attribute__((target("amx-tile,amx-bf16"))) double amx_gflops() {
     _tile_loadd(5, a[1], 64);
     _tile_loadd(6, b[0], 64);
     _tile_loadd(7, b[1], 64);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
+    if constexpr (kInt8) {
+      _tile_dpbssd(0, 4, 6);
+      _tile_dpbssd(1, 4, 7);
+      _tile_dpbssd(2, 5, 6);
+      _tile_dpbssd(3, 5, 7);
+    } else {
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
   }
   const double s = seconds_since(t0);
-  alignas(64) float sink[kTile * kTile];
-  _tile_stored(0, sink, 64);
-  _tile_release();
-  if (sink[0] == 1.0f) std::printf(" ");
-  return reps * 4.0 * kTile * kTile * kTileK * 2.0 / s / 1e9;
-}
-
-// TDPBSSD (AMX-INT8, int8 products summed exactly into int32) on 2 x 2 C tiles, with A rows
-// of `k_bytes` int8 (64: the full tile; 32: one K block of 32 per instruction, as exact fp8
-// block sums would need): giga multiply-adds per second, one thread. The lever for exact fp8
-// on AMX, where integer sums make the order irrelevant (issue 8).
-__attribute__((target("amx-tile,amx-int8"))) double amx_int8_gmacs(int k_bytes) {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    const bool b = t >= 6;  // B: k_bytes / 4 rows of 64 bytes; A and C: 16 rows
-    cfg.rows[t] = static_cast<uint8_t>(b ? k_bytes / 4 : kTile);
-    cfg.colsb[t] = static_cast<uint16_t>(t >= 4 && t < 6 ? k_bytes : 64);
-  }
-  __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
-  alignas(64) static int8_t a[2][kTile * 64], b[2][kTile * 64];
-  for (int i = 0; i < kTile * 64; ++i) a[0][i] = a[1][i] = b[0][i] = b[1][i] = 1;
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-  const long reps = 2000000;
-  const auto t0 = std::chrono::steady_clock::now();
-  for (long i = 0; i < reps; ++i) {
-    _tile_loadd(4, a[0], 64);
-    _tile_loadd(5, a[1], 64);
-    _tile_loadd(6, b[0], 64);
-    _tile_loadd(7, b[1], 64);
-    _tile_dpbssd(0, 4, 6);
-    _tile_dpbssd(1, 4, 7);
-    _tile_dpbssd(2, 5, 6);
-    _tile_dpbssd(3, 5, 7);
-  }
-  const double s = seconds_since(t0);
-  alignas(64) int32_t sink[kTile * kTile];
+  alignas(64) uint32_t sink[kTile * kTile];
   _tile_stored(0, sink, 64);
   _tile_release();
   if (sink[0] == 1) std::printf(" ");
-  return reps * 4.0 * kTile * kTile * k_bytes / s / 1e9;
+  return reps * 4.0 * kTile * kTile * (kInt8 ? k_bytes : k_bytes / 2) / s / 1e9;
 }
 
 bool has_amx_int8() {
@@ -354,10 +334,10 @@ int main(int argc, char** argv) {
   if (amx) release_tiles();
   std::printf("vdpbf16ps is the definition (odd_first) on every sum: %s\n", defined ? "yes" : "NO");
   std::printf("one thread, L1-resident: vdpbf16ps %.0f GFLOP/s", vdpbf16ps_gflops());
-  if (amx) std::printf(", tdpbf16ps %.0f GFLOP/s", amx_gflops());
+  if (amx) std::printf(", tdpbf16ps %.0f GFLOP/s", 2 * tile_gmacs<false>(64));
   std::printf("\n");
   if (amx && has_amx_int8())
     std::printf("one thread, L1-resident: tdpbssd %.0f G int8 multiply-adds/s with K 64 a "
-                "tile, %.0f with K 32\n", amx_int8_gmacs(64), amx_int8_gmacs(32));
+                "tile, %.0f with K 32\n", tile_gmacs<true>(64), tile_gmacs<true>(32));
   return defined ? 0 : 1;
 }
