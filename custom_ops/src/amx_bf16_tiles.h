@@ -27,9 +27,9 @@ constexpr int64_t kPanel = 64;    // columns per panel
 constexpr int64_t kTile = 16;     // rows (and f32 columns) of a tile
 constexpr int64_t kStepPairs = 16;  // k-pairs per TDPBF16PS
 
-// Whether this process can run AMX-BF16: the CPU has it (simd.h cpu_has_amx_bf16) and Linux grants the tile data
-// state (arch_prctl ARCH_REQ_XCOMP_PERM, once per process; asking again is harmless).
-// Called when a kernel is created.
+// Whether this process can run AMX-BF16: the CPU has it (simd.h cpu_has_amx_bf16) and Linux
+// grants the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM, once per process; asking
+// again is harmless). Called when a kernel is created.
 inline bool enable() {
 #ifdef CSA_X86
   if (!cpu_has_amx_bf16()) return false;

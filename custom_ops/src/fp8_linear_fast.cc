@@ -459,7 +459,8 @@ bool run(OrtKernelContext* ctx, const Problem& p) {
     run_call(ctx, c, static_cast<size_t>(NB), decode_task);
     return true;
   }
-  // rows per task: the fewest blocks of at most kMaxTaskRows, a multiple of the tile's 6
+  // rows per task: the fewest blocks of at most kMaxTaskRows, a multiple of the tile's rows
+  // (vdpbf16ps: 6; AMX: a 32-row strip)
   const int64_t blocks = (p.M + kMaxTaskRows - 1) / kMaxTaskRows;
   const int64_t per = (p.M + blocks - 1) / blocks;
   const int64_t tile = c.amx ? 2 * amx_bf16::kTile : dp_bf16::kTileRows;  // rows of a tile
