@@ -18,8 +18,9 @@
 // values).
 // CSA_SPARSE_ATTENTION_ISA (or CSA2ONNX_ISA; read when a session creates the kernel) forces
 // a path for tests: "avx512bf16" (the tiles with vdpbf16ps where exact: the default on a CPU
-// with AVX512-BF16 but AMX, where unforced both numerics take the avx512 tiles), "avx512", "avx2", "scalar" (the tiles without SIMD) or "reference" (the
-// definition's `row`, one row per task, on the widest instruction set this CPU has); all
+// with AVX512-BF16 but AMX, where unforced both numerics take the avx512 tiles), "avx512",
+// "avx2", "scalar" (the tiles without SIMD) or "reference" (the definition's `row`, one row
+// per task, on the widest instruction set this CPU has); all
 // give the same bits (the reference path unpacks Compressed into the concatenated float
 // rows first).
 // Attribute numerics: "exact" (absent: exact) or "fast": on a CPU with AVX512-BF16 the
