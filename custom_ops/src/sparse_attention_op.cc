@@ -20,9 +20,8 @@
 // a path for tests: "avx512bf16" (the tiles with vdpbf16ps where exact: the default on a CPU
 // with AVX512-BF16 but AMX, where unforced both numerics take the avx512 tiles), "avx512",
 // "avx2", "scalar" (the tiles without SIMD) or "reference" (the definition's `row`, one row
-// per task, on the widest instruction set this CPU has); all
-// give the same bits (the reference path unpacks Compressed into the concatenated float
-// rows first).
+// per task, on the widest instruction set this CPU has); all give the same bits (the
+// reference path unpacks Compressed into the concatenated float rows first).
 // Attribute numerics: "exact" (absent: exact) or "fast": on a CPU with AVX512-BF16 the
 // vdpbf16ps kernel of sparse_attention_fast.h (q and the rows rounded to bf16, the products
 // summed in another order: outputs within a bf16 ulp or so of exact's, most identical; same
