@@ -155,3 +155,14 @@ def test_decode_side_by_side_times_both_formats_in_turns(capsys, tmp_path: Path)
     with pytest.raises(SystemExit, match="past max_seq_len"):
         tool.side_by_side(GOLDENS / "case5_fp8.json", (0, 1), 1, 10**6, 2, 1, "exact",
                           tmp_path / "b")
+
+
+def test_decode_stream_tool_times_each_row_count(capsys) -> None:
+    """tools/bench_decode_stream.py at a tiny size: one line per row count, GB/s and the
+    fraction of the read probe."""
+    tool = load_module(ROOT / "tools" / "bench_decode_stream.py", "bench_decode_stream")
+    tool.main(["--layers", "2", "--k", "96", "--n", "70", "--rounds", "2", "--rows", "1,3"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("2 linears of K 96 x N 70 bf16")
+    assert [line.split(":")[0] for line in lines[1:]] == ["rows 1", "rows 3"]
+    assert all("GB/s" in line and "of the probe" in line for line in lines[1:])

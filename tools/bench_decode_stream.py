@@ -1,0 +1,100 @@
+"""How fast decode's linears stream their weights from memory: L TorchLinear nodes in one
+graph (bf16 panels64 W [N, K] each, L*N*K*2 bytes in all, far past any L3), one X [M, K],
+timed per run; GB/s = weight bytes / time, beside the bench's read probe (a ReduceSum over
+as many bytes: what the memory gives these threads). `tools/bench_ops.py` calls one linear
+again and again, so its weights sit in L3: this is the number a decode step sees.
+
+    python tools/bench_decode_stream.py [--rows 1,4] [--k 8192 --n 5120 --layers 10]
+        [--library A.so,B.so]   # builds of the custom-op library, timed in turns (A/B)
+
+Each library gets its own session; rounds alternate between them and the median is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import ml_dtypes
+import numpy as np
+import onnxruntime as ort
+from onnx import TensorProto, helper
+
+from csa2onnx.custom_ops import session_options
+from csa2onnx.custom_ops.weight_layout import pack_panels
+from csa2onnx.export.bench import ReadProbe
+
+
+def stream_model(k: int, n: int, layers: int, rng: np.random.Generator) -> bytes:
+    """`layers` TorchLinear nodes on one X, each with its own constant panels64 W."""
+    initializers, nodes, outputs = [], [], []
+    for i in range(layers):
+        w = (rng.standard_normal((n, k)) * 0.02).astype(ml_dtypes.bfloat16)
+        panels = pack_panels(w).panels
+        initializers.append(helper.make_tensor(f"W{i}", TensorProto.BFLOAT16, panels.shape,
+                                               panels.view(np.uint16).tobytes(), raw=True))
+        nodes.append(helper.make_node("TorchLinear", ["X", f"W{i}"], [f"Y{i}"],
+                                      domain="csa2onnx", weight_layout="panels64",
+                                      out_features=n, in_features=k))
+        outputs.append(helper.make_tensor_value_info(f"Y{i}", TensorProto.FLOAT, None))
+    graph = helper.make_graph(nodes, "stream",
+                              [helper.make_tensor_value_info("X", TensorProto.FLOAT, None)],
+                              outputs, initializers)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                   helper.make_opsetid("csa2onnx", 1)],
+                             ir_version=10).SerializeToString()
+
+
+def session(model: bytes, threads: int, library: str | None) -> ort.InferenceSession:
+    """A quiet session (no spinning: sessions in turns leave the cores to each other) on
+    this checkout's library, or on the build `library` names."""
+    if library is None:
+        options = session_options(threads)
+    else:
+        options = ort.SessionOptions()
+        options.register_custom_ops_library(library)
+        options.intra_op_num_threads = threads
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", default="1,4", help="rows of X (decode batch sizes)")
+    parser.add_argument("--k", type=int, default=8192)
+    parser.add_argument("--n", type=int, default=5120)
+    parser.add_argument("--layers", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--library", default=None,
+                        help="comma-separated custom-op library builds (default: this one)")
+    args = parser.parse_args(argv)
+    rng = np.random.default_rng(0)
+    model = stream_model(args.k, args.n, args.layers, rng)
+    weight_bytes = args.layers * args.n * args.k * 2
+    libraries = args.library.split(",") if args.library else [None]
+    sessions = {lib: session(model, args.threads, lib) for lib in libraries}
+    probe = ReadProbe(args.threads)
+    flat = np.ones((ReadProbe.ROWS, weight_bytes // 4 // ReadProbe.ROWS), np.float32)
+    read = max(probe.bytes_per_s(flat) for _ in range(3))
+    print(f"{args.layers} linears of K {args.k} x N {args.n} bf16 ({weight_bytes / 2**20:.0f} "
+          f"MiB), {args.threads} threads; read probe over as many bytes: {read / 1e9:.1f} GB/s")
+    for m in (int(r) for r in args.rows.split(",")):
+        x = rng.standard_normal((m, args.k)).astype(ml_dtypes.bfloat16).astype(np.float32)
+        times: dict[str | None, list[float]] = {lib: [] for lib in libraries}
+        for lib in libraries:  # warm-up
+            sessions[lib].run(None, {"X": x})
+        for _ in range(args.rounds):
+            for lib in libraries:
+                t0 = time.perf_counter()
+                sessions[lib].run(None, {"X": x})
+                times[lib].append(time.perf_counter() - t0)
+        for lib in libraries:
+            median = float(np.median(times[lib]))
+            print(f"rows {m}: {lib or 'this checkout'}: {median * 1e3:.2f} ms, "
+                  f"{weight_bytes / median / 1e9:.1f} GB/s ({weight_bytes / median / read:.2f} "
+                  "of the probe)")
+
+
+if __name__ == "__main__":
+    main()
