@@ -355,10 +355,10 @@ struct SparseAttentionKernel {
     require_node_io(info, kOp, 4, 1);  // Compressed is optional
     fast = numerics_is_fast(info, kOp);
     isa = select_isa(kIsaVariable, /*has_reference=*/true, /*has_bf16=*/true);
-    // On a CPU with AMX (vdpbf16ps on one port) the avx512 fmaf tiles are faster than both
-    // vdpbf16ps kernels, the fast one included (measured on a 2-core Xeon with AMX, 3
-    // layers, 2 threads: prefill 1024 0.61x exact's time, 0.69x fast's; decode batch 4
-    // 0.65x): unforced, exact and fast run them there.
+    // On a CPU with AMX (vdpbf16ps slower than FMA there) the avx512 fmaf tiles are faster
+    // than both vdpbf16ps kernels, the fast one included (measured on a 2-core Xeon with
+    // AMX, 3 layers, 2 threads: prefill 1024 0.61x exact's time, 0.69x fast's; decode
+    // batch 4 0.65x): unforced, exact and fast run them there.
     if (isa == Isa::kAvx512Bf16 && cpu_has_amx_bf16() && !isa_forced(kIsaVariable))
       isa = Isa::kAvx512;
 #ifdef CSA_X86

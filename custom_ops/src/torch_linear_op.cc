@@ -91,8 +91,8 @@ constexpr int64_t kMaxRows = 48;   // rows per task of the fmaf tiles (a multipl
 constexpr int64_t kDpRows = 96;    // rows per task of the vdpbf16ps tiles (a multiple of 6)
 constexpr int64_t kAmxMinRows = 16;  // numerics "fast": fewer rows stay on vdpbf16ps
 // Exact on a CPU with AMX (Sapphire Rapids class), the path not forced: from this many rows
-// the avx512 fmaf tiles beat vdpbf16ps, which issues on one port there (measured on a 2-core
-// Xeon with AMX, 2 threads, the released shapes, one process alternating: 0.67-0.79x the
+// the avx512 fmaf tiles beat vdpbf16ps, slower there than FMA (measured on a 2-core Xeon
+// with AMX, 2 threads, the released shapes, one process alternating: 0.67-0.79x the
 // time at 24 to 1024 rows; at 16 rows 0.97-0.99x, at 2-4 rows 1.25-1.65x). Same bits.
 constexpr int64_t kFmafMinRowsOnAmx = 24;
 constexpr int64_t kDpBatchPairs = int64_t{1} << 22;  // X pairs converted per batch (16 MiB)
