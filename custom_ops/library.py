@@ -56,11 +56,13 @@ def check_onnxruntime(version: str = ort.__version__) -> None:
                            f"tested with; pip install 'onnxruntime>={need}'")
 
 
-def session_options(intra_op_num_threads: int = 0) -> ort.SessionOptions:
-    """SessionOptions with the custom-op library registered."""
+def session_options(intra_op_num_threads: int = 0,
+                    library: str | os.PathLike[str] | None = None) -> ort.SessionOptions:
+    """SessionOptions with the custom-op library registered: this checkout's, or the build
+    `library` names (benchmarks time two builds in one process)."""
     check_onnxruntime()
     options = ort.SessionOptions()
-    options.register_custom_ops_library(str(library_path()))
+    options.register_custom_ops_library(str(library_path() if library is None else library))
     if intra_op_num_threads:
         options.intra_op_num_threads = intra_op_num_threads
     return options

@@ -48,12 +48,7 @@ def stream_model(k: int, n: int, layers: int, rng: np.random.Generator) -> bytes
 def session(model: bytes, threads: int, library: str | None) -> ort.InferenceSession:
     """A quiet session (no spinning: sessions in turns leave the cores to each other) on
     this checkout's library, or on the build `library` names."""
-    if library is None:
-        options = session_options(threads)
-    else:
-        options = ort.SessionOptions()
-        options.register_custom_ops_library(library)
-        options.intra_op_num_threads = threads
+    options = session_options(threads, library)
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
 

@@ -294,12 +294,7 @@ def op_session(model: bytes, threads: int, isa: str | None = None, library: str 
     is made), `library` registers another build of the custom-op library instead of this one
     (--baseline-library), `arena` False turns onnxruntime's CPU arena off, `spinning` False
     is quiet()."""
-    if library is None:
-        options = session_options(threads)
-    else:
-        options = ort.SessionOptions()
-        options.register_custom_ops_library(library)
-        options.intra_op_num_threads = threads
+    options = session_options(threads, library)
     options.enable_cpu_mem_arena = arena
     if not spinning:
         quiet(options)
