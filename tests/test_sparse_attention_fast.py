@@ -247,7 +247,8 @@ def test_nan_and_inf_where_exact_has_them(monkeypatch, h: int) -> None:
 def test_fast_is_exact_without_avx512bf16(monkeypatch, isa) -> None:
     """Forced below AVX512-BF16 (or on a CPU without it), fast runs the exact kernel."""
     if isa is None and HAS_BF16:
-        pytest.skip("this CPU has AVX512-BF16: the default path is the fast kernel")
+        pytest.skip("this CPU has AVX512-BF16: session() forces its path, the fast kernel "
+                    "(the AMX class's unforced default is tested below)")
     if isa is not None and isa[1] in ("avx512", "avx2") and isa[1] not in cpu_isas():
         pytest.skip(f"this CPU has no {isa[1]}")
     q, kv, sink, idx = model_inputs(3, 1, 3, 8, 100, 60, 130)

@@ -62,45 +62,41 @@ __attribute__((target("amx-tile"))) inline void configure(int lo, int hi) {
   __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
 }
 
+// One 16-pair step of a strip: A from x (rows lx bytes apart), B from w (the columns' 16
+// pairs, 256 bytes apart), into C0 C1 (and C2 C3 for the second 16 rows).
+template <bool kTwo>
+__attribute__((target("amx-tile,amx-bf16"), always_inline)) inline void step(
+    const uint32_t* x, long lx, const uint32_t* w) {
+  constexpr long kW = kPanel * sizeof(uint32_t);
+  _tile_loadd(4, x, lx);
+  _tile_loadd(6, w, kW);
+  _tile_loadd(7, w + kTile, kW);
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(1, 4, 7);
+  if (kTwo) {
+    _tile_loadd(5, reinterpret_cast<const char*>(x) + kTile * lx, lx);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+}
+
 // One strip (lo + hi rows, hi 0 or lo 16) x 32 columns: C from out, the full 16-pair steps
 // [p0, full) from xb and the panel where they lie, then (`tail`) the last partial step from
-// zero-padded copies.
+// zero-padded copies (x_tail: [32][16] pairs, w_tail: [16][64] pairs).
 template <bool kTwo>
 __attribute__((target("amx-tile,amx-bf16"), always_inline)) inline void strip(
     const uint32_t* xb, int64_t ldxb, const uint32_t* panel, int64_t p0, int64_t full,
     bool tail, const uint32_t* x_tail, const uint32_t* w_tail, float* out) {
-  constexpr long kOut = kPanel * sizeof(float), kW = kPanel * sizeof(uint32_t);
-  const long lx = static_cast<long>(ldxb * sizeof(uint32_t));
+  constexpr long kOut = kPanel * sizeof(float);
   _tile_loadd(0, out, kOut);
   _tile_loadd(1, out + kTile, kOut);
   if (kTwo) {
     _tile_loadd(2, out + kTile * kPanel, kOut);
     _tile_loadd(3, out + kTile * kPanel + kTile, kOut);
   }
-  for (int64_t p = p0; p < full; p += kStepPairs) {
-    _tile_loadd(4, xb + p, lx);
-    _tile_loadd(6, panel + p * kPanel, kW);
-    _tile_loadd(7, panel + p * kPanel + kTile, kW);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    if (kTwo) {
-      _tile_loadd(5, xb + kTile * ldxb + p, lx);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
-    }
-  }
-  if (tail) {  // x_tail: [32][16] pairs, w_tail: [16][64] pairs
-    _tile_loadd(4, x_tail, kStepPairs * sizeof(uint32_t));
-    _tile_loadd(6, w_tail, kW);
-    _tile_loadd(7, w_tail + kTile, kW);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    if (kTwo) {
-      _tile_loadd(5, x_tail + kTile * kStepPairs, kStepPairs * sizeof(uint32_t));
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
-    }
-  }
+  for (int64_t p = p0; p < full; p += kStepPairs)
+    step<kTwo>(xb + p, static_cast<long>(ldxb * sizeof(uint32_t)), panel + p * kPanel);
+  if (tail) step<kTwo>(x_tail, kStepPairs * sizeof(uint32_t), w_tail);
   _tile_stored(0, out, kOut);
   _tile_stored(1, out + kTile, kOut);
   if (kTwo) {

@@ -241,22 +241,22 @@ inline bool cpu_has(Isa isa) {
 // `avx512bf16` names the op's own variable only where the op has such a path, while
 // CSA2ONNX_ISA=avx512bf16 puts the ops without one on their avx512 path (one setting for a
 // whole model).
-// Whether select_isa's path was forced (the op's variable or CSA2ONNX_ISA set): a forced
-// path is taken as named, not swapped for another that the kernel finds faster.
-inline bool isa_forced(const char* op_variable) {
+// The variable that forces a path: the op's own if set, else CSA2ONNX_ISA if set, else
+// null (a forced path is taken as named, not swapped for another the kernel finds faster).
+inline const char* forcing_variable(const char* op_variable) {
   for (const char* variable : {op_variable, "CSA2ONNX_ISA"}) {
     const char* forced = std::getenv(variable);
-    if (forced != nullptr && *forced != '\0') return true;
+    if (forced != nullptr && *forced != '\0') return variable;
   }
-  return false;
+  return nullptr;
 }
+
+inline bool isa_forced(const char* op_variable) { return forcing_variable(op_variable) != nullptr; }
 
 inline Isa select_isa(const char* op_variable, bool has_reference = false,
                       bool has_bf16 = false) {
-  for (const char* variable : {op_variable, "CSA2ONNX_ISA"}) {
-    const char* forced = std::getenv(variable);
-    if (forced == nullptr || *forced == '\0') continue;
-    const std::string name = forced;
+  if (const char* variable = forcing_variable(op_variable)) {
+    const std::string name = std::getenv(variable);
     const bool global = variable != op_variable;
     std::string choices = "avx512, avx2";
     choices += has_reference ? ", scalar, reference" : ", scalar";
