@@ -48,6 +48,16 @@ struct Fp8 {
     return from_bits(k << 23);
   }
 
+  // For a scale xs = 2^e (pow2_ceil's) with 2^-126 <= xs <= 2^126, its reciprocal 2^-e,
+  // a normal float, so that x * inv and x / xs are the same real number, rounded (or
+  // flushed) alike for every x and MXCSR mode: a multiply where act_quant divides (a zmm
+  // division takes about 16 cycles). 0 for other xs (2^127, inf, NaN): divide those.
+  CSA_HD static float pow2_reciprocal(float xs) {
+    const uint32_t e = (bits_of(xs) >> 23) & 0xFFu;
+    return e >= 1u && e <= 253u && (bits_of(xs) & 0x807FFFFFu) == 0u ? from_bits((254u - e) << 23)
+                                                                      : 0.0f;
+  }
+
   // float -> nearest-even e4m3fn value (as float); |v| <= 448 or NaN (callers clamp).
   CSA_HD static float e4m3_rne(float v) {
     if (v != v) return v;

@@ -156,9 +156,10 @@ CSA_TARGET_FAST bool quantize_rows(const float* x, int64_t K, int64_t r0, int64_
       if (amax < Fp8::kAmaxFloor) amax = Fp8::kAmaxFloor;
       const float xs = Fp8::pow2_ceil(amax * Fp8::kMaxInv);
       if ((Fp8::bits_of(xs) >> 23) > kBias + kMaxXsExponent) return false;
-      const __m512 vxs = _mm512_set1_ps(xs);
-      const __m512 q0 = _mm512_mul_ps(fp8_kernels::e4m3_rne_avx512(_mm512_div_ps(x0, vxs)), vxs);
-      const __m512 q1 = _mm512_mul_ps(fp8_kernels::e4m3_rne_avx512(_mm512_div_ps(x1, vxs)), vxs);
+      // 2^-22 <= xs <= 2^40 here: multiplying by its reciprocal is the division
+      const __m512 vxs = _mm512_set1_ps(xs), vinv = _mm512_set1_ps(Fp8::pow2_reciprocal(xs));
+      const __m512 q0 = _mm512_mul_ps(fp8_kernels::e4m3_rne_avx512(_mm512_mul_ps(x0, vinv)), vxs);
+      const __m512 q1 = _mm512_mul_ps(fp8_kernels::e4m3_rne_avx512(_mm512_mul_ps(x1, vinv)), vxs);
       _mm512_storeu_si512(xq + r * K + k, (__m512i)_mm512_cvtne2ps_pbh(q1, q0));  // exact
     }
   }

@@ -299,8 +299,16 @@ CSA_TARGET_AVX512 void quantize_avx512(const QuantJob& q, int64_t r) {
       if (amax < Fp8::kAmaxFloor) amax = Fp8::kAmaxFloor;
     }
     const float xs = Fp8::pow2_ceil(amax * Fp8::kMaxInv);
-    const __m512 xsv = _mm512_set1_ps(xs);
-    const __m512i u0 = units_avx512(_mm512_div_ps(x0, xsv)), u1 = units_avx512(_mm512_div_ps(x1, xsv));
+    const float inv = Fp8::pow2_reciprocal(xs);
+    __m512 q0, q1;
+    if (inv != 0.0f) {
+      q0 = _mm512_mul_ps(x0, _mm512_set1_ps(inv));
+      q1 = _mm512_mul_ps(x1, _mm512_set1_ps(inv));
+    } else {
+      q0 = _mm512_div_ps(x0, _mm512_set1_ps(xs));
+      q1 = _mm512_div_ps(x1, _mm512_set1_ps(xs));
+    }
+    const __m512i u0 = units_avx512(q0), u1 = units_avx512(q1);
     const __m512i a0 = _mm512_abs_epi32(u0), a1 = _mm512_abs_epi32(u1);
     const uint32_t any = static_cast<uint32_t>(_mm512_reduce_or_epi32(_mm512_or_si512(a0, a1)));
     const uint32_t shift = any != 0 ? static_cast<uint32_t>(__builtin_ctz(any)) : 0u;
