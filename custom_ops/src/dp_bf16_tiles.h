@@ -27,32 +27,48 @@ constexpr int64_t kTileRows = 6;
 // understood; the hardware prefetchers keep up there).
 constexpr int64_t kPrefetchPairs = 32;
 
-// MR rows x 64 columns over pairs [p0, p1): 4 x MR zmm accumulators; kAhead: prefetch the
-// panel kPrefetchPairs pairs ahead (a prefetch past the panel's end reads nothing).
+// MR rows x 64 columns of NP panels over pairs [p0, p1), the panels side by side in one pass
+// (NP streams from memory): NP x MR x 4 zmm accumulators; kAhead: prefetch each panel
+// kPrefetchPairs pairs ahead (a prefetch past the panel's end reads nothing). Each column's
+// sum is one chain whatever NP is.
+template <int MR, int NP, bool kAhead>
+CSA_TARGET_AVX512BF16 __attribute__((always_inline)) inline void dp_panels(
+    const uint32_t* xb, int64_t ldxb, const uint32_t* const (&panel)[NP], int64_t p0, int64_t p1,
+    float* const (&out)[NP]) {
+  static_assert(NP * MR <= 6, "at most 24 accumulators");
+  __m512 acc[NP][MR][4];
+  for (int h = 0; h < NP; ++h)
+    for (int m = 0; m < MR; ++m)
+      for (int c = 0; c < 4; ++c) acc[h][m][c] = _mm512_setzero_ps();
+  for (int64_t p = p0; p < p1; ++p) {
+    __m512bh w[NP][4];
+    for (int h = 0; h < NP; ++h) {
+      const uint32_t* wp = panel[h] + p * kPanel;
+      if (kAhead)
+        for (int c = 0; c < 4; ++c)
+          _mm_prefetch(reinterpret_cast<const char*>(wp + kPrefetchPairs * kPanel + 16 * c),
+                       _MM_HINT_T0);
+      for (int c = 0; c < 4; ++c) w[h][c] = (__m512bh)_mm512_loadu_si512(wp + 16 * c);
+    }
+    for (int m = 0; m < MR; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(xb[m * ldxb + p]));
+      for (int h = 0; h < NP; ++h)
+        for (int c = 0; c < 4; ++c) acc[h][m][c] = _mm512_dpbf16_ps(acc[h][m][c], xv, w[h][c]);
+    }
+  }
+  for (int h = 0; h < NP; ++h)
+    for (int m = 0; m < MR; ++m)
+      for (int c = 0; c < 4; ++c) {
+        float* o = out[h] + m * kPanel + 16 * c;
+        _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), acc[h][m][c]));
+      }
+}
+
+// MR rows x one panel.
 template <int MR, bool kAhead = false>
 CSA_TARGET_AVX512BF16 __attribute__((always_inline)) inline void dp_tile(
     const uint32_t* xb, int64_t ldxb, const uint32_t* panel, int64_t p0, int64_t p1, float* out) {
-  __m512 acc[MR][4];
-  for (int m = 0; m < MR; ++m)
-    for (int c = 0; c < 4; ++c) acc[m][c] = _mm512_setzero_ps();
-  for (int64_t p = p0; p < p1; ++p) {
-    const uint32_t* wp = panel + p * kPanel;
-    if (kAhead)
-      for (int c = 0; c < 4; ++c)
-        _mm_prefetch(reinterpret_cast<const char*>(wp + kPrefetchPairs * kPanel + 16 * c),
-                     _MM_HINT_T0);
-    __m512bh w[4];
-    for (int c = 0; c < 4; ++c) w[c] = (__m512bh)_mm512_loadu_si512(wp + 16 * c);
-    for (int m = 0; m < MR; ++m) {
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(xb[m * ldxb + p]));
-      for (int c = 0; c < 4; ++c) acc[m][c] = _mm512_dpbf16_ps(acc[m][c], xv, w[c]);
-    }
-  }
-  for (int m = 0; m < MR; ++m)
-    for (int c = 0; c < 4; ++c) {
-      float* o = out + m * kPanel + 16 * c;
-      _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), acc[m][c]));
-    }
+  dp_panels<MR, 1, kAhead>(xb, ldxb, {panel}, p0, p1, {out});
 }
 
 // `rows` rows (any count) in tiles of 6, the last tile smaller; 1, 3 or 4 rows prefetching.
@@ -76,6 +92,21 @@ CSA_TARGET_AVX512BF16 __attribute__((always_inline)) inline void dp_rows(
     case 1: dp_tile<1>(xb + r * ldxb, ldxb, panel, p0, p1, out + r * kPanel); break;
     default: break;
   }
+}
+
+// One to three rows (decode) x two panels a and b in one pass, prefetching: two streams from
+// memory a thread where one panel is one. Three rows are rows 0-1 from memory, then row 2
+// from the chunk that pass left in L2. Measured on a 2-core Xeon with AMX (ten 80 MB linears
+// in a row, 2 threads, three processes of each build in turns): 0.87-0.93x dp_rows' time at
+// 1 row, 0.72-0.79x at 2 (prefetching here, unlike dp_tile at 2 rows), 0.78x at 3; four
+// rows as 2 + 2 were no faster than dp_tile<4> on one panel, so they stay there.
+CSA_TARGET_AVX512BF16 __attribute__((always_inline)) inline void dp_rows_two(
+    const uint32_t* xb, int64_t ldxb, int64_t rows, const uint32_t* pa, const uint32_t* pb,
+    int64_t p0, int64_t p1, float* oa, float* ob) {
+  if (rows == 1) return dp_panels<1, 2, true>(xb, ldxb, {pa, pb}, p0, p1, {oa, ob});
+  dp_panels<2, 2, true>(xb, ldxb, {pa, pb}, p0, p1, {oa, ob});
+  if (rows == 3)
+    dp_panels<1, 2, false>(xb + 2 * ldxb, ldxb, {pa, pb}, p0, p1, {oa + 2 * kPanel, ob + 2 * kPanel});
 }
 
 }  // namespace csa::dp_bf16

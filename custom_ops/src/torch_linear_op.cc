@@ -88,6 +88,7 @@ constexpr const char* kIsaVariable = "CSA_TORCH_LINEAR_ISA";
 
 constexpr int64_t kPanel = 64;     // columns per packed panel
 constexpr int64_t kMaxRows = 48;   // rows per task of the fmaf tiles (a multiple of 6 and 2)
+constexpr int64_t kTwoPanelRows = 3;  // up to this many rows a vdpbf16ps task streams two panels
 constexpr int64_t kDpRows = 96;    // rows per task of the vdpbf16ps tiles (a multiple of 6)
 constexpr int64_t kAmxMinRows = 16;  // numerics "fast": fewer rows stay on vdpbf16ps
 // Exact on a CPU with AMX (Sapphire Rapids class), the path not forced: from this many rows
@@ -355,19 +356,31 @@ struct Job {
   int64_t rows_per_task, row_blocks, n_panels;  // n_panels: one group's, ceil(N/64)
   bool round_output;  // Y through bfloat16 (the graph's Cast pair, fused)
   int64_t group0;     // the tasks' first group (they cover groups group0, group0 + 1, ...)
+  int64_t panels_per_task = 1;  // 2: a task's tiles stream two panels at once (decode)
 };
 
-// A task's group, panel (its index among all groups' panels) and rows; its tile writes them
-// to a buffer that goes to Y at the end.
+// A group's tasks per row block: its panels, panels_per_task at a time.
+CSA_INLINE int64_t task_panels(const Job& j) {
+  return (j.n_panels + j.panels_per_task - 1) / j.panels_per_task;
+}
+
+// A task's group, first panel (its index among all groups' panels), panel count (1, or 2
+// with panels_per_task 2) and rows; its tile writes them to a buffer that goes to Y at the
+// end.
 struct TaskRows {
-  int64_t group, panel, m0, rows;
+  int64_t group, panel, m0, rows, panels = 1;
 };
 
 CSA_INLINE TaskRows task_rows(const Job& j, size_t task) {
   const int64_t t = static_cast<int64_t>(task);
   const int64_t m0 = (t % j.row_blocks) * j.rows_per_task;
-  const int64_t panel = j.group0 * j.n_panels + t / j.row_blocks;
-  return {panel / j.n_panels, panel, m0, j.M - m0 < j.rows_per_task ? j.M - m0 : j.rows_per_task};
+  const int64_t q = t / j.row_blocks, per_group = task_panels(j);
+  const int64_t group = j.group0 + q / per_group;
+  const int64_t first = q % per_group * j.panels_per_task;  // within the group
+  const int64_t left = j.n_panels - first;
+  return {group, group * j.n_panels + first, m0,
+          j.M - m0 < j.rows_per_task ? j.M - m0 : j.rows_per_task,
+          left < j.panels_per_task ? left : j.panels_per_task};
 }
 
 // The task's first row of its group's X; rows are G*K apart.
@@ -601,6 +614,17 @@ CSA_TARGET_AVX512BF16 void task_avx512bf16(const Job& j, size_t task, bool) {
   const uint32_t* panel = static_cast<const uint32_t*>(j.panels) + tr.panel * j.pairs * kPanel;
   const int64_t ldxb = j.pairs;
   const uint32_t* xb = j.xb + ((tr.group - j.group0) * j.M + tr.m0) * ldxb;
+  if (tr.panels == 2) {  // decode: the panel and the next one in one pass
+    alignas(64) float buf2[kTwoPanelRows * kPanel] = {};
+    const uint32_t* next = panel + j.pairs * kPanel;
+    for (int64_t k0 = 0; k0 < j.K; k0 += j.plan.chunk) {
+      const int64_t k1 = k0 + j.plan.chunk < j.K ? k0 + j.plan.chunk : j.K;
+      dp_bf16::dp_rows_two(xb, ldxb, tr.rows, panel, next, k0 / 2, (k1 + 1) / 2, buf, buf2);
+    }
+    store_rows(j, tr, buf);
+    store_rows(j, {tr.group, tr.panel + 1, tr.m0, tr.rows}, buf2);
+    return;
+  }
   for (int64_t k0 = 0; k0 < j.K; k0 += j.plan.chunk) {  // chunks are even but the last
     const int64_t k1 = k0 + j.plan.chunk < j.K ? k0 + j.plan.chunk : j.K;
     const int64_t p0 = k0 / 2, p1 = (k1 + 1) / 2;
@@ -636,7 +660,7 @@ void run_groups(OrtKernelContext* ctx, const Job& job, Task task, int64_t groups
     const Call& c = *static_cast<const Call*>(data);
     c.task(*c.job, t, c.w_bf16);
   };
-  const int64_t tasks = job.row_blocks * groups * job.n_panels;
+  const int64_t tasks = job.row_blocks * groups * task_panels(job);
   run_tasks(ctx, job.M * groups * job.N * job.K, serial_below::kMultiplyAdds,
             static_cast<size_t>(tasks), run, &call);
 }
@@ -707,11 +731,14 @@ struct TorchLinearKernel {
   bool amx = false;  // numerics "fast", bf16 W, the avx512bf16 path, AMX granted by the OS
   bool fmaf_prefill = false;  // the CPU has AMX, the path is not forced: exact prefill takes
                               // the fmaf tiles (kFmafMinRowsOnAmx)
+  bool two_panels = false;    // the CPU has AMX: decode's vdpbf16ps tasks stream two panels
+                              // (kTwoPanelRows; measured there only, so far)
 
   TorchLinearKernel(const OrtApi*, const OrtKernelInfo* info)
       : isa(select_isa()), attrs((require_node_io(info, kOp, 2, 1), info)) {
     const bool amx_cpu = kBf16 && isa == Isa::kAvx512Bf16 && cpu_has_amx_bf16();
     fmaf_prefill = amx_cpu && !isa_forced(kIsaVariable);
+    two_panels = amx_cpu;
     amx = amx_cpu && attrs.fast && amx_bf16::enable();
     const Ort::ConstValue w = constant_input(info, 1);
     if (w == nullptr) return;  // not a constant: packed (plain) or checked (panels64) per call
@@ -880,6 +907,7 @@ struct TorchLinearKernel {
             part.xb = xb.get();
             part.rows_per_task = kDpRows;
             part.row_blocks = (M + kDpRows - 1) / kDpRows;
+            part.panels_per_task = two_panels && M <= kTwoPanelRows ? 2 : 1;
             part_task = task_avx512bf16;
             dp_calls.fetch_add(1, std::memory_order_relaxed);
           }
