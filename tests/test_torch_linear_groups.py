@@ -170,12 +170,12 @@ def test_groups_take_vdpbf16ps_and_fall_back_with_the_same_bits(layout: str) -> 
     """Where the CPU has AVX512_BF16, a grouped call of bf16-exact X runs on vdpbf16ps (the
     counter moves) and one of X that is not bf16-exact on the fmaf tiles: both the
     per-group bits. 800 rows of K = 4095 convert X in batches of 2 groups (at most 2^22
-    pairs a batch), 100 rows in one; 1 to 3 rows take their panels two at a time, 3 a group
-    here (a pair, then one alone: a pair never spans two groups)."""
+    pairs a batch), 100 rows in one; on an AMX CPU 1 to 3 rows take their panels two at a
+    time, 5 a group here (two pairs, then one alone: a pair never spans two groups)."""
     if not has_avx512bf16():
         pytest.skip("this CPU has no AVX512_BF16")
     rng = np.random.default_rng(72)
-    n, k, groups = 130, 4095, 3
+    n, k, groups = 300, 4095, 3
     _, w = inputs_for(rng, (1,), n, k, groups)
     grouped, want = sessions_or_skip(
         [grouped_model(w, "bf16", layout, groups, const=True, rounded=False),

@@ -907,7 +907,8 @@ struct TorchLinearKernel {
             part.xb = xb.get();
             part.rows_per_task = kDpRows;
             part.row_blocks = (M + kDpRows - 1) / kDpRows;
-            part.panels_per_task = two_panels && M <= kTwoPanelRows ? 2 : 1;
+            // two panels a task where that still leaves each thread a task (4 panels or more)
+            part.panels_per_task = two_panels && M <= kTwoPanelRows && job.n_panels >= 4 ? 2 : 1;
             part_task = task_avx512bf16;
             dp_calls.fetch_add(1, std::memory_order_relaxed);
           }
