@@ -7,7 +7,10 @@ again and again, so its weights sit in L3: this is the number a decode step sees
     python tools/bench_decode_stream.py [--rows 1,4] [--k 8192 --n 5120 --layers 10]
         [--library A.so,B.so]   # builds of the custom-op library, timed in turns (A/B)
 
-Each library gets its own session; rounds alternate between them and the median is printed.
+Every round creates each library's session anew and times it in turn; the median is
+printed. A session's weights sit in pages of their own, and two sessions kept for the whole
+run measured up to 40% apart on one build depending on which was made first (a 2-core Xeon,
+800 MiB each): fresh sessions average over placements, so an A/B compares the builds.
 """
 
 from __future__ import annotations
@@ -68,7 +71,6 @@ def main(argv: list[str] | None = None) -> None:
     model = stream_model(args.k, args.n, args.layers, rng)
     weight_bytes = args.layers * args.n * args.k * 2
     libraries = args.library.split(",") if args.library else [None]
-    sessions = {lib: session(model, args.threads, lib) for lib in libraries}
     probe = ReadProbe(args.threads)
     flat = np.ones((ReadProbe.ROWS, weight_bytes // 4 // ReadProbe.ROWS), np.float32)
     read = max(probe.bytes_per_s(flat) for _ in range(3))
@@ -77,13 +79,14 @@ def main(argv: list[str] | None = None) -> None:
     for m in (int(r) for r in args.rows.split(",")):
         x = rng.standard_normal((m, args.k)).astype(ml_dtypes.bfloat16).astype(np.float32)
         times: dict[str | None, list[float]] = {lib: [] for lib in libraries}
-        for lib in libraries:  # warm-up
-            sessions[lib].run(None, {"X": x})
         for _ in range(args.rounds):
             for lib in libraries:
+                fresh = session(model, args.threads, lib)
+                fresh.run(None, {"X": x})  # warm-up
                 t0 = time.perf_counter()
-                sessions[lib].run(None, {"X": x})
+                fresh.run(None, {"X": x})
                 times[lib].append(time.perf_counter() - t0)
+                del fresh
         for lib in libraries:
             median = float(np.median(times[lib]))
             print(f"rows {m}: {lib or 'this checkout'}: {median * 1e3:.2f} ms, "
