@@ -170,7 +170,7 @@ def test_groups_take_vdpbf16ps_and_fall_back_with_the_same_bits(layout: str) -> 
     """Where the CPU has AVX512_BF16, a grouped call of bf16-exact X runs on vdpbf16ps (the
     counter moves) and one of X that is not bf16-exact on the fmaf tiles: both the
     per-group bits. 800 rows of K = 4095 convert X in batches of 2 groups (at most 2^22
-    pairs a batch), 100 rows in one; on an AMX CPU 1 to 3 rows take their panels two at a
+    pairs a batch), 100 rows in one; on an AMX CPU 1 to 4 rows take their panels two at a
     time, 5 a group here (two pairs, then one alone: a pair never spans two groups)."""
     if not has_avx512bf16():
         pytest.skip("this CPU has no AVX512_BF16")
@@ -180,7 +180,7 @@ def test_groups_take_vdpbf16ps_and_fall_back_with_the_same_bits(layout: str) -> 
     grouped, want = sessions_or_skip(
         [grouped_model(w, "bf16", layout, groups, const=True, rounded=False),
          per_group_model(w, "bf16", layout, groups, rounded=False)], "avx512bf16")
-    for rows in (1, 2, 3, 100, 800):
+    for rows in (1, 2, 3, 4, 100, 800):
         exact = bf16_round(rng.standard_normal((rows, groups * k)).astype(np.float32))
         for x, on_dp in ((exact, True), (exact + np.float32(2.0 ** -20), False)):
             before = dp_calls()

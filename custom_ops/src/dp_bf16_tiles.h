@@ -94,19 +94,21 @@ CSA_TARGET_AVX512BF16 __attribute__((always_inline)) inline void dp_rows(
   }
 }
 
-// One to three rows (decode) x two panels a and b in one pass, prefetching: two streams from
-// memory a thread where one panel is one. Three rows are rows 0-1 from memory, then row 2
-// from the chunk that pass left in L2. Measured on a 2-core Xeon with AMX (ten 80 MB linears
-// in a row, 2 threads, three processes of each build in turns): 0.87-0.93x dp_rows' time at
-// 1 row, 0.72-0.79x at 2 (prefetching here, unlike dp_tile at 2 rows), 0.78x at 3; four
-// rows as 2 + 2 were no faster than dp_tile<4> on one panel, so they stay there.
+// One to four rows (decode) x two panels a and b in one pass, prefetching: two streams from
+// memory a thread where one panel is one. Four rows are rows 0-2 from memory, then row 3
+// from the chunk that pass left in L2 (4 x 2 x 4 accumulators do not fit). Measured on a
+// 2-core Xeon with AMX (tools/bench_decode_stream.py, ten 80 MB linears, 2 threads, fresh
+// sessions in turns), against dp_rows: 0.79 -> 0.91 of the read probe at 1 row, 0.62 ->
+// 0.90 at 2 (prefetching here, unlike dp_tile at 2 rows), 0.68-0.70 -> 0.81-0.84 at 3,
+// 0.57-0.62 -> 0.70-0.71 at 4 (as 2 + 2 rows: no faster than dp_tile<4>).
 CSA_TARGET_AVX512BF16 __attribute__((always_inline)) inline void dp_rows_two(
     const uint32_t* xb, int64_t ldxb, int64_t rows, const uint32_t* pa, const uint32_t* pb,
     int64_t p0, int64_t p1, float* oa, float* ob) {
   if (rows == 1) return dp_panels<1, 2, true>(xb, ldxb, {pa, pb}, p0, p1, {oa, ob});
-  dp_panels<2, 2, true>(xb, ldxb, {pa, pb}, p0, p1, {oa, ob});
-  if (rows == 3)
-    dp_panels<1, 2, false>(xb + 2 * ldxb, ldxb, {pa, pb}, p0, p1, {oa + 2 * kPanel, ob + 2 * kPanel});
+  if (rows == 2) return dp_panels<2, 2, true>(xb, ldxb, {pa, pb}, p0, p1, {oa, ob});
+  dp_panels<3, 2, true>(xb, ldxb, {pa, pb}, p0, p1, {oa, ob});
+  if (rows == 4)
+    dp_panels<1, 2, false>(xb + 3 * ldxb, ldxb, {pa, pb}, p0, p1, {oa + 3 * kPanel, ob + 3 * kPanel});
 }
 
 }  // namespace csa::dp_bf16

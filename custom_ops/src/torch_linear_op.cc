@@ -88,7 +88,7 @@ constexpr const char* kIsaVariable = "CSA_TORCH_LINEAR_ISA";
 
 constexpr int64_t kPanel = 64;     // columns per packed panel
 constexpr int64_t kMaxRows = 48;   // rows per task of the fmaf tiles (a multiple of 6 and 2)
-constexpr int64_t kTwoPanelRows = 3;  // up to this many rows a vdpbf16ps task streams two panels
+constexpr int64_t kTwoPanelRows = 4;  // up to this many rows a vdpbf16ps task streams two panels
 constexpr int64_t kDpRows = 96;    // rows per task of the vdpbf16ps tiles (a multiple of 6)
 constexpr int64_t kAmxMinRows = 16;  // numerics "fast": fewer rows stay on vdpbf16ps
 // Exact on a CPU with AMX (Sapphire Rapids class), the path not forced: from this many rows
