@@ -897,20 +897,21 @@ struct TorchLinearKernel {
           Job part = job;
           part.group0 = g0;
           Task part_task = task;
-          if (bf16_exact && amx && M >= kAmxMinRows) {  // fast: no exponent precondition
+          const bool on_amx = bf16_exact && amx && M >= kAmxMinRows;  // no exponent precondition
+          if (on_amx || (bf16_exact && dp_is_exact(x_range, w_range, K))) {  // X's bf16 pairs
             part.xb = xb.get();
             part.rows_per_task = kDpRows;
             part.row_blocks = (M + kDpRows - 1) / kDpRows;
-            part_task = task_amx;
-            amx_calls.fetch_add(1, std::memory_order_relaxed);
-          } else if (bf16_exact && dp_is_exact(x_range, w_range, K)) {
-            part.xb = xb.get();
-            part.rows_per_task = kDpRows;
-            part.row_blocks = (M + kDpRows - 1) / kDpRows;
-            // two panels a task where that still leaves each thread a task (4 panels or more)
-            part.panels_per_task = two_panels && M <= kTwoPanelRows && job.n_panels >= 4 ? 2 : 1;
-            part_task = task_avx512bf16;
-            dp_calls.fetch_add(1, std::memory_order_relaxed);
+            if (on_amx) {
+              part_task = task_amx;
+              amx_calls.fetch_add(1, std::memory_order_relaxed);
+            } else {
+              // two panels a task where that still leaves each thread a task (4 panels or more)
+              part.panels_per_task =
+                  two_panels && M <= kTwoPanelRows && job.n_panels >= 4 ? 2 : 1;
+              part_task = task_avx512bf16;
+              dp_calls.fetch_add(1, std::memory_order_relaxed);
+            }
           }
           run_groups(ctx, part, part_task, count, kBf16);
         }
