@@ -27,7 +27,8 @@ from csa2onnx.custom_ops.portable import portable_functions
 from csa2onnx.custom_ops.reference import act_quant_e4m3, fp8_linear, round_bf16
 from csa2onnx.graphs.standalone import IR_VERSION, build_model
 
-ISAS = ("avx512", "avx512-novbmi", "avx2", "scalar")  # avx512-novbmi: tests only
+# avx512-nofp16 and avx512-novbmi: forced for tests only
+ISAS = ("avx512", "avx512-nofp16", "avx512-novbmi", "avx2", "scalar")
 # the upstream reference beside the checkout (tools/upstream.py's rule)
 REFERENCE_DIR = Path(os.environ.get("CSA2ONNX_UPSTREAM")
                      or Path(__file__).resolve().parents[2] / "shared" / "reference")
@@ -351,7 +352,18 @@ def activations(rng: np.random.Generator, m: int, k: int) -> np.ndarray:
     return round_bf16(x.astype(np.float32))
 
 
-HAS_VBMI = Path("/proc/cpuinfo").is_file() and " avx512vbmi " in Path("/proc/cpuinfo").read_text()
+CPUINFO = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+HAS_VBMI = " avx512vbmi " in CPUINFO
+# the few-rows kernel's other conversion of W needs both
+HAS_FP16 = " avx512_fp16 " in CPUINFO and " gfni " in CPUINFO
+
+
+def assert_few_rows_path(isa: str, grew: dict[str, int], few_rows: bool = True) -> None:
+    """The few-rows path ran exactly where it should: AVX512-VBMI's, converting W by
+    AVX512-FP16 on the default path of a CPU that has it, by tables on the others."""
+    small = few_rows and isa in ("avx512", "avx512-nofp16") and HAS_VBMI
+    assert (grew["small_tasks"] > 0) == small, (isa, grew)
+    assert (grew["fp16_tasks"] > 0) == (small and isa == "avx512" and HAS_FP16), (isa, grew)
 
 
 def counts_after(fn) -> dict[str, int]:
@@ -423,8 +435,7 @@ def test_each_exact_fallback_is_taken(fed_sessions, kind: str, count: str, m: in
         grew = counts_after(lambda s=session, i=isa: assert_same(run(s, x, codes, w_scale), want,
                                                                  f"isa={i} {kind}"))
         assert grew["calls"] == 1 and grew[count] > 0, (isa, kind, grew)
-        # the few-rows path is AVX512-VBMI's
-        assert (grew["small_tasks"] > 0) == (m <= 4 and isa == "avx512" and HAS_VBMI), (isa, grew)
+        assert_few_rows_path(isa, grew, few_rows=m <= 4)
 
 
 def norm_bound_blocks() -> tuple[np.ndarray, np.ndarray]:
@@ -512,7 +523,7 @@ def test_few_rows_path_on_every_edge(fed_sessions, m: int, n: int, k: int) -> No
     for isa, session in fed_sessions.items():
         grew = counts_after(lambda s=session, i=isa: assert_same(run(s, x, codes, w_scale), want,
                                                                  f"isa={i}"))
-        assert (grew["small_tasks"] > 0) == (isa == "avx512" and HAS_VBMI), (isa, grew)
+        assert_few_rows_path(isa, grew)
         assert grew["lane_sums"] > 0 and grew["row_sums"] > 0, (isa, grew)
     for threads in (1, 2):
         session = session_for(fp8_model(codes, w_scale), threads=threads)

@@ -1,11 +1,13 @@
 """How fast decode's linears stream their weights from memory: L TorchLinear nodes in one
-graph (bf16 panels64 W [N, K] each, L*N*K*2 bytes in all, far past any L3), one X [M, K],
-timed per run; GB/s = weight bytes / time, beside the bench's read probe (a ReduceSum over
-as many bytes: what the memory gives these threads). `tools/bench_ops.py` calls one linear
-again and again, so its weights sit in L3: this is the number a decode step sees.
+graph (bf16 panels64 W [N, K] each, L*N*K*2 bytes in all, far past any L3), or L Fp8Linear
+nodes (`--weights fp8`: e4m3 W [N, K] as a checkpoint holds them, one byte a weight, and
+their block scales), one X [M, K], timed per run; GB/s = weight bytes / time, beside the
+bench's read probe (a ReduceSum over as many bytes: what the memory gives these threads).
+`tools/bench_ops.py` calls one linear again and again, so its weights sit in L3: this is
+the number a decode step sees.
 
     python tools/bench_decode_stream.py [--rows 1,4] [--k 8192 --n 5120 --layers 10]
-        [--library A.so,B.so]   # builds of the custom-op library, timed in turns (A/B)
+        [--weights bf16|fp8] [--library A.so,B.so]   # builds, timed in turns (A/B)
 
 Every round creates each library's session anew and times it in turn; the median is
 printed. A session's weights sit in pages of their own, and two sessions kept for the whole
@@ -21,6 +23,7 @@ import time
 import ml_dtypes
 import numpy as np
 import onnxruntime as ort
+from bench_ops import checkpoint_fp8_weights
 from onnx import TensorProto, helper
 
 from csa2onnx.custom_ops import session_options
@@ -28,17 +31,28 @@ from csa2onnx.custom_ops.weight_layout import pack_panels
 from csa2onnx.export.bench import ReadProbe
 
 
-def stream_model(k: int, n: int, layers: int, rng: np.random.Generator) -> bytes:
-    """`layers` TorchLinear nodes on one X, each with its own constant panels64 W."""
+def stream_model(k: int, n: int, layers: int, rng: np.random.Generator,
+                 weights: str = "bf16") -> bytes:
+    """`layers` linears on one X, each with its own constant W: TorchLinear on panels64
+    bf16, or Fp8Linear on e4m3 codes and scales."""
     initializers, nodes, outputs = [], [], []
     for i in range(layers):
-        w = (rng.standard_normal((n, k)) * 0.02).astype(ml_dtypes.bfloat16)
-        panels = pack_panels(w).panels
-        initializers.append(helper.make_tensor(f"W{i}", TensorProto.BFLOAT16, panels.shape,
-                                               panels.view(np.uint16).tobytes(), raw=True))
-        nodes.append(helper.make_node("TorchLinear", ["X", f"W{i}"], [f"Y{i}"],
-                                      domain="csa2onnx", weight_layout="panels64",
-                                      out_features=n, in_features=k))
+        if weights == "fp8":
+            codes, w_scale = checkpoint_fp8_weights(rng, n, k)
+            initializers += [helper.make_tensor(f"W{i}", TensorProto.FLOAT8E4M3FN, [n, k],
+                                                codes.tobytes(), raw=True),
+                             helper.make_tensor(f"S{i}", TensorProto.FLOAT, w_scale.shape,
+                                                w_scale.tobytes(), raw=True)]
+            nodes.append(helper.make_node("Fp8Linear", ["X", f"W{i}", f"S{i}"], [f"Y{i}"],
+                                          domain="csa2onnx"))
+        else:
+            w = (rng.standard_normal((n, k)) * 0.02).astype(ml_dtypes.bfloat16)
+            panels = pack_panels(w).panels
+            initializers.append(helper.make_tensor(f"W{i}", TensorProto.BFLOAT16, panels.shape,
+                                                   panels.view(np.uint16).tobytes(), raw=True))
+            nodes.append(helper.make_node("TorchLinear", ["X", f"W{i}"], [f"Y{i}"],
+                                          domain="csa2onnx", weight_layout="panels64",
+                                          out_features=n, in_features=k))
         outputs.append(helper.make_tensor_value_info(f"Y{i}", TensorProto.FLOAT, None))
     graph = helper.make_graph(nodes, "stream",
                               [helper.make_tensor_value_info("X", TensorProto.FLOAT, None)],
@@ -64,17 +78,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--weights", choices=("bf16", "fp8"), default="bf16",
+                        help="TorchLinear on bf16 weights or Fp8Linear on e4m3 ones")
     parser.add_argument("--library", default=None,
                         help="comma-separated custom-op library builds (default: this one)")
     args = parser.parse_args(argv)
     rng = np.random.default_rng(0)
-    model = stream_model(args.k, args.n, args.layers, rng)
-    weight_bytes = args.layers * args.n * args.k * 2
+    model = stream_model(args.k, args.n, args.layers, rng, args.weights)
+    weight_bytes = args.layers * args.n * args.k * (1 if args.weights == "fp8" else 2)
     libraries = args.library.split(",") if args.library else [None]
     probe = ReadProbe(args.threads)
     flat = np.ones((ReadProbe.ROWS, weight_bytes // 4 // ReadProbe.ROWS), np.float32)
     read = max(probe.bytes_per_s(flat) for _ in range(3))
-    print(f"{args.layers} linears of K {args.k} x N {args.n} bf16 ({weight_bytes / 2**20:.0f} "
+    print(f"{args.layers} linears of K {args.k} x N {args.n} {args.weights} "
+          f"({weight_bytes / 2**20:.0f} "
           f"MiB), {args.threads} threads; read probe over as many bytes: {read / 1e9:.1f} GB/s")
     for m in (int(r) for r in args.rows.split(",")):
         x = rng.standard_normal((m, args.k)).astype(ml_dtypes.bfloat16).astype(np.float32)

@@ -344,12 +344,12 @@ def choose(rng: np.random.Generator, values: list[int]) -> int:
 
 def forced_isa(rng: np.random.Generator, paths: tuple[str, ...]) -> str | None:
     """None (the kernel's own choice) or one of `paths` this CPU can run, to force through
-    the op's ISA variable ("avx512-novbmi" needs AVX-512)."""
+    the op's ISA variable ("avx512-novbmi" and "avx512-nofp16" need AVX-512)."""
     from csa2onnx.custom_ops.library import cpu_isas
 
     has = cpu_isas()
-    runnable = [None] + [p for p in paths
-                         if p in has or (p == "avx512-novbmi" and "avx512" in has)]
+    forced_only = ("avx512-novbmi", "avx512-nofp16")
+    runnable = [None] + [p for p in paths if p in has or (p in forced_only and "avx512" in has)]
     return runnable[int(rng.integers(len(runnable)))]
 
 
@@ -444,7 +444,7 @@ def fp8_case(rng: np.random.Generator, index: int, omit_inputs: bool) -> Case:
     w_scale = fp8_scales(rng, scale_shape)
     if k % 32:
         ok = False
-    isa = forced_isa(rng, ("scalar", "avx2", "avx512", "avx512-novbmi"))
+    isa = forced_isa(rng, ("scalar", "avx2", "avx512", "avx512-nofp16", "avx512-novbmi"))
     inputs: list[str] = []
     if rng.random() < 0.01 and omit_inputs:
         inputs, ok = [["X", "W"], ["X", "", "WScale"], ["", "W", "WScale"]][

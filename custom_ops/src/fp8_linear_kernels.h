@@ -98,10 +98,14 @@ struct SmallJob {
   float* g;
   int32_t* sums;              // [kbs][kGroups][rows][16]
   int16_t* xp;                // scratch [rows][kXpRow] (X by quads)
-  int32_t* tsum;              // scratch [rows][kPanel][kTsumLd] (sums, lanes over k)
+  int32_t* tsum;              // scratch [rows][kLanes][kTsumLd] (a group's sums, lanes over k)
 };
 constexpr int64_t kSmallRows = 4;
 constexpr int64_t kPrefetchBytes = 16384;  // dot_small asks for W's codes this far ahead (L2)
+// dot_small's columns side by side, a slice of each in turn: sequential streams of W for the
+// prefetchers. Measured (ten to twenty 8192 x 5120 linears from DRAM, one row, 1 thread):
+// 7.1-7.3 GB/s with 1, 7.7 with 2, 7.9-8.2 with 4, 7.5 with 8, 7.3 with 16.
+constexpr int64_t kStreams = 4;
 
 struct TaskView {
   const int16_t* xi;      // [rows][K], the task's first row
@@ -844,52 +848,208 @@ CSA_TARGET_AVX512 CSA_INLINE void transpose16(__m512i (&r)[16]) {
 struct RowTables {
   alignas(64) uint8_t expo[128];         // E of a nonzero code, 255 for zero (and NaN) codes
   alignas(64) uint8_t quad_base[4][64];  // vpermb index: quad u's 128-bit lane b takes block 4u + b
+  alignas(64) int16_t quad_words[4][32]; // vpermw index: the same for a slice's 16 words
   alignas(64) int32_t natural[16];       // the tree's lane of block q
   RowTables() {
     for (int c = 0; c < 128; ++c) {
       const int e = c >> 3;
       expo[c] = (c == 0 || c == 0x7F) ? 255 : static_cast<uint8_t>(e == 0 ? 0 : e - 1);
     }
-    for (int u = 0; u < 4; ++u)
+    for (int u = 0; u < 4; ++u) {
       for (int b = 0; b < 64; ++b) quad_base[u][b] = static_cast<uint8_t>(4 * u + b / 16);
+      for (int w = 0; w < 32; ++w) quad_words[u][w] = static_cast<int16_t>(4 * u + w / 8);
+    }
     // the tree leaves block q = 4u + b (quad u, 128-bit lane b) in lane 4b + u
     for (int q = 0; q < 16; ++q) natural[q] = 4 * (q % 4) + q / 4;
   }
 };
 inline const RowTables kRowTables;
 
-// MR rows of X (decode, 1..4), lanes over k: each W row's codes are read in order (one
-// sequential stream: the panel's rows follow each other), four K blocks (a "quad", 128
-// codes) at a time, converted once to int16 units >> t with the tables of the packing (no
-// transpose), and multiplied with each row's blocks by vpdpwssd (measured in a harness
-// against the former 16-column path for 2..4 rows, which transposed W's codes: 1.35-2.1x
-// faster, the same sums). The quad's two zmm of codes are regrouped by
-// 128-bit lanes (vshufi64x2) so that lane b of each holds 16 codes of block 4u + b: then
-// each int32 lane gathers 8 products of one block, a block's sum is 4 lanes, and a tree of
-// three add levels over a slice's four quads (16 blocks) makes one zmm of 16 block sums
-// (exact: any order of an int32 sum whose |terms| add up below 2^31, which the flags decide
-// as for the tiles). The sums are then stored per block with lanes over columns for the
-// epilogue.
-// A zmm of codes c: bytes m = |mantissa| << 3 with the sign, count = (11 + t) - E saturated
-// at 0 (E is 255 for zero codes), then vpunpck{l,h}bw makes words w = (m << 8) | count with
-// count <= 14 (GroupConverter), and w >> (w & 15) = units >> t exactly: (m << 8) is a
-// multiple of 2^count where units >> t is an integer, and count < 2^count adds nothing.
-// The unpacks take words 0-7 of each 128-bit lane into the first zmm, 8-15 into the second,
-// so X's blocks are stored in that order (xp: per quad, four zmm whose lane b holds words
-// 8c..8c+7 of block 4u + b). Lanes past N are 0, NaN codes count 0 (their columns are set
-// to NaN at the end), and lanes that are not int16 give sums the epilogue does not read (it
-// takes their slot).
-template <int MR, bool kVnni>
+// AVX512-FP16 and GFNI instructions by inline assembly, so that the kernels using them keep
+// the VBMI target and run only where the CPU has both (cpu_has_avx512fp16_gfni decides).
+CSA_TARGET_AVX512 CSA_INLINE __m512i fp16_scalef(__m512i a, __m512i b) {
+  __m512i r;
+  asm("vscalefph %2, %1, %0" : "=v"(r) : "v"(a), "v"(b));
+  return r;
+}
+CSA_TARGET_AVX512 CSA_INLINE __m512i fp16_to_int16(__m512i a) {
+  __m512i r;
+  asm("vcvtph2w %1, %0" : "=v"(r) : "v"(a));
+  return r;
+}
+CSA_TARGET_AVX512 CSA_INLINE __m512i int16_to_fp16(__m512i a) {
+  __m512i r;
+  asm("vcvtw2ph %1, %0" : "=v"(r) : "v"(a));
+  return r;
+}
+// GFNI's affine byte transform (each byte x -> the bits matrix . x, per 64-bit lane).
+template <uint64_t kMatrix>
+CSA_TARGET_AVX512 CSA_INLINE __m512i gf2_affine(__m512i x) {
+  __m512i r;
+  asm("vgf2p8affineqb $0, %2, %1, %0" : "=v"(r) : "v"(x), "v"(_mm512_set1_epi64(static_cast<int64_t>(kMatrix))));
+  return r;
+}
+// Output bit i of a byte takes the input bits of the matrix's byte 7 - i: the half float's
+// high byte s 0 e3 e2 e1 e0 m2 m1 and low byte m0 0000000 of an e4m3 code s e3..e0 m2 m1 m0.
+constexpr uint64_t kHalfHighByte = 0x0204081020400080ull, kHalfLowByte = 0x0000000000000001ull;
+
+// The two conversions of a zmm of codes c (128-bit lane b: 16 codes of one block whose
+// shift is t) to int16 units >> t, words 0-7 of each lane (lo) or 8-15 (hi), in the order
+// vpunpck{l,h}bw gives:
+// - VBMI (tables): bytes m = |mantissa| << 3 with the sign, count = (11 + t) - E saturated at
+//   0 (E is 255 for zero codes), then words w = (m << 8) | count with count <= 14
+//   (GroupConverter), and w >> (w & 15) = units >> t exactly: (m << 8) is a multiple of
+//   2^count where units >> t is an integer, and count < 2^count adds nothing.
+// - FP16 (arithmetic): the code's bits moved into a half float, s 0 eeee mmm 0000000 (its
+//   two bytes made by GFNI bit transforms, then interleaved), is the code's value times
+//   2^-8 for normal and subnormal codes alike; vscalefph by 17 - t makes it units >> t (an
+//   integer below 2^15 in an int16 block: exact) and vcvtph2w the int16. About half the
+//   instructions of the tables (no vpermt2b). A NaN code gives a finite value and lanes
+//   that are not int16 give any value: their columns are set to NaN, their sums taken from
+//   slots.
+// `scale` is a quad's per-lane figure: the bytes 11 + t (VBMI) or the half floats 17 - t.
+struct QuadConstants {
+  __m512i zero, low4, mant_lo, mant_hi, expo_lo, expo_hi;
+};
+
+template <bool kFp16>
+CSA_TARGET_AVX512_VBMI CSA_INLINE void convert_codes(const QuadConstants& k, __m512i codes, __m512i scale,
+                                                    __m512i& lo, __m512i& hi) {
+  if constexpr (kFp16) {
+    const __m512i hb = gf2_affine<kHalfHighByte>(codes), lb = gf2_affine<kHalfLowByte>(codes);
+    const __m512i w0 = _mm512_unpacklo_epi8(lb, hb), w1 = _mm512_unpackhi_epi8(lb, hb);
+    lo = fp16_to_int16(fp16_scalef(w0, scale));
+    hi = fp16_to_int16(fp16_scalef(w1, scale));
+  } else {
+    __m512i mv = _mm512_permutex2var_epi8(k.mant_lo, codes, k.mant_hi);
+    mv = _mm512_mask_sub_epi8(mv, _mm512_movepi8_mask(codes), k.zero, mv);
+    const __m512i count = _mm512_subs_epu8(scale, _mm512_permutex2var_epi8(k.expo_lo, codes, k.expo_hi));
+    const __m512i w0 = _mm512_unpacklo_epi8(count, mv), w1 = _mm512_unpackhi_epi8(count, mv);
+    lo = _mm512_srav_epi16(w0, _mm512_and_si512(w0, k.low4));
+    hi = _mm512_srav_epi16(w1, _mm512_and_si512(w1, k.low4));
+  }
+}
+
+// One quad (four K blocks, 128 codes: ca holds blocks 0 and 1, cb blocks 2 and 3), converted
+// once and multiplied with each row's four blocks (x: row 0's, rows kXpRow apart): lane
+// 4b + i of acc[m] is part of row m's block b.
+template <int MR, bool kVnni, bool kFp16>
+CSA_TARGET_AVX512_VBMI CSA_INLINE void dot_quad(const QuadConstants& k, __m512i ca, __m512i cb, __m512i scale,
+                                               const int16_t* x, __m512i (&acc)[MR]) {
+  // lane b of v[2h + i]: words 8i..8i+7 of codes 16h..16h+15 of block b
+  __m512i v[4];
+#pragma GCC unroll 2
+  for (int h = 0; h < 2; ++h)
+    convert_codes<kFp16>(k, _mm512_shuffle_i64x2(ca, cb, h == 0 ? 0x88 : 0xDD), scale, v[2 * h], v[2 * h + 1]);
+#pragma GCC unroll 4
+  for (int m = 0; m < MR; ++m) {  // each row of X against the same converted codes
+    const int16_t* xm = x + m * kXpRow;
+    __m512i a = _mm512_madd_epi16(v[0], _mm512_loadu_si512(xm));
+    CSA_DP16(kVnni, a, v[1], _mm512_loadu_si512(xm + 32));
+    CSA_DP16(kVnni, a, v[2], _mm512_loadu_si512(xm + 64));
+    CSA_DP16(kVnni, a, v[3], _mm512_loadu_si512(xm + 96));
+    acc[m] = a;
+  }
+}
+
+// A slice's 16 blocks' figure for convert_codes (t_row: their shifts; past the chunk any
+// value: their codes are zero), and quad u's lanes of it.
+template <bool kFp16>
+CSA_TARGET_AVX512_VBMI CSA_INLINE __m512i slice_figure(const uint8_t* t_row) {
+  const __m128i t16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(t_row));
+  if constexpr (kFp16)
+    return int16_to_fp16(_mm512_sub_epi16(_mm512_set1_epi16(17), _mm512_cvtepu8_epi16(_mm256_castsi128_si256(t16))));
+  else
+    return _mm512_castsi128_si512(_mm_add_epi8(t16, _mm_set1_epi8(11)));
+}
+template <bool kFp16>
+CSA_TARGET_AVX512_VBMI CSA_INLINE __m512i quad_scale(const RowTables& rt, __m512i figure, int u) {
+  if constexpr (kFp16)
+    return _mm512_permutexvar_epi16(_mm512_load_si512(rt.quad_words[u]), figure);
+  else
+    return _mm512_permutexvar_epi8(_mm512_load_si512(rt.quad_base[u]), figure);
+}
+
+// A slice's block sums of MR rows from the four quads' accumulators: lane 4b + i of
+// acc[u][m] is part of block 4u + b; three levels leave block 4u + b in lane 4b + u, and
+// vpermd puts it in lane 4u + b. Row m's 16 sums go to ts + m * kLanes * kTsumLd.
+template <int MR>
+CSA_TARGET_AVX512_VBMI CSA_INLINE void store_slice_sums(__m512i (&acc)[4][MR], __m512i natural, int32_t* ts) {
+#pragma GCC unroll 4
+  for (int m = 0; m < MR; ++m) {
+    const __m512i r01 = _mm512_add_epi32(_mm512_unpacklo_epi32(acc[0][m], acc[1][m]),
+                                         _mm512_unpackhi_epi32(acc[0][m], acc[1][m]));
+    const __m512i r23 = _mm512_add_epi32(_mm512_unpacklo_epi32(acc[2][m], acc[3][m]),
+                                         _mm512_unpackhi_epi32(acc[2][m], acc[3][m]));
+    const __m512i sums = _mm512_add_epi32(_mm512_unpacklo_epi64(r01, r23), _mm512_unpackhi_epi64(r01, r23));
+    _mm512_storeu_si512(ts + m * kLanes * kTsumLd, _mm512_permutexvar_epi32(natural, sums));
+  }
+}
+
+// Slice s (blocks 16s..16s+15 of the chunk) of one column: its row of codes, its shifts
+// t_row, X by quads xp; the MR rows' 16 block sums to ts (+ m * kLanes * kTsumLd) + 16s.
+template <int MR, bool kVnni, bool kFp16>
+CSA_TARGET_AVX512_VBMI CSA_INLINE void dot_slice(const QuadConstants& k, __m512i natural, const uint8_t* row,
+                                                const uint8_t* t_row, const int16_t* xp, int64_t s, int64_t kbs,
+                                                int32_t* ts) {
+  const RowTables& rt = kRowTables;
+  const __m512i figure = slice_figure<kFp16>(t_row + 16 * s);
+  __m512i acc[4][MR];
+  if (16 * s + 16 <= kbs) {  // a whole slice: plain loads, no branches
+    const uint8_t* src = row + 16 * kBlock * s;
+#pragma GCC unroll 4
+    for (int u = 0; u < 4; ++u) {
+      _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchBytes + 128 * u), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchBytes + 128 * u + 64), _MM_HINT_T1);
+      dot_quad<MR, kVnni, kFp16>(k, _mm512_loadu_si512(src + 128 * u), _mm512_loadu_si512(src + 128 * u + 64),
+                                 quad_scale<kFp16>(rt, figure, u), xp + 16 * kBlock * s + 128 * u, acc[u]);
+    }
+  } else {  // the chunk's last, partial slice: whole quads and a partial one by masks
+#pragma GCC unroll 4
+    for (int u = 0; u < 4; ++u) {
+      const int64_t b0 = 16 * s + 4 * u;  // the quad's first block in the chunk
+      if (b0 >= kbs) {
+        for (int m = 0; m < MR; ++m) acc[u][m] = k.zero;
+        continue;
+      }
+      const int64_t nb = kbs - b0;  // blocks past the chunk: zero codes and X, zero sums
+      const __mmask64 first = nb >= 2 ? ~__mmask64{0} : __mmask64{0xFFFFFFFFu};
+      const __mmask64 second = nb >= 4 ? ~__mmask64{0} : nb == 3 ? __mmask64{0xFFFFFFFFu} : __mmask64{0};
+      const __m512i ca = _mm512_maskz_loadu_epi8(first, row + kBlock * b0);
+      const __m512i cb = _mm512_maskz_loadu_epi8(second, nb >= 3 ? row + kBlock * b0 + 64 : row);
+      dot_quad<MR, kVnni, kFp16>(k, ca, cb, quad_scale<kFp16>(rt, figure, u), xp + kBlock * b0, acc[u]);
+    }
+  }
+  store_slice_sums<MR>(acc, natural, ts + 16 * s);
+}
+
+// MR rows of X (decode, 1..4), lanes over k: each W row's codes are read in order (kStreams
+// rows side by side, a slice of 16 blocks of each in turn), four K blocks (a "quad", 128
+// codes) at a time, converted once to int16 units >> t (convert_codes: no transpose), and
+// multiplied with each row's blocks by vpdpwssd (measured in a harness against the former
+// 16-column path for 2..4 rows, which transposed W's codes: 1.35-2.1x faster, the same sums).
+// The quad's two zmm of codes are regrouped by 128-bit lanes (vshufi64x2) so that lane b of
+// each holds 16 codes of block 4u + b: then each int32 lane gathers 8 products of one block,
+// a block's sum is 4 lanes, and a tree of three add levels over a slice's four quads (16
+// blocks) makes one zmm of 16 block sums (exact: any order of an int32 sum whose |terms| add
+// up below 2^31, which the flags decide as for the tiles). The unpacks take words 0-7 of
+// each 128-bit lane first, 8-15 second, so X's blocks are stored in that order (xp: per
+// quad, four zmm whose lane b holds words 8c..8c+7 of block 4u + b). Lanes past N are 0.
+// The panel goes a group of 16 columns at a time: the group's block sums (tsum, 16 columns
+// of the chunk) are transposed to lanes over columns for the epilogue while still in L1
+// (after all 64 columns they came back from L2: 10% of the kernel's time, measured).
+template <int MR, bool kVnni, bool kFp16>
 CSA_TARGET_AVX512_VBMI __attribute__((noinline)) void dot_rows_vbmi(const SmallJob& j) {
   const PackTables& pt = kPackTables;
   const RowTables& rt = kRowTables;
+  const int64_t kbs = j.kbs;
   // X's chunk by quads, zero past the last block: a 4 x 4 transpose of 128-bit lanes
-  const int64_t quads = (j.kbs + 3) / 4;
+  const int64_t quads = (kbs + 3) / 4;
   for (int m = 0; m < MR; ++m) {
     for (int64_t q = 0; q < quads; ++q) {
       __m512i z[4];
       for (int b = 0; b < 4; ++b) {
-        const bool on = 4 * q + b < j.kbs;
+        const bool on = 4 * q + b < kbs;
         z[b] = _mm512_maskz_loadu_epi16(on ? ~__mmask32{0} : __mmask32{0},
                                         on ? j.xi + m * j.K + (j.kb0 + 4 * q + b) * kBlock : j.xi);
       }
@@ -902,79 +1062,45 @@ CSA_TARGET_AVX512_VBMI __attribute__((noinline)) void dot_rows_vbmi(const SmallJ
       _mm512_storeu_si512(dst + 96, _mm512_shuffle_i64x2(hi01, hi23, 0xDD));
     }
   }
-  const __m512i mant_lo = _mm512_load_si512(pt.mant), mant_hi = _mm512_load_si512(pt.mant + 64);
-  const __m512i expo_lo = _mm512_load_si512(rt.expo), expo_hi = _mm512_load_si512(rt.expo + 64);
-  const __m512i zero = _mm512_setzero_si512(), low4 = _mm512_set1_epi16(15);
+  const QuadConstants k{_mm512_setzero_si512(),          _mm512_set1_epi16(15),
+                        _mm512_load_si512(pt.mant),      _mm512_load_si512(pt.mant + 64),
+                        _mm512_load_si512(rt.expo),      _mm512_load_si512(rt.expo + 64)};
   const __m512i natural = _mm512_load_si512(rt.natural);
   const int64_t n_end = j.w.N - j.panel * kPanel < kPanel ? j.w.N - j.panel * kPanel : kPanel;
-  for (int64_t l = 0; l < kPanel; ++l) {
-    int32_t* ts = j.tsum + l * kTsumLd;
-    if (l >= n_end) {
-      for (int m = 0; m < MR; ++m) std::memset(ts + m * kPanel * kTsumLd, 0, sizeof(int32_t) * kTsumLd);
-      continue;
-    }
-    const int64_t n = j.panel * kPanel + l;
-    const uint8_t* row = j.w.w + n * j.w.K + j.kb0 * kBlock;
-    const uint8_t* t_row = j.w.shift_rows + n * (j.w.KB + kLanes) + j.kb0;  // padded by 16
-    const int64_t kbs = j.kbs;
-    for (int64_t s = 0; s * 16 < kbs; ++s) {
-      // 11 + t of the slice's blocks (past the chunk: any value, their codes are zero)
-      const __m512i tv = _mm512_castsi128_si512(_mm_add_epi8(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(t_row + 16 * s)), _mm_set1_epi8(11)));
-      __m512i acc[MR][4];
-#pragma GCC unroll 4
-      for (int u = 0; u < 4; ++u) {
-        const int64_t b0 = 16 * s + 4 * u;  // the quad's first block in the chunk
-        if (b0 >= kbs) {  // past the chunk
-          for (int m = 0; m < MR; ++m) acc[m][u] = zero;
-          continue;
-        }
-        // the last quad may hold fewer blocks (the others: zero codes and X, zero sums)
-        const int64_t nb = kbs - b0;
-        const __mmask64 first = nb >= 2 ? ~__mmask64{0} : __mmask64{0xFFFFFFFFu};
-        const __mmask64 second = nb >= 4 ? ~__mmask64{0} : nb == 3 ? __mmask64{0xFFFFFFFFu} : __mmask64{0};
-        _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchBytes + kBlock * b0), _MM_HINT_T1);
-        _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchBytes + kBlock * b0 + 64), _MM_HINT_T1);
-        const __m512i ca = _mm512_maskz_loadu_epi8(first, row + kBlock * b0);
-        const __m512i cb = _mm512_maskz_loadu_epi8(second, nb >= 3 ? row + kBlock * b0 + 64 : row);
-        const __m512i base = _mm512_permutexvar_epi8(_mm512_load_si512(rt.quad_base[u]), tv);
-        // lane b of v[2h + i]: words 8i..8i+7 of codes 16h..16h+15 of block b0 + b
-        __m512i v[4];
-#pragma GCC unroll 2
-        for (int h = 0; h < 2; ++h) {
-          const __m512i codes = _mm512_shuffle_i64x2(ca, cb, h == 0 ? 0x88 : 0xDD);
-          __m512i mv = _mm512_permutex2var_epi8(mant_lo, codes, mant_hi);
-          mv = _mm512_mask_sub_epi8(mv, _mm512_movepi8_mask(codes), zero, mv);
-          const __m512i count = _mm512_subs_epu8(base, _mm512_permutex2var_epi8(expo_lo, codes, expo_hi));
-          const __m512i w0 = _mm512_unpacklo_epi8(count, mv), w1 = _mm512_unpackhi_epi8(count, mv);
-          v[2 * h] = _mm512_srav_epi16(w0, _mm512_and_si512(w0, low4));
-          v[2 * h + 1] = _mm512_srav_epi16(w1, _mm512_and_si512(w1, low4));
-        }
-#pragma GCC unroll 4
-        for (int m = 0; m < MR; ++m) {  // each row of X against the same converted codes
-          const int16_t* x = j.xp + m * kXpRow + kBlock * b0;
-          __m512i a = _mm512_madd_epi16(v[0], _mm512_loadu_si512(x));
-          CSA_DP16(kVnni, a, v[1], _mm512_loadu_si512(x + 32));
-          CSA_DP16(kVnni, a, v[2], _mm512_loadu_si512(x + 64));
-          CSA_DP16(kVnni, a, v[3], _mm512_loadu_si512(x + 96));
-          acc[m][u] = a;
+  for (int64_t c = 0; c < kGroups; ++c) {
+    // kStreams columns side by side, a slice of each in turn: as many sequential streams of
+    // W for the prefetchers
+    for (int64_t l0 = 0; l0 < kLanes; l0 += kStreams) {
+      for (int64_t s = 0; 16 * s < kbs; ++s) {
+        for (int64_t l = l0; l < l0 + kStreams; ++l) {
+          const int64_t col = c * kLanes + l;
+          if (col >= n_end) continue;
+          const int64_t n = j.panel * kPanel + col;
+          const uint8_t* row = j.w.w + n * j.w.K + j.kb0 * kBlock;
+          const uint8_t* t_row = j.w.shift_rows + n * (j.w.KB + kLanes) + j.kb0;  // padded by 16
+          dot_slice<MR, kVnni, kFp16>(k, natural, row, t_row, j.xp, s, kbs, j.tsum + l * kTsumLd);
         }
       }
-      // lane 4b + i of acc[m][u]: part of block 4u + b; three levels leave block 4u + b in
-      // lane 4b + u, and vpermd puts it in lane 4u + b
-#pragma GCC unroll 4
-      for (int m = 0; m < MR; ++m) {
-        const __m512i r01 = _mm512_add_epi32(_mm512_unpacklo_epi32(acc[m][0], acc[m][1]),
-                                             _mm512_unpackhi_epi32(acc[m][0], acc[m][1]));
-        const __m512i r23 = _mm512_add_epi32(_mm512_unpacklo_epi32(acc[m][2], acc[m][3]),
-                                             _mm512_unpackhi_epi32(acc[m][2], acc[m][3]));
-        const __m512i sums = _mm512_add_epi32(_mm512_unpacklo_epi64(r01, r23), _mm512_unpackhi_epi64(r01, r23));
-        _mm512_storeu_si512(ts + m * kPanel * kTsumLd + 16 * s, _mm512_permutexvar_epi32(natural, sums));
+    }
+    for (int64_t l = 0; l < kLanes; ++l)  // columns past N: zero sums
+      if (c * kLanes + l >= n_end)
+        for (int m = 0; m < MR; ++m) std::memset(j.tsum + (m * kLanes + l) * kTsumLd, 0, sizeof(int32_t) * kTsumLd);
+    // the group's sums per block with lanes over columns: 16 x 16 tiles of tsum (columns x
+    // blocks) transposed
+    for (int m = 0; m < MR; ++m) {
+      for (int64_t s = 0; s * 16 < kbs; ++s) {
+        __m512i t[16];
+        const int32_t* src = j.tsum + m * kLanes * kTsumLd + 16 * s;
+        for (int i = 0; i < 16; ++i) t[i] = _mm512_loadu_si512(src + i * kTsumLd);
+        transpose16(t);
+        const int64_t nq = kbs - 16 * s < 16 ? kbs - 16 * s : 16;
+        for (int64_t q = 0; q < nq; ++q)
+          _mm512_storeu_si512(j.sums + (((16 * s + q) * kGroups + c) * j.rows + m) * kLanes, t[q]);
       }
     }
   }
-  // sums per block with lanes over columns, and 2^t per (block, column)
-  for (int64_t kbi = 0; kbi < j.kbs; ++kbi) {
+  // 2^t per (block, column)
+  for (int64_t kbi = 0; kbi < kbs; ++kbi) {
     const int64_t kb = j.kb0 + kbi;
     for (int64_t c = 0; c < kGroups; ++c) {
       const int64_t n0 = j.panel * kPanel + c * kLanes;
@@ -986,23 +1112,9 @@ CSA_TARGET_AVX512_VBMI __attribute__((noinline)) void dot_rows_vbmi(const SmallJ
                                                             _mm512_set1_epi32(127 << 23))));
     }
   }
-  // 16 x 16 tiles of tsum (columns x blocks) transposed into sums (blocks x columns)
-  for (int m = 0; m < MR; ++m) {
-    for (int64_t c = 0; c < kGroups; ++c) {
-      for (int64_t s = 0; s * 16 < j.kbs; ++s) {
-        __m512i t[16];
-        const int32_t* src = j.tsum + (m * kPanel + c * kLanes) * kTsumLd + 16 * s;
-        for (int i = 0; i < 16; ++i) t[i] = _mm512_loadu_si512(src + i * kTsumLd);
-        transpose16(t);
-        const int64_t n = j.kbs - 16 * s < 16 ? j.kbs - 16 * s : 16;
-        for (int64_t q = 0; q < n; ++q)
-          _mm512_storeu_si512(j.sums + (((16 * s + q) * kGroups + c) * j.rows + m) * kLanes, t[q]);
-      }
-    }
-  }
   // the pairs of the groups a flagged row needs (row_patch reads them)
   const GroupConverter conv{kPackTables, j.w};
-  for (int64_t kbi = 0; kbi < j.kbs; ++kbi) {
+  for (int64_t kbi = 0; kbi < kbs; ++kbi) {
     for (int64_t c = 0; c < kGroups; ++c) {
       if (((j.flagged[kbi] >> c) & 1u) == 0) continue;
       int16_t* out = j.pw + (kbi * kPairs * kPanel + c * kLanes) * 2;
@@ -1012,13 +1124,13 @@ CSA_TARGET_AVX512_VBMI __attribute__((noinline)) void dot_rows_vbmi(const SmallJ
   }
 }
 
-template <bool kVnni>
+template <bool kVnni, bool kFp16>
 CSA_TARGET_AVX512_VBMI CSA_INLINE void dot_small_body(const SmallJob& j) {
   switch (j.rows) {
-    case 1: dot_rows_vbmi<1, kVnni>(j); break;
-    case 2: dot_rows_vbmi<2, kVnni>(j); break;
-    case 3: dot_rows_vbmi<3, kVnni>(j); break;
-    default: dot_rows_vbmi<4, kVnni>(j); break;
+    case 1: dot_rows_vbmi<1, kVnni, kFp16>(j); break;
+    case 2: dot_rows_vbmi<2, kVnni, kFp16>(j); break;
+    case 3: dot_rows_vbmi<3, kVnni, kFp16>(j); break;
+    default: dot_rows_vbmi<4, kVnni, kFp16>(j); break;
   }
 }
 

@@ -47,8 +47,10 @@
 // denormal WScale); the sums do not depend on it.
 //
 // CSA_FP8_LINEAR_ISA (or CSA2ONNX_ISA; read when a session creates the kernel) forces a path
-// for tests: "avx512" (VBMI packing and VNNI where the CPU has them), "avx2", "scalar", and
-// "avx512-novbmi" (AVX-512 without VBMI or VNNI: the generic packing, vpmaddwd tiles).
+// for tests: "avx512" (VBMI packing, VNNI and AVX512-FP16 where the CPU has them), "avx2",
+// "scalar", "avx512-nofp16" (the same without AVX512-FP16: the few-rows kernel converts W by
+// tables) and "avx512-novbmi" (AVX-512 without VBMI or VNNI: the generic packing, vpmaddwd
+// tiles).
 #include "ort_api.h"
 
 #include <atomic>
@@ -86,6 +88,7 @@ struct Counts {
   std::atomic<uint64_t> calls{0}, small_tasks{0}, lane_sums{0}, row_sums{0}, wide_sums{0};
   std::atomic<uint64_t> fast_calls{0};  // calls the fast kernel summed (numerics "fast")
   std::atomic<uint64_t> fast_amx_calls{0};  // ... of them on AMX tiles
+  std::atomic<uint64_t> fp16_tasks{0};  // few-rows tasks that converted W by AVX512-FP16
 };
 Counts counts;
 
@@ -373,6 +376,7 @@ struct Kernels {
   // few rows (<= kSmallRows): conversion and sums in one pass, then the epilogue (or null)
   void (*dot_small)(const SmallJob&) = nullptr;
   void (*epilogue_small)(const TaskView&, const int32_t* sums) = nullptr;
+  bool dot_small_fp16 = false;  // dot_small converts W by AVX512-FP16 (else by tables)
 };
 
 void quantize_scalar(const QuantJob& q, int64_t r) { quantize_row_body(q, r); }
@@ -407,14 +411,16 @@ CSA_TARGET_AVX512 void f_lanes_avx512_madd(const FJob& j) { f_lanes_avx512_body<
 CSA_TARGET_AVX512 void f_lanes_avx512_vnni(const FJob& j) { f_lanes_avx512_body<true>(j); }
 CSA_TARGET_AVX512 void row_patch_avx512_madd(const RowJob& j) { row_patch_avx512_body<false>(j); }
 CSA_TARGET_AVX512 void row_patch_avx512_vnni(const RowJob& j) { row_patch_avx512_body<true>(j); }
-CSA_TARGET_AVX512_VBMI void dot_small_madd(const SmallJob& j) { dot_small_body<false>(j); }
-CSA_TARGET_AVX512_VBMI void dot_small_vnni(const SmallJob& j) { dot_small_body<true>(j); }
+CSA_TARGET_AVX512_VBMI void dot_small_madd(const SmallJob& j) { dot_small_body<false, false>(j); }
+CSA_TARGET_AVX512_VBMI void dot_small_vnni(const SmallJob& j) { dot_small_body<true, false>(j); }
+CSA_TARGET_AVX512_VBMI void dot_small_fp16_madd(const SmallJob& j) { dot_small_body<false, true>(j); }
+CSA_TARGET_AVX512_VBMI void dot_small_fp16_vnni(const SmallJob& j) { dot_small_body<true, true>(j); }
 CSA_TARGET_AVX512 void epilogue_small_avx512(const TaskView& v, const int32_t* sums) {
   epilogue_small_body(v, sums);
 }
 #endif
 
-enum class Path { kScalar, kAvx2, kAvx512Plain, kAvx512 };
+enum class Path { kScalar, kAvx2, kAvx512Plain, kAvx512NoFp16, kAvx512 };
 
 bool cpu_supports(const char* feature) {
 #ifdef CSA_X86
@@ -433,14 +439,17 @@ Kernels kernels_for(Path path) {
     return {quantize_avx512, pack_avx512, flags_avx512, tiles_avx512_madd, f_lanes_avx512_madd,
             row_patch_avx512_madd, true};
   }
-  if (path == Path::kAvx512) {
+  if (path == Path::kAvx512 || path == Path::kAvx512NoFp16) {
     const bool vnni = cpu_supports("avx512vnni"), vbmi = cpu_supports("avx512vbmi");
+    const bool fp16 = path == Path::kAvx512 && cpu_has_avx512fp16_gfni();
     Kernels k{quantize_avx512, vbmi ? pack_avx512_vbmi : pack_avx512,
               flags_avx512, vnni ? tiles_avx512_vnni : tiles_avx512_madd,
               vnni ? f_lanes_avx512_vnni : f_lanes_avx512_madd,
               vnni ? row_patch_avx512_vnni : row_patch_avx512_madd, true};
     if (vbmi) {
-      k.dot_small = vnni ? dot_small_vnni : dot_small_madd;
+      k.dot_small = fp16 ? (vnni ? dot_small_fp16_vnni : dot_small_fp16_madd)
+                         : (vnni ? dot_small_vnni : dot_small_madd);
+      k.dot_small_fp16 = fp16;
       k.epilogue_small = epilogue_small_avx512;
     }
     return k;
@@ -456,6 +465,11 @@ Path select_path() {
     if (!cpu_has(Isa::kAvx512))
       fail(kOp, "CSA_FP8_LINEAR_ISA=avx512-novbmi but this CPU does not support it");
     return Path::kAvx512Plain;
+  }
+  if (forced != nullptr && std::strcmp(forced, "avx512-nofp16") == 0) {
+    if (!cpu_has(Isa::kAvx512))
+      fail(kOp, "CSA_FP8_LINEAR_ISA=avx512-nofp16 but this CPU does not support it");
+    return Path::kAvx512NoFp16;
   }
   switch (select_isa("CSA_FP8_LINEAR_ISA", /*has_reference=*/false, /*has_bf16=*/true)) {
     case Isa::kAvx512:
@@ -596,7 +610,7 @@ struct Scratch {
 // What one task adds to the op's counters (summed by the caller once per call: two threads
 // adding to one shared cache line at every task measurably slowed the few-rows path).
 struct TaskCounts {
-  uint64_t small_tasks = 0, lane_sums = 0, row_sums = 0, wide_sums = 0;
+  uint64_t small_tasks = 0, fp16_tasks = 0, lane_sums = 0, row_sums = 0, wide_sums = 0;
 };
 
 void run_task(const Call& c, int64_t task, TaskCounts& tally) {
@@ -718,7 +732,7 @@ void run_task(const Call& c, int64_t task, TaskCounts& tally) {
       std::memcpy(y, o, static_cast<size_t>(cols) * sizeof(float));
     }
   }
-  tally = {small ? 1u : 0u, lane_sums, row_sums, wide_sums};
+  tally = {small ? 1u : 0u, small && c.kern.dot_small_fp16 ? 1u : 0u, lane_sums, row_sums, wide_sums};
 }
 
 // Attributes and node I/O, checked when the session creates the kernel.
@@ -746,7 +760,8 @@ NodeAttributes check_node(const OrtKernelInfo* info) {
 // fastest that CPU has.
 bool fast_path_available() {
   const char* forced = std::getenv("CSA_FP8_LINEAR_ISA");
-  if (forced != nullptr && std::strcmp(forced, "avx512-novbmi") == 0) return false;
+  if (forced != nullptr && (std::strcmp(forced, "avx512-novbmi") == 0 || std::strcmp(forced, "avx512-nofp16") == 0))
+    return false;
   return select_isa("CSA_FP8_LINEAR_ISA", false, true) == Isa::kAvx512Bf16 &&
          fp8_fast::cpu_supported();
 }
@@ -876,11 +891,13 @@ struct Fp8LinearKernel {
       TaskCounts sum;
       for (const TaskCounts& t : tallies) {
         sum.small_tasks += t.small_tasks;
+        sum.fp16_tasks += t.fp16_tasks;
         sum.lane_sums += t.lane_sums;
         sum.row_sums += t.row_sums;
         sum.wide_sums += t.wide_sums;
       }
       counts.small_tasks.fetch_add(sum.small_tasks, std::memory_order_relaxed);
+      counts.fp16_tasks.fetch_add(sum.fp16_tasks, std::memory_order_relaxed);
       counts.lane_sums.fetch_add(sum.lane_sums, std::memory_order_relaxed);
       counts.row_sums.fetch_add(sum.row_sums, std::memory_order_relaxed);
       counts.wide_sums.fetch_add(sum.wide_sums, std::memory_order_relaxed);
@@ -932,14 +949,14 @@ void AppendFp8LinearOps(std::vector<std::unique_ptr<Ort::Custom::OrtLiteCustomOp
 
 // The counts (calls, tasks on the few-rows path, W blocks that are not int16 summed against
 // every row, (row, block, group)s summed in two digits, (row, block, column)s summed in
-// int64, calls the fast kernel summed, those of them on AMX tiles) into out[0..n); returns
-// how many there are.
+// int64, calls the fast kernel summed, those of them on AMX tiles, few-rows tasks that
+// converted W by AVX512-FP16) into out[0..n); returns how many there are.
 extern "C" __attribute__((visibility("default"))) uint64_t csa2onnx_fp8_linear_counts(uint64_t* out,
                                                                                      uint64_t n) {
   const uint64_t values[] = {csa::counts.calls.load(), csa::counts.small_tasks.load(),
                              csa::counts.lane_sums.load(), csa::counts.row_sums.load(),
                              csa::counts.wide_sums.load(), csa::counts.fast_calls.load(),
-                             csa::counts.fast_amx_calls.load()};
+                             csa::counts.fast_amx_calls.load(), csa::counts.fp16_tasks.load()};
   const uint64_t total = sizeof values / sizeof values[0];
   for (uint64_t i = 0; i < n && i < total; ++i) out[i] = values[i];
   return total;

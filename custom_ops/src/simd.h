@@ -59,4 +59,17 @@ inline bool cpu_has_amx_bf16() {
 #endif
 }
 
+// AVX512-FP16 and GFNI (CPUID leaf 7, EDX bit 23 and ECX bit 8; GCC 12's
+// __builtin_cpu_supports reports AVX512-FP16 absent): Sapphire Rapids and later Intel cores;
+// not Zen 4 or Zen 5.
+inline bool cpu_has_avx512fp16_gfni() {
+#ifdef CSA_X86
+  unsigned a, b, c, d;
+  __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+  return ((d >> 23) & 1u) && ((c >> 8) & 1u) && cpu_has_x86_64_v4();
+#else
+  return false;
+#endif
+}
+
 }  // namespace csa
