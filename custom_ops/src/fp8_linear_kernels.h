@@ -43,15 +43,14 @@ constexpr int64_t kLanes = 16;              // columns per group (one zmm of int
 constexpr int64_t kPanel = 64;              // columns per panel
 constexpr int64_t kGroups = kPanel / kLanes;
 constexpr int64_t kChunkKb = 8;             // K blocks packed at a time (tiles)
-constexpr int64_t kSmallChunkKb = 256;      // K blocks converted at a time (few rows): whole
-                                            // rows up to K = 8192, one sequential stream
+// K blocks a few-rows task converts at a time, for any row count: whole W rows up to K =
+// 8192, so that a task reads its panel as sequential runs. X's chunk (64 bytes of int16 a
+// block a row) then outgrows L1 at 3-4 rows (48-64 KiB, read from L2 once per W row).
+// Measured with W from DRAM (tools/bench_decode_stream.py --weights fp8, 2 threads): against
+// 128 blocks at 2 rows and 64 at 3-4 (X kept in L1), 12.1 -> 12.5 GB/s at 2 rows and
+// 8.6-8.9 -> 9.3-9.5 GB/s at 4; with W in L3 the same within noise.
+constexpr int64_t kSmallChunkKb = 256;
 constexpr int64_t kMaxChunkKb = kSmallChunkKb;
-
-// K blocks a few-rows task converts at a time: every W row is multiplied with the chunk of
-// all its X rows (64 bytes of int16 a block a row), which must stay in L1 (32 KiB): at most
-// 16 KiB, 256 blocks for 1 row, 128 for 2, 64 for 3 or 4 (measured, 4 rows of K = 8192:
-// 17% faster than one 64 KiB chunk streamed from L2 once per W row).
-constexpr int64_t small_chunk_kb(int64_t rows) { return kSmallChunkKb / (rows >= 3 ? 4 : rows); }
 
 // W's per-block figures, computed once for a constant W (else per call).
 // W's figures are stored per panel: a panel's entries for one block are one run.

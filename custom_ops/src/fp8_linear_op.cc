@@ -622,7 +622,7 @@ void run_task(const Call& c, int64_t task, TaskCounts& tally) {
   const int64_t rows16 = (rows + kLanes - 1) / kLanes * kLanes;
   thread_local Scratch scratch;
   const bool small = rows <= kSmallRows && c.kern.dot_small != nullptr;
-  const int64_t chunk = small ? small_chunk_kb(rows) : kChunkKb;  // K blocks a step
+  const int64_t chunk = small ? kSmallChunkKb : kChunkKb;  // K blocks a step
   int16_t* pw = Scratch::at_least(scratch.pw, static_cast<size_t>(chunk * kPairs * kPanel * 2));
   float* g = Scratch::at_least(scratch.g, static_cast<size_t>(chunk * kPanel));
   float* out = Scratch::at_least(scratch.out, static_cast<size_t>(rows * kPanel));
