@@ -69,7 +69,8 @@ def fp8_model(codes: np.ndarray | None = None, w_scale: np.ndarray | None = None
     return model.SerializeToString()
 
 
-def session_for(model: bytes, isa: str | None = None, threads: int = 0) -> ort.InferenceSession:
+def session_for(model: bytes, isa: str | None = None, threads: int = 0,
+                denormals_as_zero: bool = False) -> ort.InferenceSession:
     """A session whose Fp8Linear kernels take the `isa` path (read at kernel creation)."""
     old = os.environ.get("CSA_FP8_LINEAR_ISA")
     if isa is not None:
@@ -77,6 +78,8 @@ def session_for(model: bytes, isa: str | None = None, threads: int = 0) -> ort.I
     try:
         options = session_options(threads)
         options.log_severity_level = 4  # expected errors would otherwise print red log lines
+        if denormals_as_zero:
+            options.add_session_config_entry("session.set_denormal_as_zero", "1")
         return make_session(model, options=options)
     finally:
         if old is None:
@@ -305,6 +308,36 @@ def test_denormals_as_zero_sessions_give_the_same_bits() -> None:
         options.add_session_config_entry("session.set_denormal_as_zero", "1")
         session = make_session(fp8_model(codes, w_scale), options=options)
         assert_same(run(session, x), want, f"threads={threads}")
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+def test_few_rows_subnormal_weights_with_denormals_as_zero(m: int) -> None:
+    """The few-rows kernel's int16 blocks holding subnormal codes, with and without
+    onnxruntime's denormals-as-zero option: the half-float conversion (AVX512-FP16 ignores
+    MXCSR's DAZ and FTZ) and the tables both give the definition's bits. Every W block
+    spans less than int16 (codes below 64 in value), so no block leaves the int16 sums."""
+    rng = np.random.default_rng(43 + m)
+    n, k = 70, 256
+    exponent = rng.integers(0, 13, (n, k))  # e4m3 exponent fields 0..12: |w| < 64
+    codes = (rng.integers(0, 2, (n, k)) << 7 | exponent << 3 | rng.integers(0, 8, (n, k)))
+    codes = codes.astype(np.uint8)
+    codes[:, ::32] = 0x01  # the smallest subnormal in every block: t = 0
+    codes[:, 1::32] = 0x85
+    x = activations(rng, m, k)
+    w_scale = np.exp2(rng.integers(-12, -4, (-(-n // 32), k // 32))).astype(np.float32)
+    want = fp8_linear(x, values(codes), w_scale)
+    assert np.isfinite(want).all() and (np.abs(want[want != 0]) >= np.finfo(np.float32).tiny).all()
+    for isa in ("avx512", "avx512-nofp16"):
+        for denormals_as_zero in (False, True):
+            try:
+                session = session_for(fp8_model(codes, w_scale), isa, 2, denormals_as_zero)
+            except Errors as e:
+                assert "does not support it" in str(e)
+                continue
+            label = f"isa={isa} denormals_as_zero={denormals_as_zero}"
+            grew = counts_after(lambda s=session, t=label: assert_same(run(s, x), want, t))
+            assert grew["lane_sums"] == 0, grew  # no W block left the int16 sums
+            assert_few_rows_path(isa, grew)
 
 
 def test_ranks_and_empty_shapes(fed_sessions) -> None:
