@@ -45,28 +45,39 @@ inline bool cpu_has_avx512bf16() {
 #endif
 }
 
-// AVX512-BF16 with AMX-BF16 and AMX-TILE (CPUID leaf 7, EDX bits 22 and 24; GCC 12's
-// __builtin_cpu_supports does not know them): the Sapphire Rapids class, where vdpbf16ps
-// runs at about half its Zen 4 rate (one port, by the rates measured) and the exact
-// kernels' fmaf tiles beat it on large problems.
-inline bool cpu_has_amx_bf16() {
 #ifdef CSA_X86
+// CPUID leaf 7 (subleaf 0): the feature bits GCC 12's __builtin_cpu_supports does not know
+// or misreports.
+struct Leaf7 {
+  unsigned ecx, edx;
+  bool edx_bit(int i) const { return (edx >> i) & 1u; }
+  bool ecx_bit(int i) const { return (ecx >> i) & 1u; }
+};
+inline Leaf7 cpuid_leaf7() {
   unsigned a, b, c, d;
   __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
-  return ((d >> 22) & 1u) && ((d >> 24) & 1u) && cpu_has_avx512bf16();
+  return {c, d};
+}
+#endif
+
+// AVX512-BF16 with AMX-BF16 and AMX-TILE (EDX bits 22 and 24): the Sapphire Rapids class,
+// where vdpbf16ps runs at about half its Zen 4 rate (one port, by the rates measured) and
+// the exact kernels' fmaf tiles beat it on large problems.
+inline bool cpu_has_amx_bf16() {
+#ifdef CSA_X86
+  const Leaf7 leaf = cpuid_leaf7();
+  return leaf.edx_bit(22) && leaf.edx_bit(24) && cpu_has_avx512bf16();
 #else
   return false;
 #endif
 }
 
-// AVX512-FP16 and GFNI (CPUID leaf 7, EDX bit 23 and ECX bit 8; GCC 12's
-// __builtin_cpu_supports reports AVX512-FP16 absent): Sapphire Rapids and later Intel cores;
-// not Zen 4 or Zen 5.
+// AVX512-FP16 and GFNI (EDX bit 23, ECX bit 8; __builtin_cpu_supports reports AVX512-FP16
+// absent): Sapphire Rapids and later Intel cores; not Zen 4 or Zen 5.
 inline bool cpu_has_avx512fp16_gfni() {
 #ifdef CSA_X86
-  unsigned a, b, c, d;
-  __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
-  return ((d >> 23) & 1u) && ((c >> 8) & 1u) && cpu_has_x86_64_v4();
+  const Leaf7 leaf = cpuid_leaf7();
+  return leaf.edx_bit(23) && leaf.ecx_bit(8) && cpu_has_x86_64_v4();
 #else
   return false;
 #endif
