@@ -756,12 +756,13 @@ NodeAttributes check_node(const OrtKernelInfo* info) {
 
 // numerics "fast" runs fp8_linear_fast.cc where the path is avx512bf16 (the default on a
 // CPU with AVX512-BF16) and the CPU has AVX512-VBMI and GFNI too; elsewhere (and with
-// CSA_FP8_LINEAR_ISA / CSA2ONNX_ISA = avx512, avx2, scalar) it is the exact kernel, the
-// fastest that CPU has.
+// CSA_FP8_LINEAR_ISA / CSA2ONNX_ISA = avx512, avx2, scalar, or the tests' avx512-novbmi and
+// avx512-nofp16) it is the exact kernel, the fastest that CPU has.
 bool fast_path_available() {
   const char* forced = std::getenv("CSA_FP8_LINEAR_ISA");
-  if (forced != nullptr && (std::strcmp(forced, "avx512-novbmi") == 0 || std::strcmp(forced, "avx512-nofp16") == 0))
-    return false;
+  const bool test_path = forced != nullptr && (std::strcmp(forced, "avx512-novbmi") == 0 ||
+                                               std::strcmp(forced, "avx512-nofp16") == 0);
+  if (test_path) return false;
   return select_isa("CSA_FP8_LINEAR_ISA", false, true) == Isa::kAvx512Bf16 &&
          fp8_fast::cpu_supported();
 }
