@@ -166,3 +166,14 @@ def test_decode_stream_tool_times_each_row_count(capsys) -> None:
     assert lines[0].startswith("2 linears of K 96 x N 70 bf16")
     assert [line.split(":")[0] for line in lines[1:]] == ["rows 1", "rows 3"]
     assert all("GB/s" in line and "of the probe" in line for line in lines[1:])
+
+
+def test_decode_stream_tool_times_fp8_weights(capsys) -> None:
+    """The same tool on Fp8Linear nodes (`--weights fp8`: e4m3 codes, one byte a weight)."""
+    tool = load_module(ROOT / "tools" / "bench_decode_stream.py", "bench_decode_stream")
+    tool.main(["--weights", "fp8", "--layers", "2", "--k", "96", "--n", "70", "--rounds", "2",
+               "--rows", "1,4"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("2 linears of K 96 x N 70 fp8 (0 MiB)")
+    assert [line.split(":")[0] for line in lines[1:]] == ["rows 1", "rows 4"]
+    assert all("GB/s" in line and "of the probe" in line for line in lines[1:])

@@ -23,12 +23,12 @@ import time
 import ml_dtypes
 import numpy as np
 import onnxruntime as ort
-from bench_ops import checkpoint_fp8_weights
 from onnx import TensorProto, helper
 
 from csa2onnx.custom_ops import session_options
 from csa2onnx.custom_ops.weight_layout import pack_panels
 from csa2onnx.export.bench import ReadProbe
+from csa2onnx.export.synthetic import quantize_fp8
 
 
 def stream_model(k: int, n: int, layers: int, rng: np.random.Generator,
@@ -38,7 +38,8 @@ def stream_model(k: int, n: int, layers: int, rng: np.random.Generator,
     initializers, nodes, outputs = [], [], []
     for i in range(layers):
         if weights == "fp8":
-            codes, w_scale = checkpoint_fp8_weights(rng, n, k)
+            values, scales = quantize_fp8(rng.standard_normal((n, k), dtype=np.float32))
+            codes, w_scale = values.view(np.uint8), scales.astype(np.float32)
             initializers += [helper.make_tensor(f"W{i}", TensorProto.FLOAT8E4M3FN, [n, k],
                                                 codes.tobytes(), raw=True),
                              helper.make_tensor(f"S{i}", TensorProto.FLOAT, w_scale.shape,
