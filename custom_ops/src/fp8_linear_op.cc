@@ -713,7 +713,7 @@ void run_task(const Call& c, int64_t task, TaskCounts& tally) {
 
     const TaskView view{xc.xi.data() + r0 * c.K, c.K, c.KB, xc.cm.data() + r0,
                         xc.xs.data() + r0, xc.rows, rows, kb0, kbs, pw, g,
-                        ws0, ws1, masks, ov.slot, ov.bad, out};
+                        wv.shift_at(0, panel * kPanel), ws0, ws1, masks, ov.slot, ov.bad, out};
     const Patch patch{c, xc, meta, panel, r0, rows, kb0, kbs, pw, flags, ov, row_sums, wide_sums};
     if (small) {
       patch.rows_between(0, rows);
