@@ -168,6 +168,24 @@ def test_decode_stream_tool_times_each_row_count(capsys) -> None:
     assert all("GB/s" in line and "of the probe" in line for line in lines[1:])
 
 
+def test_decode_stream_tool_default_reads_as_many_bytes_for_fp8(monkeypatch, capsys) -> None:
+    """Without --layers the tool streams 800 MiB of weights for either precision (twice as
+    many fp8 linears: ten would fit a 480 MiB L3); the model build is stubbed out, so only the
+    default is checked."""
+    tool = load_module(ROOT / "tools" / "bench_decode_stream.py", "bench_decode_stream")
+    seen: list[int] = []
+
+    def stop(k: int, n: int, layers: int, rng, weights: str = "bf16") -> bytes:
+        seen.append(layers * n * k * (1 if weights == "fp8" else 2))
+        raise SystemExit(0)
+
+    monkeypatch.setattr(tool, "stream_model", stop)
+    for weights in ("bf16", "fp8"):
+        with pytest.raises(SystemExit):
+            tool.main(["--weights", weights])
+    assert seen == [800 * 2**20, 800 * 2**20]
+
+
 def test_decode_stream_tool_times_fp8_weights(capsys) -> None:
     """The same tool on Fp8Linear nodes (`--weights fp8`: e4m3 codes, one byte a weight)."""
     tool = load_module(ROOT / "tools" / "bench_decode_stream.py", "bench_decode_stream")

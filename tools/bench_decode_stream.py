@@ -1,12 +1,14 @@
 """How fast decode's linears stream their weights from memory: L TorchLinear nodes in one
-graph (bf16 panels64 W [N, K] each, L*N*K*2 bytes in all, far past any L3), or L Fp8Linear
-nodes (`--weights fp8`: e4m3 W [N, K] as a checkpoint holds them, one byte a weight, and
-their block scales), one X [M, K], timed per run; GB/s = weight bytes / time, beside the
+graph (bf16 panels64 W [N, K] each, L*N*K*2 bytes in all), or L Fp8Linear nodes
+(`--weights fp8`: e4m3 W [N, K] as a checkpoint holds them, one byte a weight, and their
+block scales), one X [M, K], timed per run; by default 800 MiB of weights either way (10
+bf16 or 20 fp8 linears of 8192 x 5120), past this 2-core VM's 480 MiB L3 (10 fp8 linears
+sit below it); GB/s = weight bytes / time, beside the
 bench's read probe (a ReduceSum over as many bytes: what the memory gives these threads).
 `tools/bench_ops.py` calls one linear again and again, so its weights sit in L3: this is
 the number a decode step sees.
 
-    python tools/bench_decode_stream.py [--rows 1,4] [--k 8192 --n 5120 --layers 10]
+    python tools/bench_decode_stream.py [--rows 1,4] [--k 8192 --n 5120 --layers L]
         [--weights bf16|fp8] [--library A.so,B.so]   # builds, timed in turns (A/B)
 
 Every round creates each library's session anew and times it in turn; the median is
@@ -76,7 +78,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", default="1,4", help="rows of X (decode batch sizes)")
     parser.add_argument("--k", type=int, default=8192)
     parser.add_argument("--n", type=int, default=5120)
-    parser.add_argument("--layers", type=int, default=10)
+    parser.add_argument("--layers", type=int, default=None,
+                        help="linears (default: 800 MiB of weights, 10 bf16 or 20 fp8)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--weights", choices=("bf16", "fp8"), default="bf16",
@@ -84,6 +87,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--library", default=None,
                         help="comma-separated custom-op library builds (default: this one)")
     args = parser.parse_args(argv)
+    if args.layers is None:
+        args.layers = 20 if args.weights == "fp8" else 10
     rng = np.random.default_rng(0)
     model = stream_model(args.k, args.n, args.layers, rng, args.weights)
     weight_bytes = args.layers * args.n * args.k * (1 if args.weights == "fp8" else 2)

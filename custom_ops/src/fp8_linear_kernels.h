@@ -94,7 +94,7 @@ struct SmallJob {
   int64_t K, rows;            // rows <= kSmallRows
   const uint8_t* flagged;     // [kbs]: bit c, group c has flagged rows (its pairs are kept)
   int16_t* pw;
-  float* g;
+  float* g;                   // GroupConverter's 2^t of those groups (the epilogue reads t)
   int32_t* sums;              // [kbs][kGroups][rows][16]
   int16_t* xp;                // scratch [rows][kXpRow] (X by quads)
   int32_t* tsum;              // scratch [rows][kLanes][kTsumLd] (a group's sums, lanes over k)
