@@ -159,7 +159,8 @@ def torch_linear(op: OpBuilder, x: ir.Value, w: ir.Value, *,
 
 
 def fp8_linear(op: OpBuilder, x: ir.Value, w: ir.Value, w_scale: ir.Value, *,
-               numerics: Numerics | None = None, rounded: bool = False) -> ir.Value:
+               numerics: Numerics | None = None, rounded: bool = False,
+               pairs16: bool = False) -> ir.Value:
     """The released checkpoint's fp8 linear: act_quant(x) (e4m3, power-of-two scale per 32
     inputs) fused with the block-scaled GEMM against W [N, K] float8e4m3fn and WScale
     [ceil(N/32), K/32] float32 (custom_ops/reference.py `fp8_linear`). float32 result
@@ -168,8 +169,16 @@ def fp8_linear(op: OpBuilder, x: ir.Value, w: ir.Value, w_scale: ir.Value, *,
 
     `numerics` (None: the graph's) "fast": the same terms summed in another order
     (vdpbf16ps on a CPU with AVX512-BF16, VBMI and GFNI, the exact kernel elsewhere); the
-    node gets the attribute only then, so exact graphs do not change."""
+    node gets the attribute only then, so exact graphs do not change.
+
+    `pairs16`: W is stored as [N/16, K/32, 512] (custom_ops/weight_layout.py), which the
+    kernel reads in place; not in a portable graph, whose body reads a plain W."""
     attributes: dict[str, int | str] = dict(_numerics_attribute(op, numerics))
+    if pairs16:
+        if is_portable(op):
+            raise ValueError("a portable graph takes plain [N, K] Fp8Linear weights (its "
+                             "standard-op body reads W so), not pairs16 ones")
+        attributes["weight_layout"] = "pairs16"
     if rounded and is_portable(op):
         return round_bf16(op, _csa(op).Fp8Linear(x, w, w_scale, **attributes))
     if rounded:

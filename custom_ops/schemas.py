@@ -187,8 +187,15 @@ def _infer_torch_linear(ctx: InferenceContext) -> None:
 
 
 def _infer_fp8_linear(ctx: InferenceContext) -> None:
+    """Y [..., N]: N = W's first dimension (plain), or 16 times it (pairs16: W [N/16, K/32,
+    512]; known only as a size)."""
     w_dims = _dims(_input(ctx, 1))
-    n = w_dims[0] if w_dims is not None and len(w_dims) == 2 else None
+    n: DimLike = None
+    if _str_attr(ctx, "weight_layout") == "pairs16":
+        groups = _static(w_dims[0]) if w_dims is not None and len(w_dims) == 3 else None
+        n = None if groups is None else 16 * groups
+    elif w_dims is not None and len(w_dims) == 2:
+        n = w_dims[0]
     _set(ctx, 0, TensorProto.FLOAT, _last_replaced(_dims(_input(ctx, 0)), n))
 
 
@@ -259,10 +266,12 @@ SIGNATURES: tuple[OpSignature, ...] = (
          Attribute("groups", _Attr.INT, default=1),
          Attribute("numerics", _Attr.STRING, default="exact"))),
     OpSignature(
-        "Fp8Linear", "act_quant fused with the block-scaled e4m3 GEMM (reference.md).",
+        "Fp8Linear", "act_quant fused with the block-scaled e4m3 GEMM (reference.md); W plain "
+        "[N, K] or pairs16.",
         (Param("X", _FLOAT), Param("W", "tensor(float8e4m3fn)"), Param("WScale", _FLOAT)),
         (Param("Y", _FLOAT),), _infer_fp8_linear,
         attributes=(Attribute("block_size", _Attr.INT, default=32),
+                    Attribute("weight_layout", _Attr.STRING, default="plain"),
                     Attribute("numerics", _Attr.STRING, default="exact"),
                     Attribute("round_output", _Attr.INT, default=0))),
     OpSignature(

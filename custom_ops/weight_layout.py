@@ -12,6 +12,11 @@ in_features=K; the default layout, "plain", is W itself.
 A grouped W (TorchLinear's `groups` G: G linears of one shape [N, K], plain [G*N, K]) holds
 each group's panels in turn, [G*ceil(N/64), ...]: group g's are panels g*ceil(N/64) on, its
 own padding after its N columns.
+
+Fp8Linear's layout "pairs16" (custom_ops/src/fp8_linear_kernels.h says why): an e4m3 W
+[N, K], N a multiple of 16, as [N/16, K/32, 512]: each group of 16 columns' K block one
+run of 512 codes, code (16g + 4l + c, 32kb + 2(2z + h) + kp) at [g, kb, 64z + 16l + 8h +
+2c + kp], i.e. the axes (g, l, c) x (kb, z, h, kp) of W reordered to (g, kb, z, l, h, c, kp).
 """
 
 from __future__ import annotations
@@ -22,10 +27,12 @@ import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 
-from csa2onnx.custom_ops.constants import TORCH_LINEAR_PANEL
+from csa2onnx.custom_ops.constants import FP8_BLOCK, TORCH_LINEAR_PANEL
 
 PLAIN = "plain"
 PANELS64 = "panels64"
+PAIRS16 = "pairs16"
+PAIRS16_COLUMNS = 16  # columns of a pairs16 group
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
 
@@ -164,3 +171,46 @@ def unpack_panels(packed: PackedWeight) -> np.ndarray:
         cols = p.transpose(0, 2, 1).reshape(rows, k)
     return np.ascontiguousarray(cols.reshape(groups, rows // groups, -1)[:, :n, :k]
                                 .reshape(groups * n, k))
+
+
+def pairs16_shape(out_features: int, in_features: int) -> tuple[int, int, int]:
+    """The shape of an e4m3 W [N, K] in the pairs16 layout (N a multiple of 16, K of 32)."""
+    if out_features % PAIRS16_COLUMNS or in_features % FP8_BLOCK:
+        raise ValueError(f"a pairs16 weight needs N a multiple of {PAIRS16_COLUMNS} and K of "
+                         f"{FP8_BLOCK}, got [{out_features}, {in_features}]")
+    return (out_features // PAIRS16_COLUMNS, in_features // FP8_BLOCK, 512)
+
+
+def pack_pairs16(w: np.ndarray) -> np.ndarray:
+    """W [N, K] (any dtype; the artifact's is float8_e4m3fn) in the pairs16 layout: one new
+    array."""
+    w = np.asarray(w)
+    if w.ndim != 2:
+        raise ValueError(f"an fp8 weight is [N, K], got shape {list(w.shape)}")
+    g, kb, run = pairs16_shape(*w.shape)
+    axes = w.reshape(g, 4, 4, kb, 8, 2, 2)  # (g, l, c, kb, z, h, kp)
+    return np.ascontiguousarray(axes.transpose(0, 3, 4, 1, 5, 2, 6)).reshape(g, kb, run)
+
+
+def unpack_pairs16(p: np.ndarray) -> np.ndarray:
+    """The plain W [N, K] of a pairs16 weight (for tests and tools)."""
+    p = np.asarray(p)
+    if p.ndim != 3 or p.shape[2] != 512:
+        raise ValueError(f"a pairs16 weight is [N/16, K/32, 512], got shape {list(p.shape)}")
+    g, kb = p.shape[:2]
+    axes = p.reshape(g, kb, 8, 4, 2, 4, 2)  # (g, kb, z, l, h, c, kp)
+    return np.ascontiguousarray(axes.transpose(0, 3, 5, 1, 2, 4, 6)).reshape(
+        g * PAIRS16_COLUMNS, kb * FP8_BLOCK)
+
+
+class Pairs16Later(ir.LazyTensor):
+    """An e4m3 weight laid out as pairs16 when its bytes are asked for (an export never
+    holds the permuted copies of all weights at once). `plain` is its source [N, K], which
+    export/shared_weights.py's ContentDigests knows it by."""
+
+    __slots__ = ("plain",)
+
+    def __init__(self, plain: np.ndarray) -> None:
+        super().__init__(lambda: ir.tensor(pack_pairs16(plain)), dtype=ir.DataType.FLOAT8E4M3FN,
+                         shape=ir.Shape(pairs16_shape(*plain.shape)))
+        self.plain = plain

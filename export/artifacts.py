@@ -78,7 +78,8 @@ def manifest_for(plan: StackPlan, portable: bool, weights_file: str | None = Non
         roles=[{"layer": p.layer, "ratio": p.ratio, "role": p.role} for p in plan.layers],
         state=plan.state_layout().to_json(),
         external_slots=list(plan.external_slots()),
-        linear_formats={str(p.layer): linear_formats(plan.config, p, portable=portable)
+        linear_formats={str(p.layer): linear_formats(plan.config, p, portable=portable,
+                                                     numerics=numerics)
                         for p in plan.layers},
         state_bytes=state_bytes_per_layer(plan),
         weights_file=weights_file,

@@ -20,7 +20,7 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
-from csa2onnx.custom_ops.weight_layout import PanelsLater
+from csa2onnx.custom_ops.weight_layout import Pairs16Later, PanelsLater
 
 WEIGHTS_FILE = "weights.onnx.data"
 ALIGNMENT = 4096  # page-aligned: mappable, and aligned for every element type
@@ -60,6 +60,8 @@ def _source(tensor: ir.TensorProtocol) -> tuple[Hashable, object]:
     if isinstance(tensor, PanelsLater):
         plain = tensor.weight.plain
         return ("panels64", *_memory_key(plain)), tensor.weight
+    if isinstance(tensor, Pairs16Later):
+        return ("pairs16", *_memory_key(tensor.plain)), tensor.plain
     if isinstance(tensor, ir.Tensor) and isinstance(tensor.raw, np.ndarray):
         return ("array", *_memory_key(tensor.raw)), tensor.raw
     return ("tensor", id(tensor)), tensor

@@ -64,17 +64,20 @@ GraphWeight = np.ndarray | PackedWeight | tuple[np.ndarray, ...] | Fp8Weight
 @dataclass(frozen=True)
 class StackWeights:
     """Every layer's weights as the graphs take them (graph_weights): prepared once per
-    export, for a portable artifact (plain) or not (packed), and shared by both models."""
+    export, for a portable artifact (plain) or not (packed) and its numerics, and shared by
+    both models."""
 
     portable: bool
     layers: dict[int, dict[str, GraphWeight]]
+    numerics: Numerics = "exact"
 
 
 def stack_weights(plan: StackPlan, weights: dict[int, LayerWeights], *,
-                  portable: bool) -> StackWeights:
+                  portable: bool, numerics: Numerics = "exact") -> StackWeights:
     return StackWeights(portable, {p.layer: graph_weights(plan.config, p.layer,
-                                                          weights[p.layer], portable=portable)
-                                   for p in plan.layers})
+                                                          weights[p.layer], portable=portable,
+                                                          numerics=numerics)
+                                   for p in plan.layers}, numerics)
 
 
 def build_stack_model(plan: StackPlan, weights: dict[int, LayerWeights] | StackWeights,
@@ -88,10 +91,11 @@ def build_stack_model(plan: StackPlan, weights: dict[int, LayerWeights] | StackW
     digests, shared by its models (else the model's own)."""
     check_numerics(numerics, portable=portable)
     if not isinstance(weights, StackWeights):
-        weights = stack_weights(plan, weights, portable=portable)
-    elif weights.portable != portable:
-        raise ValueError(f"weights prepared for portable={weights.portable} given to a "
-                         f"portable={portable} model")
+        weights = stack_weights(plan, weights, portable=portable, numerics=numerics)
+    elif (weights.portable, weights.numerics) != (portable, numerics):
+        raise ValueError(f"weights prepared for portable={weights.portable}, numerics="
+                         f"{weights.numerics} given to a portable={portable}, numerics="
+                         f"{numerics} model")
     c = plan.config
     graph = ir.Graph([], [], nodes=[], name=f"csa2onnx_{mode}",
                      opset_imports={"": OPSET, DOMAIN: DOMAIN_VERSION})
@@ -177,11 +181,13 @@ def build_stack_model(plan: StackPlan, weights: dict[int, LayerWeights] | StackW
 
 
 def graph_weights(config: AttentionConfig, layer: int, weights: LayerWeights, *,
-                  portable: bool = False) -> dict[str, GraphWeight]:
+                  portable: bool = False, numerics: Numerics = "exact"
+                  ) -> dict[str, GraphWeight]:
     """A layer's checked weights as the graphs take them: in their stored dtypes (bf16
     stays bf16, never an f32 copy), fp8 linears as e4m3 values with their block scales,
     and, unless `portable`, TorchLinear's weights packed into the panels its kernel reads
-    in place (linear_layout; the one place an export packs them). wo_a is one grouped
+    in place and fp8 ones marked for pairs16 (linear_layout; the one place an export lays
+    them out; both are packed when written). wo_a is one grouped
     TorchLinear (a group per group of heads): packed as o_groups groups; a portable
     artifact spells the groups as TorchLinears of their own, each reading its own rows of
     wo_a as an initializer (graphs/output.py)."""
@@ -190,15 +196,18 @@ def graph_weights(config: AttentionConfig, layer: int, weights: LayerWeights, *,
     graph: dict[str, GraphWeight] = {
         k: v for k, v in checked.items()
         if not (k.endswith(".scale") or k.removesuffix(".weight") in scales)}
+    specs = expected_tensors(config, plan_layer(config, layer))
     for base in scales:
-        graph[f"{base}.weight"] = Fp8Weight(np.asarray(checked[f"{base}.weight"]),
-                                            np.asarray(checked[f"{base}.scale"], np.float32))
-    for name, spec in expected_tensors(config, plan_layer(config, layer)).items():
-        if not is_linear(name, spec):
+        name = f"{base}.weight"
+        graph[name] = Fp8Weight(np.asarray(checked[name]),
+                                np.asarray(checked[f"{base}.scale"], np.float32),
+                                linear_layout(specs[name], portable, numerics))
+    for name, spec in specs.items():
+        if not is_linear(name, spec) or (name in graph and isinstance(graph[name], Fp8Weight)):
             continue
         w = checked[name]
         groups = config.o_groups if name == "wo_a.weight" else 1
-        if linear_layout(spec, portable) == PANELS64:
+        if linear_layout(spec, portable, numerics) == PANELS64:
             graph[name] = packed_later(w, groups)
         elif groups > 1:  # a portable artifact's: its groups' rows (views, no copy)
             r = config.o_lora_rank
@@ -256,7 +265,7 @@ def export_stack(plan: StackPlan, weights: dict[int, LayerWeights], folder: str 
     writer = SharedWeightsWriter(folder / WEIGHTS_FILE, digests)
     weights_file: str | None = None
     try:
-        prepared = stack_weights(plan, weights, portable=portable)
+        prepared = stack_weights(plan, weights, portable=portable, numerics=numerics)
         for mode in ("prefill", "decode"):
             model = build_stack_model(plan, prepared, mode, portable=portable,
                                       numerics=numerics, debug_outputs=debug_outputs,

@@ -18,7 +18,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from csa2onnx.custom_ops.weight_layout import PANELS64, PLAIN
+from csa2onnx.custom_ops.weight_layout import PAIRS16, PAIRS16_COLUMNS, PANELS64, PLAIN
 from csa2onnx.export.config import FP8_BLOCK_SIZE, FP8_SCALE_FMT, AttentionConfig
 from csa2onnx.export.plan import LayerPlan, plan_layer
 from csa2onnx.export.safetensors_io import SafetensorsFile
@@ -102,22 +102,34 @@ def is_linear(name: str, spec: TensorSpec) -> bool:
     return name.endswith(".weight") and len(spec.shape) == 2
 
 
-def linear_layout(spec: TensorSpec, portable: bool) -> str:
-    """How an artifact stores a linear's weight: TorchLinear's (bf16, f32) in the kernel's
-    panels (`panels64`, custom_ops/weight_layout.py), which its sessions read in place; a
-    portable artifact's plain [N, K] (its TorchLinear body is a MatMul), as fp8 ones."""
-    return PLAIN if portable or spec.dtype == E4M3 else PANELS64
+def linear_layout(spec: TensorSpec, portable: bool, numerics: str = "exact") -> str:
+    """How an artifact stores a linear's weight (custom_ops/weight_layout.py), each read in
+    place by its kernel: TorchLinear's (bf16, f32) in panels (`panels64`); Fp8Linear's as
+    k-pairs of 16 columns (`pairs16`, where N is a multiple of 16: its few-rows kernel
+    then reads lanes over columns with no transpose) under exact numerics (numerics "fast"
+    reads plain fp8 W). A portable artifact's are plain [N, K] (its bodies are MatMuls)."""
+    if portable:
+        return PLAIN
+    if spec.dtype == E4M3:
+        exact = numerics == "exact" and spec.shape[0] % PAIRS16_COLUMNS == 0
+        return PAIRS16 if exact else PLAIN
+    return PANELS64
 
 
-def linear_formats(config: AttentionConfig, plan: LayerPlan, *,
-                   portable: bool = False) -> dict[str, str]:
-    """Each linear's weight format as the artifact stores it (`fp8-e4m3/32x32-ue8m0`,
-    `bf16/panels64`, `f32/panels64`; `bf16`, `f32` in a portable one), for manifests."""
+def linear_formats(config: AttentionConfig, plan: LayerPlan, *, portable: bool = False,
+                   numerics: str = "exact") -> dict[str, str]:
+    """Each linear's weight format as the artifact stores it (`fp8-e4m3/32x32-ue8m0/pairs16`,
+    `bf16/panels64`, `f32/panels64`; `fp8-e4m3/32x32-ue8m0`, `bf16`, `f32` when plain), for
+    manifests."""
     tensors = expected_tensors(config, plan)
     names = {"bfloat16": "bf16", "float32": "f32", "float8_e4m3fn": FP8_FORMAT}
-    return {name.removesuffix(".weight"): names[spec.dtype.name] + (
-        f"/{PANELS64}" if linear_layout(spec, portable) == PANELS64 else "")
-        for name, spec in tensors.items() if is_linear(name, spec)}
+    formats = {}
+    for name, spec in tensors.items():
+        if is_linear(name, spec):
+            layout = linear_layout(spec, portable, numerics)
+            formats[name.removesuffix(".weight")] = names[spec.dtype.name] + (
+                "" if layout == PLAIN else f"/{layout}")
+    return formats
 
 
 def check_layer(config: AttentionConfig, layer: int, weights: Mapping[str, np.ndarray],

@@ -14,7 +14,13 @@ import onnx_ir as ir
 from onnxscript import OpBuilder, nn
 
 from csa2onnx.custom_ops.ops import fp8_linear, round_bf16, torch_linear, torch_rms_norm
-from csa2onnx.custom_ops.weight_layout import PackedWeight, PanelsLater
+from csa2onnx.custom_ops.weight_layout import (
+    PAIRS16,
+    PLAIN,
+    PackedWeight,
+    Pairs16Later,
+    PanelsLater,
+)
 
 FLOAT = ir.DataType.FLOAT
 BFLOAT16 = ir.DataType.BFLOAT16
@@ -91,10 +97,13 @@ class Linear(nn.Module):
 @dataclass(frozen=True)
 class Fp8Weight:
     """A Linear weight as the released checkpoint stores it: e4m3 values [N, K] and one
-    ue8m0 scale per [32, 32] block, [ceil(N/32), K/32] float32 powers of two."""
+    ue8m0 scale per [32, 32] block, [ceil(N/32), K/32] float32 powers of two. `layout`:
+    how the graph stores the values (custom_ops/weight_layout.py: plain, or pairs16, laid
+    out when the initializer's bytes are written)."""
 
     values: np.ndarray  # ml_dtypes.float8_e4m3fn
     scale: np.ndarray
+    layout: str = PLAIN
 
     @property
     def shape(self) -> tuple[int, ...]:  # np.shape / np.ndim read these
@@ -119,11 +128,16 @@ class Fp8Linear(nn.Module):
         if w.scale.shape != blocks:
             raise ValueError(f"an fp8 Linear scale must be {list(blocks)} for a weight "
                              f"{list(w.values.shape)}, got {list(w.scale.shape)}")
-        self.weight = nn.Parameter(w.values.shape, data=ir.tensor(w.values))
+        if w.layout not in (PLAIN, PAIRS16):
+            raise ValueError(f"an fp8 Linear weight's layout is {PLAIN} or {PAIRS16}, got "
+                             f"{w.layout!r}")
+        self.pairs16 = w.layout == PAIRS16
+        data = Pairs16Later(w.values) if self.pairs16 else ir.tensor(w.values)
+        self.weight = nn.Parameter(data.shape, data=data)
         self.scale = weight(w.scale, FLOAT)
 
     def forward(self, op: OpBuilder, x: ir.Value) -> ir.Value:
-        return fp8_linear(op, x, self.weight, self.scale, rounded=True)
+        return fp8_linear(op, x, self.weight, self.scale, rounded=True, pairs16=self.pairs16)
 
 
 TorchWeight = np.ndarray | PackedWeight  # a TorchLinear weight, plain or packed

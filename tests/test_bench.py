@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from helpers import GOLDENS, ROOT, load_module
 
@@ -174,9 +175,12 @@ def test_decode_stream_tool_default_reads_as_many_bytes_for_fp8(monkeypatch, cap
     default is checked."""
     tool = load_module(ROOT / "tools" / "bench_decode_stream.py", "bench_decode_stream")
     seen: list[int] = []
+    layouts: list[str] = []
 
-    def stop(k: int, n: int, layers: int, rng, weights: str = "bf16") -> bytes:
+    def stop(k: int, n: int, layers: int, rng, weights: str = "bf16",
+             fp8_layout: str = "") -> bytes:
         seen.append(layers * n * k * (1 if weights == "fp8" else 2))
+        layouts.append(fp8_layout)
         raise SystemExit(0)
 
     monkeypatch.setattr(tool, "stream_model", stop)
@@ -184,14 +188,37 @@ def test_decode_stream_tool_default_reads_as_many_bytes_for_fp8(monkeypatch, cap
         with pytest.raises(SystemExit):
             tool.main(["--weights", weights])
     assert seen == [800 * 2**20, 800 * 2**20]
+    assert layouts == ["pairs16", "pairs16"]  # the fp8 layout an export writes
+
+
+def test_decode_stream_fp8_layouts_compute_the_same() -> None:
+    """The tool's fp8 model in either layout: the same outputs (the kernel reads both)."""
+    import onnxruntime as ort
+
+    from csa2onnx.custom_ops import session_options
+
+    tool = load_module(ROOT / "tools" / "bench_decode_stream.py", "bench_decode_stream")
+    x = np.random.default_rng(1).standard_normal((2, 64)).astype(np.float32)
+    outputs = []
+    for layout in ("plain", "pairs16"):
+        model = tool.stream_model(64, 48, 2, np.random.default_rng(0), "fp8", layout)
+        session = ort.InferenceSession(model, session_options(1),
+                                       providers=["CPUExecutionProvider"])
+        outputs.append(session.run(None, {"X": x}))
+    for plain, pairs16 in zip(*outputs, strict=True):
+        assert plain.shape == (2, 48) and np.array_equal(plain, pairs16)
 
 
 def test_decode_stream_tool_times_fp8_weights(capsys) -> None:
     """The same tool on Fp8Linear nodes (`--weights fp8`: e4m3 codes, one byte a weight)."""
     tool = load_module(ROOT / "tools" / "bench_decode_stream.py", "bench_decode_stream")
-    tool.main(["--weights", "fp8", "--layers", "2", "--k", "96", "--n", "70", "--rounds", "2",
-               "--rows", "1,4"])
-    lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("2 linears of K 96 x N 70 fp8 (0 MiB)")
-    assert [line.split(":")[0] for line in lines[1:]] == ["rows 1", "rows 4"]
-    assert all("GB/s" in line and "of the probe" in line for line in lines[1:])
+    for n, layout in ((80, "pairs16"), (70, "plain")):
+        tool.main(["--weights", "fp8", "--layers", "2", "--k", "96", "--n", str(n), "--rounds",
+                   "2", "--rows", "1,4", "--fp8-layout", layout])
+        lines = capsys.readouterr().out.splitlines()
+        assert lines[0].startswith(f"2 linears of K 96 x N {n} fp8 ({layout}) (0 MiB)")
+        assert [line.split(":")[0] for line in lines[1:]] == ["rows 1", "rows 4"]
+        assert all("GB/s" in line and "of the probe" in line for line in lines[1:])
+    with pytest.raises(SystemExit):  # argparse's error: N must be a multiple of 16
+        tool.main(["--weights", "fp8", "--n", "70"])
+    assert "--fp8-layout pairs16 needs --n a multiple of 16" in capsys.readouterr().err

@@ -81,9 +81,15 @@ def test_fp8_table_shapes_and_formats() -> None:
                         "wo_b": "fp8-e4m3/32x32-ue8m0", "compressor.wkv": "bf16",
                         "indexer.wq_b": "fp8-e4m3/32x32-ue8m0", "indexer.weights_proj": "bf16",
                         "indexer.wk": "bf16"}
-    # TorchLinear's weights are stored in its kernel's panels, except in portable artifacts
+    # TorchLinear's weights are stored in its kernel's panels, Fp8Linear's as k-pairs of 16
+    # columns (exact numerics), except in portable artifacts
+    layouts = {True: "pairs16", False: "panels64"}
     assert linear_formats(config, plan_layer(config, 3)) == {
+        k: f"{v}/{layouts[v.startswith('fp8')]}" for k, v in portable.items()}
+    assert linear_formats(config, plan_layer(config, 3), numerics="fast") == {
         k: v if v.startswith("fp8") else f"{v}/panels64" for k, v in portable.items()}
+    odd = replace(config, q_lora_rank=40)  # wq_a's N: not a multiple of 16, so plain
+    assert linear_formats(odd, plan_layer(odd, 3))["wq_a"] == "fp8-e4m3/32x32-ue8m0"
 
 
 # ---------------------------------------------------------------------------- check_layer
@@ -386,10 +392,15 @@ def test_cli_exports_an_fp8_model_folder(fp8_folder: Path, tmp_path: Path,
     fp8 = {i.name: i for i in model.graph.initializer
            if i.data_type == onnx.TensorProto.FLOAT8E4M3FN}
     assert len(fp8) == 4, list(fp8)  # wq_a, wq_b, wkv, wo_b of a window-only layer
-    assert sum(n.op_type == "Fp8Linear" for n in model.graph.node) == 4
+    assert all(len(i.dims) == 3 and i.dims[2] == 512 for i in fp8.values())  # pairs16
+    nodes = [n for n in model.graph.node if n.op_type == "Fp8Linear"]
+    assert len(nodes) == 4
+    for n in nodes:
+        attributes = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
+        assert attributes.get("weight_layout") == b"pairs16", n.name
     capsys.readouterr()
     assert main(["inspect", str(out)]) == 0
-    assert "wq_a fp8-e4m3/32x32-ue8m0" in capsys.readouterr().out
+    assert "wq_a fp8-e4m3/32x32-ue8m0/pairs16" in capsys.readouterr().out
     assert main(["export", str(fp8_folder), "--weights", "w.safetensors", "--out",
                  str(tmp_path / "b")]) == 2
     assert "is a model folder, which holds its weights" in capsys.readouterr().err

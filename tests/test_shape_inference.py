@@ -91,6 +91,12 @@ CASES = [
                              "in_features": 16, "groups": 3}),
     Case("Fp8Linear", {"X": (F, ["b", 1, 64]), "W": (TensorProto.FLOAT8E4M3FN, [40, 64]),
                        "WScale": (F, [2, 2])}, ["Y"], [["b", 1, 40]]),
+    Case("Fp8Linear", {"X": (F, ["b", 1, 64]), "W": (TensorProto.FLOAT8E4M3FN, [3, 2, 512]),
+                       "WScale": (F, [2, 2])}, ["Y"], [["b", 1, 48]],
+         {"weight_layout": "pairs16"}),
+    Case("Fp8Linear", {"X": (F, ["b", 1, 64]), "W": (TensorProto.FLOAT8E4M3FN, ["g", 2, 512]),
+                       "WScale": (F, [2, 2])}, ["Y"], [["b", 1, None]],
+         {"weight_layout": "pairs16"}),
     Case("TorchRMSNorm", {"X": (F, ["b", "s", 32]), "W": (BF16, [32])}, ["Y"],
          [["b", "s", 32]], {"epsilon": 1e-6}),
     Case("SparseAttention", {"Q": (F, ["b", "s", 4, 64]), "KV": (F, ["b", "n", 64]),
@@ -206,6 +212,8 @@ def expected_last(model: onnx.ModelProto, node: onnx.NodeProto) -> int | None:
     if kind == "N":  # a panels64 W's out_features is a group's
         if "out_features" in attrs:
             return attrs.get("groups", 1) * attrs["out_features"]
+        if attrs.get("weight_layout") == "pairs16":  # W [N/16, K/32, 512]
+            return 16 * shapes[node.input[1]][0]
         return shapes.get(node.input[1], [None])[0]
     if kind == "freqs":
         return len(attrs["inverse_frequencies"])

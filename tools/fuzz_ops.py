@@ -11,8 +11,8 @@ itself is not instrumented, so they must come first) and `CSA2ONNX_OPS_LIBRARY` 
 that library.
 Each case is a random model and input: shapes with 0-sized and huge dims, valid and invalid
 attributes, K of every value and shape, every dtype, NaN/inf/subnormal/random-bit data, 1 or
-2 threads; for Fp8Linear also W constant or fed, every code (NaN codes, blocks too wide for
-int16), scales of every kind, rows on the few-rows and the tile paths; for SparseAttention
+2 threads; for Fp8Linear also W constant or fed, plain or pairs16, every code (NaN codes,
+blocks too wide for int16), scales of every kind, rows on the few-rows and the tile paths; for SparseAttention
 indices in and out of range (-1 included, int64 and int32), packed compressed caches of
 each format (random bytes included); for the row ops RowStart anywhere, float and uint8
 caches, every format, d and dim; for TorchLinear float and bf16 W, plain and panels64,
@@ -52,6 +52,7 @@ from typing import Any
 import numpy as np
 
 from csa2onnx.custom_ops.build import built_from_current_sources
+from csa2onnx.custom_ops.weight_layout import pack_pairs16, unpack_pairs16
 from csa2onnx.graphs.standalone import IR_VERSION
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -436,6 +437,16 @@ def fp8_case(rng: np.random.Generator, index: int, omit_inputs: bool) -> Case:
         x_k = x.shape[-1]
         ok = ok and x_k == k
     w = fp8_codes(rng, n, k)
+    u = rng.random()
+    if u < 0.35:  # W as k-pairs of 16 columns (an error unless N % 16 == 0 and K % 32 == 0)
+        attributes["weight_layout"] = "pairs16"
+        if n % 16 == 0 and k % 32 == 0:
+            w = pack_pairs16(w)
+        else:
+            ok = False
+    elif u < 0.37:  # the default spelled out, or a layout Fp8Linear does not have
+        layout = str(rng.choice(["plain", "panels64", ""]))
+        attributes["weight_layout"], ok = layout, ok and layout == "plain"
     scale_shape: tuple[int, ...] = (-(-n // 32), k // 32)
     if rng.random() < 0.05:
         scale_shape = [(scale_shape[0] + 1, scale_shape[1]), (scale_shape[0], scale_shape[1] + 1),
@@ -979,6 +990,8 @@ def check_fp8(case: Case, outputs: dict[str, np.ndarray]) -> str | None:
 
     got = outputs["Y"]
     codes, w_scale = case.more["W"][1], case.more["WScale"][1]
+    if case.attributes.get("weight_layout") == "pairs16":
+        codes = unpack_pairs16(codes)
     want_shape = (*case.x.shape[:-1], codes.shape[0])
     if got.shape != want_shape:
         return f"Y shape {list(got.shape)}, expected {list(want_shape)}"

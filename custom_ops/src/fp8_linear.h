@@ -119,6 +119,14 @@ struct Fp8 {
     return acc + term;
 #endif
   }
+  // W's layout "pairs16" ([N/16, K/32, 512], N a multiple of 16; fp8_linear_kernels.h says
+  // why): the byte of code (n, k) in a W of K columns, n = 16g + 4l + c, k = 32kb + 2(2z +
+  // h) + kp, at ((g * K/32 + kb) * 512 + 64z + 16l + 8h + 2c + kp.
+  CSA_HD static int64_t pairs16_offset(int64_t K, int64_t n, int64_t k) {
+    const int64_t p = (k % kBlock) / 2;
+    return ((n / 16) * (K / kBlock) + k / kBlock) * 512 + 64 * (p / 2) + 16 * ((n % 16) / 4) +
+           8 * (p % 2) + 2 * (n % 4) + k % 2;
+  }
 };
 
 }  // namespace csa

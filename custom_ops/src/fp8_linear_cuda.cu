@@ -27,7 +27,8 @@ __device__ float cast_bf16(float x) {
 }
 
 __global__ void fp8_linear_kernel(const float* x, const uint8_t* w, const float* wscale,
-                                  float* y, int64_t M, int64_t N, int64_t K, bool round_output) {
+                                  float* y, int64_t M, int64_t N, int64_t K, bool round_output,
+                                  bool pairs16) {
   __shared__ float xq[kChunkBlocks * Fp8::kBlock];
   __shared__ float xs[kChunkBlocks];
   const int64_t KB = K / Fp8::kBlock;
@@ -46,11 +47,13 @@ __global__ void fp8_linear_kernel(const float* x, const uint8_t* w, const float*
       __syncthreads();
       if (n < N) {
         for (int64_t b = 0; b < blocks; ++b) {
-          const uint8_t* wb = w + n * K + (kb0 + b) * Fp8::kBlock;
+          const int64_t k0 = (kb0 + b) * Fp8::kBlock;
           double dot = 0.0;
-          for (int i = 0; i < Fp8::kBlock; ++i)
+          for (int i = 0; i < Fp8::kBlock; ++i) {
+            const uint8_t code = w[pairs16 ? Fp8::pairs16_offset(K, n, k0 + i) : n * K + k0 + i];
             dot = __dadd_rn(dot, __dmul_rn(static_cast<double>(xq[b * Fp8::kBlock + i]),
-                                           static_cast<double>(Fp8::e4m3_value(wb[i]))));
+                                           static_cast<double>(Fp8::e4m3_value(code))));
+          }
           acc = Fp8::accumulate(acc, __double2float_rn(dot), xs[b],
                                 wscale[(n / Fp8::kBlock) * KB + kb0 + b]);
         }
@@ -63,13 +66,15 @@ __global__ void fp8_linear_kernel(const float* x, const uint8_t* w, const float*
 }  // namespace
 
 std::string launch_fp8_linear(const float* x, const uint8_t* w, const float* wscale, float* y,
-                              int64_t M, int64_t N, int64_t K, bool round_output, void* stream) {
+                              int64_t M, int64_t N, int64_t K, bool round_output, bool pairs16,
+                              void* stream) {
   if (M == 0 || N == 0) return {};  // a launch of an empty grid is an error
   const int64_t col_blocks = (N + kThreads - 1) / kThreads;
   if (col_blocks > 0x7fffffff) return "too many columns for one launch";
   const unsigned rows = static_cast<unsigned>(M < 65535 ? M : 65535);
   fp8_linear_kernel<<<dim3(static_cast<unsigned>(col_blocks), rows), kThreads, 0,
-                      static_cast<cudaStream_t>(stream)>>>(x, w, wscale, y, M, N, K, round_output);
+                      static_cast<cudaStream_t>(stream)>>>(x, w, wscale, y, M, N, K, round_output,
+                                                                 pairs16);
   const cudaError_t err = cudaGetLastError();
   return err == cudaSuccess ? std::string() : std::string(cudaGetErrorString(err));
 }

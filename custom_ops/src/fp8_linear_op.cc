@@ -5,7 +5,11 @@
 // round_output (int, default 0): 1 rounds Y through bfloat16 as the graph's Cast pair would
 // (ort_cast.h, fused into the tasks' stores). Attribute numerics: "exact" (the default:
 // everything below) or "fast" (fp8_linear_fast.cc: the same terms in another summation
-// order, where the CPU has its instructions; otherwise this exact kernel).
+// order, where the CPU has its instructions; otherwise this exact kernel). Attribute
+// weight_layout: "plain" (the default: W [N, K] as above) or "pairs16" (W
+// [N/16, K/32, 512], N a multiple of 16: each group of 16 columns' K block as one run of
+// k-pairs, fp8_linear_kernels.h; the few-rows kernel then reads lanes over columns with no
+// transpose). numerics "fast" reads plain W only: with pairs16 it is this exact kernel.
 //
 // W is read in place: the kernel keeps no copy of it. For a constant W it keeps, computed
 // once when the session creates the kernel, per (column, K block) the power of two t that
@@ -100,12 +104,19 @@ struct Dims {
 
 // Checks shapes and returns (M, N, K); everything is checked before any memory is touched.
 Dims check_shapes(const std::vector<int64_t>& x, const std::vector<int64_t>& w,
-                  const std::vector<int64_t>& ws) {
+                  const std::vector<int64_t>& ws, bool pairs16) {
   if (x.empty()) fail(kOp, "X must have rank >= 1, got a scalar");
-  if (w.size() != 2) fail(kOp, "W must be [N, K] (rank 2), got shape " + shape_string(w));
   Dims d;
-  d.N = w[0];
-  d.K = w[1];
+  if (pairs16) {
+    if (w.size() != 3 || w[2] != kPairs16Bytes)
+      fail(kOp, "a pairs16 W must be [N/16, K/32, 512] (rank 3), got shape " + shape_string(w));
+    d.N = w[0] * kLanes;
+    d.K = w[1] * kBlock;
+  } else {
+    if (w.size() != 2) fail(kOp, "W must be [N, K] (rank 2), got shape " + shape_string(w));
+    d.N = w[0];
+    d.K = w[1];
+  }
   if (d.K % kBlock != 0) {
     fail(kOp, "K (" + std::to_string(d.K) + ", the second dimension of W " + shape_string(w) +
          ") must be a multiple of the block size 32");
@@ -132,8 +143,10 @@ Dims check_shapes(const std::vector<int64_t>& x, const std::vector<int64_t>& w,
 // norm.
 struct WMeta {
   int64_t n = -1, k = -1, kb = 0, groups = 0;
+  bool pairs16 = false;           // W's layout
   std::vector<uint8_t> shift;     // [panels][KB][64] (WView::shift_at), 0 past N
-  std::vector<uint8_t> shift_rows;  // [N][KB + 16]: the same, a column's blocks in a row
+  std::vector<uint8_t> shift_rows;  // [N][KB + 16]: the same, a column's blocks in a row (plain
+                                    // W only: dot_rows_vbmi's)
   std::vector<uint8_t> nan_column;  // [groups * 16]
   std::vector<int64_t> nan_columns;
   bool any_bad = false;
@@ -143,13 +156,14 @@ struct WMeta {
   std::vector<uint16_t> panel_bad;
   std::vector<uint32_t> panel_l1max, panel_absmax, panel_l2max;
 
-  void reset(int64_t N, int64_t K) {
+  void reset(int64_t N, int64_t K, bool pairs16_layout) {
     n = N;
     k = K;
+    pairs16 = pairs16_layout;
     kb = K / kBlock;
     groups = (N + kLanes - 1) / kLanes;
     shift.assign(static_cast<size_t>((groups + kGroups - 1) / kGroups * kb * kPanel), 0);
-    shift_rows.assign(static_cast<size_t>(N * (kb + kLanes)), 0);
+    shift_rows.assign(pairs16 ? 0 : static_cast<size_t>(N * (kb + kLanes)), 0);
     const size_t figures = static_cast<size_t>((groups + kGroups - 1) / kGroups * kGroups * kb);
     panel_bad.assign(figures, 0);
     panel_l1max.assign(figures, 0);
@@ -163,20 +177,21 @@ struct WMeta {
   // Groups [g0, g1) (each group's figures are written by one caller only).
   void build(const uint8_t* w, int64_t g0, int64_t g1) {
     int32_t u[kBlock];
+    uint8_t buf[kBlock];
     for (int64_t g = g0; g < g1; ++g) {
       for (int64_t lane = 0; lane < kLanes; ++lane) {
         const int64_t col = g * kLanes + lane;
         if (col >= n) break;
-        const uint8_t* row = w + col * k;
         bool nan = false;
         for (int64_t b = 0; b < kb; ++b) {
+          const uint8_t* codes = column_block(w, k, pairs16, col, b, buf);
           for (int64_t i = 0; i < kBlock; ++i) {
-            u[i] = fp8_int::kUnits.v[row[b * kBlock + i]];
-            nan |= Fp8::is_nan_code(row[b * kBlock + i]);
+            u[i] = fp8_int::kUnits.v[codes[i]];
+            nan |= Fp8::is_nan_code(codes[i]);
           }
           const BlockInts bi = fp8_int::analyse_block(u);
           shift[static_cast<size_t>(panel_column_index(kb, b, col))] = static_cast<uint8_t>(bi.shift);
-          shift_rows[col * (kb + kLanes) + b] = static_cast<uint8_t>(bi.shift);
+          if (!pairs16) shift_rows[col * (kb + kLanes) + b] = static_cast<uint8_t>(bi.shift);
           const size_t pat = static_cast<size_t>(panel_group_index(kb, b, g));
           if (!bi.fits()) {
             panel_bad[pat] = static_cast<uint16_t>(panel_bad[pat] | (1u << lane));
@@ -198,7 +213,7 @@ struct WMeta {
   }
 
   WView view(const uint8_t* w) const {
-    return {w, n, k, kb, groups, shift.data(), panel_bad.data(), shift_rows.data()};
+    return {w, n, k, kb, groups, shift.data(), panel_bad.data(), shift_rows.data(), pairs16};
   }
 };
 
@@ -525,6 +540,7 @@ struct Patch {
 
   void rows_between(int64_t ra, int64_t rb) const {
     int32_t h[kBlock], l[kBlock], ux[kBlock], uw[kBlock];
+    uint8_t wbuf[kBlock];
     for (int64_t kbi = 0; kbi < kbs; ++kbi) {
       const int64_t kb = kb0 + kbi;
       const bool any_bad = ov.any_bad(kbi);
@@ -577,7 +593,7 @@ struct Patch {
           for (uint32_t bad = ov.bad[kbi * kGroups + gi]; bad != 0; bad &= bad - 1) {
             const int64_t i = __builtin_ctz(bad);
             const int64_t col = panel * kPanel + gi * kLanes + i;
-            const uint8_t* codes = c.w + col * c.K + kb * kBlock;
+            const uint8_t* codes = column_block(c.w, c.K, meta.pairs16, col, kb, wbuf);
             for (int64_t e = 0; e < kBlock; ++e) uw[e] = fp8_int::kUnits.v[codes[e]];
             const uint32_t tw = *meta.view(c.w).shift_at(kb, col);
             job.out[gi][i] = fp8_int::exact_dot(ux, 0, uw, tw);
@@ -647,6 +663,7 @@ void run_task(const Call& c, int64_t task, TaskCounts& tally) {
   uint64_t lane_sums = 0, row_sums = 0, wide_sums = 0;
   std::memset(out, 0, static_cast<size_t>(rows * kPanel) * sizeof(float));
   const WView wv = meta.view(c.w);
+  uint8_t wbuf[kBlock];  // a pairs16 W block's codes for f_lanes
   const float* ws0 = c.ws + (2 * panel) * c.KB;
   const float* ws1 = 2 * panel + 1 < c.NB ? ws0 + c.KB : ws0;  // no second half: unused
   for (int64_t kb0 = 0; kb0 < c.KB; kb0 += chunk) {
@@ -701,7 +718,7 @@ void run_task(const Call& c, int64_t task, TaskCounts& tally) {
                              : xc.xt.data() + (kb * kPairs) * xc.rows16 + r0,
                          xc.rows16,
                          rows,
-                         c.w + col * c.K + kb * kBlock,
+                         wv.codes(col, kb, wbuf),
                          *wv.shift_at(kb, col),  // the panel's run: cached, unlike shift_rows
                          f};
           c.kern.f_lanes(job);
@@ -747,6 +764,7 @@ void run_task(const Call& c, int64_t task, TaskCounts& tally) {
 struct NodeAttributes {
   bool fast = false;          // numerics "fast"
   bool round_output = false;  // round_output 1
+  bool pairs16 = false;       // weight_layout "pairs16"
 };
 
 NodeAttributes check_node(const OrtKernelInfo* info) {
@@ -759,7 +777,11 @@ NodeAttributes check_node(const OrtKernelInfo* info) {
       optional_attribute<int64_t>(info, kOp, "round_output", "an int").value_or(0);
   if (round != 0 && round != 1)
     fail(kOp, "round_output must be 0 or 1, got " + std::to_string(round));
-  return {numerics_is_fast(info, kOp), round == 1};
+  const std::string layout =
+      optional_attribute<std::string>(info, kOp, "weight_layout", "a string").value_or("plain");
+  if (layout != "plain" && layout != "pairs16")
+    fail(kOp, "unknown weight_layout \"" + layout + "\" (expected \"plain\" or \"pairs16\")");
+  return {numerics_is_fast(info, kOp), round == 1, layout == "pairs16"};
 }
 
 // numerics "fast" runs fp8_linear_fast.cc where the path is avx512bf16 (the default on a
@@ -781,18 +803,23 @@ struct Fp8LinearKernel {
   bool fast = false;    // numerics "fast" on a CPU that has its kernel
   bool amx = false;     // ... and AMX-BF16 for its prefill tiles
   bool round_output = false;
+  bool pairs16 = false;  // W's layout
 
   Fp8LinearKernel(const OrtApi*, const OrtKernelInfo* info) : kern(kernels_for(select_path())) {
     const NodeAttributes attributes = check_node(info);
-    fast = attributes.fast && fast_path_available();
+    pairs16 = attributes.pairs16;
+    fast = attributes.fast && fast_path_available() && !pairs16;  // fp8_fast reads plain W
     amx = fast && fp8_fast::amx_supported();
     round_output = attributes.round_output;
     const Ort::ConstValue w = constant_input(info, 1);
     if (w == nullptr) return;  // not a constant: its figures are computed on every call
     const std::vector<int64_t> shape = w.GetTensorTypeAndShapeInfo().GetShape();
-    if (shape.size() != 2 || shape[0] < 0 || shape[1] < 0 || shape[1] % kBlock != 0)
+    const size_t rank = pairs16 ? 3 : 2;
+    if (shape.size() != rank || shape[0] < 0 || shape[1] < 0 ||
+        (pairs16 ? shape[2] != kPairs16Bytes : shape[1] % kBlock != 0))
       return;  // Compute reports it
-    constant_meta.reset(shape[0], shape[1]);
+    constant_meta.reset(pairs16 ? shape[0] * kLanes : shape[0], pairs16 ? shape[1] * kBlock : shape[1],
+                        pairs16);
     constant_meta.build(static_cast<const uint8_t*>(w.GetTensorRawData()), 0,
                         constant_meta.groups);
     constant_meta.finish();
@@ -817,7 +844,7 @@ struct Fp8LinearKernel {
            const Ort::Custom::Tensor<Ort::Float8E4M3FN_t>& w,
            const Ort::Custom::Tensor<float>& wscale, Ort::Custom::Tensor<float>& y) const {
     const std::vector<int64_t> x_shape = x.Shape();
-    const Dims d = check_shapes(x_shape, w.Shape(), wscale.Shape());
+    const Dims d = check_shapes(x_shape, w.Shape(), wscale.Shape(), pairs16);
     std::vector<int64_t> y_shape = x_shape;
     y_shape.back() = d.N;
     float* out = y.Allocate(y_shape);
@@ -846,7 +873,7 @@ struct Fp8LinearKernel {
     WMeta per_call;
     const WMeta* meta = &constant_meta;
     if (constant_meta.n != d.N || constant_meta.k != d.K) {
-      per_call.reset(d.N, d.K);
+      per_call.reset(d.N, d.K, pairs16);
       constexpr int64_t kGroupsPerTask = 8;
       const int64_t parts = (per_call.groups + kGroupsPerTask - 1) / kGroupsPerTask;
       auto build = [&](int64_t i) {
@@ -920,15 +947,19 @@ struct Fp8LinearKernel {
 struct Fp8LinearCudaKernel {
   // numerics "fast" runs the exact CUDA kernel (it is already the fast one there)
   bool round_output = false;
-  Fp8LinearCudaKernel(const OrtApi*, const OrtKernelInfo* info)
-      : round_output(check_node(info).round_output) {}
+  bool pairs16 = false;
+  Fp8LinearCudaKernel(const OrtApi*, const OrtKernelInfo* info) {
+    const NodeAttributes attributes = check_node(info);
+    round_output = attributes.round_output;
+    pairs16 = attributes.pairs16;
+  }
 
   Ort::Status Compute(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& x,
                       const Ort::Custom::Tensor<Ort::Float8E4M3FN_t>& w,
                       const Ort::Custom::Tensor<float>& wscale, Ort::Custom::Tensor<float>& y) {
     return status_of([&] {
       const std::vector<int64_t> x_shape = x.Shape();
-      const Dims d = check_shapes(x_shape, w.Shape(), wscale.Shape());
+      const Dims d = check_shapes(x_shape, w.Shape(), wscale.Shape(), pairs16);
       std::vector<int64_t> y_shape = x_shape;
       y_shape.back() = d.N;
       float* out = y.Allocate(y_shape);
@@ -936,7 +967,7 @@ struct Fp8LinearCudaKernel {
       void* stream = Ort::KernelContext(ctx).GetGPUComputeStream();
       const std::string error =
           launch_fp8_linear(x.Data(), reinterpret_cast<const uint8_t*>(w.Data()), wscale.Data(),
-                            out, d.M, d.N, d.K, round_output, stream);
+                            out, d.M, d.N, d.K, round_output, pairs16, stream);
       if (!error.empty()) ORT_CXX_API_THROW("Fp8Linear (CUDA): " + error, ORT_RUNTIME_EXCEPTION);
     });
   }

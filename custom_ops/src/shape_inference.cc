@@ -167,10 +167,20 @@ OrtStatusPtr torch_linear(const Context& c) {
   return c.set_output(0, with_last(x.dims, w.dims[0]), kFloat);
 }
 
-// Fp8Linear: X [..., K] -> [..., N], N = W's first dimension.
+// Fp8Linear: X [..., K] -> [..., N], N = W's first dimension (plain), or 16 times it
+// (pairs16: W [N/16, K/32, 512]; known only as a size).
 OrtStatusPtr fp8_linear(const Context& c) {
   Input x, w;
-  if (!c.ranked_input(0, x) || !c.input(1, w) || w.dims.size() != 2) return nullptr;
+  if (!c.ranked_input(0, x) || !c.input(1, w)) return nullptr;
+  std::string layout = "plain";
+  c.string_attribute("weight_layout", layout);
+  if (layout == "pairs16") {
+    if (w.dims.size() != 3) return nullptr;  // the kernel reports it
+    const Dim groups = w.dims[0];
+    const bool sized = groups.value >= 0 && groups.value <= INT64_MAX / 16;
+    return c.set_output(0, with_last(x.dims, sized ? size(16 * groups.value) : Dim{}), kFloat);
+  }
+  if (w.dims.size() != 2) return nullptr;
   return c.set_output(0, with_last(x.dims, w.dims[0]), kFloat);
 }
 
