@@ -74,7 +74,9 @@ model's fp8 linear shapes (or --fp8-shapes) and M rows, intra_op_num_threads = -
 (default 2), timed in turns; the weights are quantised as a checkpoint holds them (or, with
 --fp8-weights uniform, every code equally likely: Fp8Linear's worst case); the ratio is
 Fp8Linear's time over TorchLinear's, and the W columns give the bytes of weights each call
-reads. The "fast" column is Fp8Linear with numerics="fast" (the same terms in vdpbf16ps
+reads. Exact Fp8Linear reads W in the layout an export writes (pairs16 where N is a
+multiple of 16; a --baseline-library build reads it plain). The "fast" column is Fp8Linear
+with numerics="fast" (the same terms in vdpbf16ps
 order, custom_ops/src/fp8_linear_fast.cc; the exact kernel where the CPU lacks its
 instructions), its ratio beside: what exactness costs.
 """
@@ -110,6 +112,7 @@ from csa2onnx.custom_ops.reference import (
     round_bf16,
     unpack_quantized,
 )
+from csa2onnx.custom_ops.weight_layout import PAIRS16, PLAIN, pack_pairs16
 from csa2onnx.graphs.standalone import IR_VERSION
 
 OPSETS = [helper.make_opsetid("", 21), helper.make_opsetid("csa2onnx", 1)]
@@ -170,15 +173,21 @@ def topk_model() -> bytes:
 FP8_SHAPES = [(5120, 1280), (1280, 32768), (5120, 512), (8192, 5120), (1280, 4096)]  # (K, N)
 
 
-def fp8_linear_model(codes: np.ndarray, w_scale: np.ndarray, numerics: str = "exact") -> bytes:
+def fp8_linear_model(codes: np.ndarray, w_scale: np.ndarray, numerics: str = "exact",
+                     layout: str = PLAIN) -> bytes:
+    """Y = Fp8Linear(X, W, WScale), W ([N, K] codes) stored in `layout` (plain or pairs16)."""
     n, k = codes.shape
     attributes = {"numerics": numerics} if numerics != "exact" else {}
+    if layout == PAIRS16:
+        codes = pack_pairs16(codes)
+        attributes["weight_layout"] = PAIRS16
     node = helper.make_node("Fp8Linear", ["X", "W", "WScale"], ["Y"], domain="csa2onnx",
                             **attributes)
     graph = helper.make_graph(
         [node], "fp8", [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["m", k])],
         [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["m", n])],
-        [helper.make_tensor("W", TensorProto.FLOAT8E4M3FN, [n, k], codes.tobytes(), raw=True),
+        [helper.make_tensor("W", TensorProto.FLOAT8E4M3FN, codes.shape, codes.tobytes(),
+                            raw=True),
          numpy_helper.from_array(w_scale, "WScale")])
     return helper.make_model(graph, opset_imports=OPSETS, ir_version=IR_VERSION).SerializeToString()
 
@@ -236,7 +245,9 @@ def bench_fp8_linear(rows: list[int], rounds: int, min_time: float, threads: int
     for k, n in shapes or FP8_SHAPES:
         codes, w_scale = make_weights(rng, n, k)
         w = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
-        fp8 = make_session(fp8_linear_model(codes, w_scale), options=options)
+        # exact: the layout an export writes (export/weights.py linear_layout)
+        layout = PAIRS16 if n % 16 == 0 else PLAIN
+        fp8 = make_session(fp8_linear_model(codes, w_scale, layout=layout), options=options)
         fast = make_session(fp8_linear_model(codes, w_scale, "fast"), options=options)
         bf16 = make_session(bf16_linear_model(w), options=options)
         base = (op_session(fp8_linear_model(codes, w_scale), threads, library=baseline,

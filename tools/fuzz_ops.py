@@ -12,21 +12,20 @@ that library.
 Each case is a random model and input: shapes with 0-sized and huge dims, valid and invalid
 attributes, K of every value and shape, every dtype, NaN/inf/subnormal/random-bit data, 1 or
 2 threads; for Fp8Linear also W constant or fed, plain or pairs16, every code (NaN codes,
-blocks too wide for int16), scales of every kind, rows on the few-rows and the tile paths; for SparseAttention
-indices in and out of range (-1 included, int64 and int32), packed compressed caches of
-each format (random bytes included); for the row ops RowStart anywhere, float and uint8
-caches, every format, d and dim; for TorchLinear float and bf16 W, plain and panels64,
-constant or fed, 1-3 groups; for IndexerScore float and packed keys, Width anywhere; for
-ApplyRope, RopeCosSin and TorchRMSNorm every layout they take; and each forced
+blocks too wide for int16), scales of every kind, rows on the few-rows and the tile paths;
+for SparseAttention indices in and out of range (-1 included, int64 and int32), packed
+compressed caches of each format (random bytes included); for the row ops RowStart anywhere,
+float and uint8 caches, every format, d and dim; for TorchLinear float and bf16 W, plain and
+panels64, constant or fed, 1-3 groups; for IndexerScore float and packed keys, Width
+anywhere; for ApplyRope, RopeCosSin and TorchRMSNorm every layout they take; and each forced
 instruction-set path the CPU has (SparseAttention, TorchLinear, IndexerScore and ApplyRope
 checked against their own definition paths; the others against the NumPy definitions of
 custom_ops/reference.py, the C library's cosf/sinf, or a float64 evaluation for
 TorchRMSNorm). A case must either return outputs of the right shape (checked against an
 oracle where the input is valid) or raise an onnxruntime error. Findings: a crash, a
 sanitizer report, a hang, a wrong shape or value, a valid input rejected or an invalid one
-accepted.
-A crashed worker is restarted after the case that killed it, so one run reports them all.
-Case i of seed S is reproducible alone: `--seed S --start i --cases 1 -v`.
+accepted. A crashed worker is restarted after the case that killed it, so one run reports
+them all. Case i of seed S is reproducible alone: `--seed S --start i --cases 1 -v`.
 
 Exit status: 0 no findings, 1 findings, 2 could not run (no sanitizer runtime, no library).
 """
