@@ -21,6 +21,7 @@ from helpers import bf16_values, hard_values
 from onnx import TensorProto, helper
 
 from csa2onnx.custom_ops import CustomOpLibraryError, library_path, make_session, session_options
+from csa2onnx.custom_ops.weight_layout import pack_pairs16
 from csa2onnx.graphs.standalone import IR_VERSION
 
 GOLDENS = Path(__file__).resolve().parents[1] / "goldens"
@@ -174,8 +175,10 @@ def test_torch_topk_runs_on_the_cpu_inside_a_cuda_session() -> None:
         np.testing.assert_array_equal(got_v.view(np.uint32), want_v.view(np.uint32))
 
 
-def fp8_linear_model(round_output: int = 0) -> bytes:
-    attributes = {"round_output": 1} if round_output else {}
+def fp8_linear_model(round_output: int = 0, layout: str = "plain") -> bytes:
+    attributes: dict = {"round_output": 1} if round_output else {}
+    if layout != "plain":
+        attributes["weight_layout"] = layout
     node = helper.make_node("Fp8Linear", ["X", "W", "WScale"], ["Y"], domain="csa2onnx",
                             **attributes)
     graph = helper.make_graph(
@@ -208,4 +211,25 @@ def test_fp8_linear_cuda_kernel_matches_cpu_kernel(m: int, n: int, k: int,
     model = fp8_linear_model(round_output)
     cpu = make_session(model).run_with_ort_values(["Y"], feeds)[0].numpy()
     cuda = cuda_only_session(model).run_with_ort_values(["Y"], feeds)[0].numpy()
+    assert same(cuda, cpu)
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 48, 32), (3, 1008, 1280), (70, 304, 2048)])
+def test_fp8_linear_cuda_kernel_reads_pairs16(m: int, n: int, k: int) -> None:
+    """A pairs16 W (custom_ops/weight_layout.py, as an export writes it) on CUDA: the CPU
+    kernel's bits on the plain W."""
+    rng = np.random.default_rng(m * 11 + n + k)
+    x = (rng.standard_normal((m, k)) * np.exp2(rng.integers(-20, 20, (m, 1)))).astype(np.float32)
+    codes = rng.integers(0, 256, (n, k), dtype=np.uint8)
+    codes[n - 1, k - 1] = 0x7F
+    w_scale = np.exp2(rng.integers(-20, 4, (-(-n // 32), k // 32))).astype(np.float32)
+
+    def feeds(w: np.ndarray) -> dict:
+        return {"X": ort.OrtValue.ortvalue_from_numpy(x),
+                "W": ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
+                    np.ascontiguousarray(w), TensorProto.FLOAT8E4M3FN),
+                "WScale": ort.OrtValue.ortvalue_from_numpy(w_scale)}
+    cpu = make_session(fp8_linear_model()).run_with_ort_values(["Y"], feeds(codes))[0].numpy()
+    cuda = cuda_only_session(fp8_linear_model(layout="pairs16")).run_with_ort_values(
+        ["Y"], feeds(pack_pairs16(codes)))[0].numpy()
     assert same(cuda, cpu)

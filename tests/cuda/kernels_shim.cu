@@ -93,7 +93,7 @@ int csa_fp8_linear(const float* x, const uint8_t* w, const float* wscale, float*
     for (int r = 0; r < reps; ++r)
       check_launch(csa::launch_fp8_linear(dx.as<float>(), dw.as<uint8_t>(), ds.as<float>(),
                                           dy.as<float>(), M, N, K, round_output != 0,
-                                          nullptr),
+                                          /*pairs16=*/false, nullptr),
                    "launch_fp8_linear");
     check(cudaEventRecord(stop), "cudaEventRecord");
     check(cudaEventSynchronize(stop), "fp8_linear kernel");
