@@ -119,6 +119,7 @@ def test_edges_take_every_exact_fallback(pairs16_sessions, m: int, n: int, k: in
             run(s, x, pack_pairs16(codes), w_scale), want, f"isa={i}"))
         assert_few_rows_path(isa, grew, few_rows=m <= 4)
         assert grew["lane_sums"] > 0 and grew["row_sums"] > 0, (isa, grew)
+        assert grew["wide_sums"] > 0, (isa, grew)
 
 
 def test_numerics_fast_reads_a_pairs16_w_with_the_exact_kernel() -> None:

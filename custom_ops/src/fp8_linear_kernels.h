@@ -123,6 +123,11 @@ struct SmallJob {
   int32_t* sums;              // [kbs][kGroups][rows][16]
   int16_t* xp;                // scratch [rows][kXpRow] (X by quads)
   int32_t* tsum;              // scratch [rows][kLanes][kTsumLd] (a group's sums, lanes over k)
+  // dot_groups_vbmi (pairs16 W, epilogue fused): fill(fill_ctx, kbi) before the block's
+  // sums are used, where need[kbi] (its slots, and the pairs and patches of flagged rows)
+  const uint8_t* need = nullptr;
+  void (*fill)(void*, int64_t) = nullptr;
+  void* fill_ctx = nullptr;
 };
 constexpr int64_t kSmallRows = 4;
 constexpr int64_t kPrefetchBytes = 16384;  // dot_small asks for W's codes this far ahead (L2)
@@ -1190,37 +1195,46 @@ CSA_TARGET_AVX512_VBMI __attribute__((noinline)) void dot_rows_vbmi(const SmallJ
   store_flagged_pairs(j);
 }
 
-// MR rows of X (decode, 1..4) against a pairs16 W, lanes over columns: per K block, the
-// panel's four groups side by side (four sequential streams of W for the prefetchers), each
-// group's 512 codes converted once (convert_codes; zmm z gives k-pairs 2z and 2z + 1 of its
-// 16 columns, as words in column order) and multiplied by vpdpwssd with each row's pair
-// broadcast: lane i of a sum is column i's block dot, with no transpose and no add tree
-// (exact as dot_rows_vbmi's: the int32 lanes add the same products, modulo 2^32, and the
-// flags keep the true sums below 2^31). Measured in a harness (8192 x 5120, W in L3, 1
-// thread): 24-25 Gcodes/s at one row, 16 at four, against 18-19 and 8.7 for dot_rows_vbmi.
 // dot_groups_vbmi asks for each group's codes this far ahead in its run (four runs side by
 // side: 8 KiB ahead in all). Measured (twenty 8192 x 5120 linears from DRAM, 2 threads, 8
-// rounds): 16 KiB ahead (T1) 50.9 / 74.7 ms at 1 / 4 rows; 2 KiB 45.1 / 68.8 (T0), 45.5 /
-// 64.9 (T1); 1 KiB (T0) 46.1 / 67.4; none 52.3 / 78.2.
+// rounds, before the epilogue was fused): 16 KiB ahead (T1) 50.9 / 74.7 ms at 1 / 4 rows;
+// 2 KiB 45.1 / 68.8 (T0), 45.5 / 64.9 (T1); 1 KiB (T0) 46.1 / 67.4; none 52.3 / 78.2.
 constexpr int64_t kGroupPrefetchBytes = 2048;
 
+// MR rows of X (decode, 1..4) against a pairs16 W, lanes over columns, the epilogue fused:
+// per K block, the panel's four groups side by side (four sequential streams of W for the
+// prefetchers), each group's 512 codes converted once (convert_codes; zmm z gives k-pairs 2z
+// and 2z + 1 of its 16 columns, as words in column order) and multiplied by vpdpwssd with
+// each row's pair broadcast: lane i of a sum is column i's block dot, with no transpose and
+// no add tree (exact as dot_rows_vbmi's: the int32 lanes add the same products, modulo 2^32,
+// and the flags keep the true sums below 2^31). Then at once, per row, epilogue_small_body's
+// arithmetic on those lanes (each output takes the blocks in order, as there), the slots
+// where masks say so: a block that needs slots has them filled first (j.fill), while its W
+// is in cache. Measured in a harness (8192 x 5120, W in L3, 1 thread, the sums only): 24-25
+// Gcodes/s at one row, 16 at four, against 18-19 and 8.7 for dot_rows_vbmi.
 template <int MR, bool kVnni, bool kFp16>
-CSA_TARGET_AVX512_VBMI __attribute__((noinline)) void dot_groups_vbmi(const SmallJob& j) {
+CSA_TARGET_AVX512_VBMI __attribute__((noinline)) void dot_groups_vbmi(const SmallJob& j, const TaskView& v) {
   const QuadConstants k = quad_constants();
   const int64_t g0 = j.panel * kGroups;
   const int64_t live = j.w.groups - g0 < kGroups ? j.w.groups - g0 : kGroups;  // N % 16 == 0
   for (int64_t kbi = 0; kbi < j.kbs; ++kbi) {
+    if (j.need[kbi]) j.fill(j.fill_ctx, kbi);
     const int64_t kb = j.kb0 + kbi;
     const int16_t* x = j.xi + kb * kBlock;  // row m's block at x + m * K
-    for (int64_t c = 0; c < kGroups; ++c) {
-      int32_t* out = j.sums + (kbi * kGroups + c) * j.rows * kLanes;
-      if (c >= live) {
-        for (int m = 0; m < MR; ++m) _mm512_storeu_si512(out + m * kLanes, k.zero);
-        continue;
-      }
+    // the rows' block figures: t_x - 18 (the exponent of cm = 2^(t_x - 18), a normal
+    // float) and xs * ws of each 32-column half
+    int32_t ex[MR];
+    float sc[MR][2];
+    for (int m = 0; m < MR; ++m) {
+      const float xs = v.xs[kb * v.ld + m];
+      ex[m] = static_cast<int32_t>(Fp8::bits_of(v.cm[kb * v.ld + m]) >> 23) - 127;
+      sc[m][0] = xs * v.ws0[kb];
+      sc[m][1] = xs * v.ws1[kb];
+    }
+    for (int64_t c = 0; c < live; ++c) {  // groups past N: columns never stored
       const uint8_t* src = j.w.w + ((g0 + c) * j.w.KB + kb) * kPairs16Bytes;
-      const __m512i figure = pairs16_figure<kFp16>(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(j.w.shift_at(kb, (g0 + c) * kLanes))));
+      const __m128i t16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(j.w.shift_at(kb, (g0 + c) * kLanes)));
+      const __m512i figure = pairs16_figure<kFp16>(t16);
       __m512i acc[MR][2];
       for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = k.zero;
 #pragma GCC unroll 8
@@ -1237,22 +1251,34 @@ CSA_TARGET_AVX512_VBMI __attribute__((noinline)) void dot_groups_vbmi(const Smal
           CSA_DP16(kVnni, acc[m][1], p1, _mm512_set1_epi32(x1));
         }
       }
-      for (int m = 0; m < MR; ++m) _mm512_storeu_si512(out + m * kLanes, _mm512_add_epi32(acc[m][0], acc[m][1]));
+      const __m512i tw = _mm512_cvtepu8_epi32(t16);
+      const float* slot = v.slot[kbi * kGroups + c];
+#pragma GCC unroll 4
+      for (int m = 0; m < MR; ++m) {
+        const __m512 s = _mm512_cvtepi32_ps(_mm512_add_epi32(acc[m][0], acc[m][1]));
+        const __m512 p = _mm512_mask_loadu_ps(s, static_cast<__mmask16>(v.masks[kbi * v.rows + m] >> (16 * c)),
+                                              slot + m * kLanes);
+        const __m512 e = _mm512_cvtepi32_ps(_mm512_add_epi32(tw, _mm512_set1_epi32(ex[m])));
+        float* o = v.out + m * kPanel + kLanes * c;
+        _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o),
+                                          _mm512_mul_ps(_mm512_scalef_ps(p, e), _mm512_set1_ps(sc[m][c / 2]))));
+      }
     }
   }
-  store_flagged_pairs(j);
+}
+
+template <bool kVnni, bool kFp16>
+CSA_TARGET_AVX512_VBMI CSA_INLINE void dot_fused_body(const SmallJob& j, const TaskView& v) {
+  switch (j.rows) {
+    case 1: dot_groups_vbmi<1, kVnni, kFp16>(j, v); break;
+    case 2: dot_groups_vbmi<2, kVnni, kFp16>(j, v); break;
+    case 3: dot_groups_vbmi<3, kVnni, kFp16>(j, v); break;
+    default: dot_groups_vbmi<4, kVnni, kFp16>(j, v); break;
+  }
 }
 
 template <bool kVnni, bool kFp16>
 CSA_TARGET_AVX512_VBMI CSA_INLINE void dot_small_body(const SmallJob& j) {
-  if (j.w.pairs16) {
-    switch (j.rows) {
-      case 1: dot_groups_vbmi<1, kVnni, kFp16>(j); return;
-      case 2: dot_groups_vbmi<2, kVnni, kFp16>(j); return;
-      case 3: dot_groups_vbmi<3, kVnni, kFp16>(j); return;
-      default: dot_groups_vbmi<4, kVnni, kFp16>(j); return;
-    }
-  }
   switch (j.rows) {
     case 1: dot_rows_vbmi<1, kVnni, kFp16>(j); break;
     case 2: dot_rows_vbmi<2, kVnni, kFp16>(j); break;

@@ -388,9 +388,12 @@ struct Kernels {
   void (*f_lanes)(const FJob&);
   void (*row_patch)(const RowJob&);
   bool uses_xt;  // f_lanes reads X^T (for more than kSmallRows rows)
-  // few rows (<= kSmallRows): conversion and sums in one pass, then the epilogue (or null)
+  // few rows (<= kSmallRows): conversion and sums in one pass, then the epilogue (or null);
+  // a pairs16 W: sums and epilogue in one pass, the flagged groups' pairs apart
   void (*dot_small)(const SmallJob&) = nullptr;
   void (*epilogue_small)(const TaskView&, const int32_t* sums) = nullptr;
+  void (*flagged_pairs)(const SmallJob&) = nullptr;
+  void (*dot_fused)(const SmallJob&, const TaskView&) = nullptr;
   bool dot_small_fp16 = false;  // dot_small converts W by AVX512-FP16 (else by tables)
 };
 
@@ -433,6 +436,15 @@ CSA_TARGET_AVX512_VBMI void dot_small_fp16_vnni(const SmallJob& j) { dot_small_b
 CSA_TARGET_AVX512 void epilogue_small_avx512(const TaskView& v, const int32_t* sums) {
   epilogue_small_body(v, sums);
 }
+CSA_TARGET_AVX512_VBMI void flagged_pairs_vbmi(const SmallJob& j) { store_flagged_pairs(j); }
+CSA_TARGET_AVX512_VBMI void dot_fused_madd(const SmallJob& j, const TaskView& v) { dot_fused_body<false, false>(j, v); }
+CSA_TARGET_AVX512_VBMI void dot_fused_vnni(const SmallJob& j, const TaskView& v) { dot_fused_body<true, false>(j, v); }
+CSA_TARGET_AVX512_VBMI void dot_fused_fp16_madd(const SmallJob& j, const TaskView& v) {
+  dot_fused_body<false, true>(j, v);
+}
+CSA_TARGET_AVX512_VBMI void dot_fused_fp16_vnni(const SmallJob& j, const TaskView& v) {
+  dot_fused_body<true, true>(j, v);
+}
 #endif
 
 enum class Path { kScalar, kAvx2, kAvx512Plain, kAvx512NoFp16, kAvx512 };
@@ -466,6 +478,9 @@ Kernels kernels_for(Path path) {
                          : (vnni ? dot_small_vnni : dot_small_madd);
       k.dot_small_fp16 = fp16;
       k.epilogue_small = epilogue_small_avx512;
+      k.flagged_pairs = flagged_pairs_vbmi;
+      k.dot_fused = fp16 ? (vnni ? dot_fused_fp16_vnni : dot_fused_fp16_madd)
+                         : (vnni ? dot_fused_vnni : dot_fused_madd);
     }
     return k;
   }
@@ -539,69 +554,149 @@ struct Patch {
   uint64_t& wide_sums;  // (row, block, column)s summed in int64
 
   void rows_between(int64_t ra, int64_t rb) const {
+    for (int64_t kbi = 0; kbi < kbs; ++kbi) rows_of_block(kbi, ra, rb);
+  }
+
+  // Block kbi's flagged rows in [ra, rb).
+  void rows_of_block(int64_t kbi, int64_t ra, int64_t rb) const {
     int32_t h[kBlock], l[kBlock], ux[kBlock], uw[kBlock];
     uint8_t wbuf[kBlock];
-    for (int64_t kbi = 0; kbi < kbs; ++kbi) {
-      const int64_t kb = kb0 + kbi;
-      const bool any_bad = ov.any_bad(kbi);
-      const uint8_t* fits_row = xc.fits.data() + kb * xc.rows + r0;
-      const uint8_t* flag_row = flags + kbi * rows;
-      // the flagged rows' blocks of X, fetched together rather than one miss at a time
-      for (int64_t r = ra; r < rb; ++r) {
-        if (r + 8 <= rb) {  // 8 flags at a time: most are 0
-          uint64_t f8;
-          std::memcpy(&f8, flag_row + r, 8);
-          if (f8 == 0) {
-            r += 7;
-            continue;
-          }
+    const int64_t kb = kb0 + kbi;
+    const bool any_bad = ov.any_bad(kbi);
+    const uint8_t* fits_row = xc.fits.data() + kb * xc.rows + r0;
+    const uint8_t* flag_row = flags + kbi * rows;
+    // the flagged rows' blocks of X, fetched together rather than one miss at a time
+    for (int64_t r = ra; r < rb; ++r) {
+      if (r + 8 <= rb) {  // 8 flags at a time: most are 0
+        uint64_t f8;
+        std::memcpy(&f8, flag_row + r, 8);
+        if (f8 == 0) {
+          r += 7;
+          continue;
         }
-        if (flag_row[r] != 0) __builtin_prefetch(xc.xi.data() + (r0 + r) * c.K + kb * kBlock);
       }
-      for (int64_t r = ra; r < rb; ++r) {
-        // 8 rows at a time while none of them needs anything
-        if (r + 8 <= rb) {
-          uint64_t f8, fits8;
-          std::memcpy(&f8, flag_row + r, 8);
-          std::memcpy(&fits8, fits_row + r, 8);
-          if (f8 == 0 && (!any_bad || fits8 == 0x0101010101010101ull)) {
-            r += 7;
-            continue;
-          }
+      if (flag_row[r] != 0) __builtin_prefetch(xc.xi.data() + (r0 + r) * c.K + kb * kBlock);
+    }
+    for (int64_t r = ra; r < rb; ++r) {
+      // 8 rows at a time while none of them needs anything
+      if (r + 8 <= rb) {
+        uint64_t f8, fits8;
+        std::memcpy(&f8, flag_row + r, 8);
+        std::memcpy(&fits8, fits_row + r, 8);
+        if (f8 == 0 && (!any_bad || fits8 == 0x0101010101010101ull)) {
+          r += 7;
+          continue;
         }
-        const uint32_t fl = flag_row[r];
-        const bool fits = fits_row[r] != 0;
-        if (fl == 0 && (fits || !any_bad)) continue;
-        RowJob job;
-        job.x = xc.xi.data() + (r0 + r) * c.K + kb * kBlock;
-        job.xlo = xc.xlo.data() + (r0 + r) * c.K + kb * kBlock;
-        job.fits = fits;
-        job.pw = pw + kbi * kPairs * kPanel * 2;
-        job.groups = fl;
-        job.bad = ov.bad + kbi * kGroups;
-        for (int64_t gi = 0; gi < kGroups; ++gi)
-          job.out[gi] = const_cast<float*>(ov.slot[kbi * kGroups + gi]) + r * kLanes;
-        if (fl != 0) {
-          c.kern.row_patch(job);
-          row_sums += static_cast<uint64_t>(__builtin_popcount(fl));
-        }
-        if (fits || !any_bad) continue;
-        // a block that is not int16 against lanes that are not int16: int64 per lane
-        row_digits(job, h, l);
-        for (int64_t i = 0; i < kBlock; ++i) ux[i] = h[i] * (1 << fp8_int::kDigitBits) + l[i];
-        for (int64_t gi = 0; gi < kGroups; ++gi) {
-          for (uint32_t bad = ov.bad[kbi * kGroups + gi]; bad != 0; bad &= bad - 1) {
-            const int64_t i = __builtin_ctz(bad);
-            const int64_t col = panel * kPanel + gi * kLanes + i;
-            const uint8_t* codes = column_block(c.w, c.K, meta.pairs16, col, kb, wbuf);
-            for (int64_t e = 0; e < kBlock; ++e) uw[e] = fp8_int::kUnits.v[codes[e]];
-            const uint32_t tw = *meta.view(c.w).shift_at(kb, col);
-            job.out[gi][i] = fp8_int::exact_dot(ux, 0, uw, tw);
-            ++wide_sums;
-          }
+      }
+      const uint32_t fl = flag_row[r];
+      const bool fits = fits_row[r] != 0;
+      if (fl == 0 && (fits || !any_bad)) continue;
+      RowJob job;
+      job.x = xc.xi.data() + (r0 + r) * c.K + kb * kBlock;
+      job.xlo = xc.xlo.data() + (r0 + r) * c.K + kb * kBlock;
+      job.fits = fits;
+      job.pw = pw + kbi * kPairs * kPanel * 2;
+      job.groups = fl;
+      job.bad = ov.bad + kbi * kGroups;
+      for (int64_t gi = 0; gi < kGroups; ++gi)
+        job.out[gi] = const_cast<float*>(ov.slot[kbi * kGroups + gi]) + r * kLanes;
+      if (fl != 0) {
+        c.kern.row_patch(job);
+        row_sums += static_cast<uint64_t>(__builtin_popcount(fl));
+      }
+      if (fits || !any_bad) continue;
+      // a block that is not int16 against lanes that are not int16: int64 per lane
+      row_digits(job, h, l);
+      for (int64_t i = 0; i < kBlock; ++i) ux[i] = h[i] * (1 << fp8_int::kDigitBits) + l[i];
+      for (int64_t gi = 0; gi < kGroups; ++gi) {
+        for (uint32_t bad = ov.bad[kbi * kGroups + gi]; bad != 0; bad &= bad - 1) {
+          const int64_t i = __builtin_ctz(bad);
+          const int64_t col = panel * kPanel + gi * kLanes + i;
+          const uint8_t* codes = column_block(c.w, c.K, meta.pairs16, col, kb, wbuf);
+          for (int64_t e = 0; e < kBlock; ++e) uw[e] = fp8_int::kUnits.v[codes[e]];
+          const uint32_t tw = *meta.view(c.w).shift_at(kb, col);
+          job.out[gi][i] = fp8_int::exact_dot(ux, 0, uw, tw);
+          ++wide_sums;
         }
       }
     }
+  }
+};
+
+// A chunk's override slots, a K block at a time: a slot where a group has flagged rows or
+// lanes that are not int16 (the pool has room for all, so that one pass assigns them; slot
+// 0 is the dummy the others share: the tiles read it under an all-zero mask), and there the
+// lanes that are not int16 against every row (f_lanes; exact when the row's block is int16).
+// Most blocks need neither: a block's four groups are tested at once.
+struct SlotFiller {
+  const Call& c;
+  const XChunk& xc;
+  const WView& wv;
+  Overrides& ov;
+  int64_t panel, r0, rows, kb0;
+  const uint8_t* any;  // [kbs]: bit c, group c has flagged rows
+  float* f;            // f_lanes' output, [rows16]
+  uint64_t& lane_sums;
+  size_t slot_floats = static_cast<size_t>(rows * kLanes);
+  size_t slots = 0;
+
+  bool needs(int64_t kbi) const { return ov.any_bad(kbi) || any[kbi] != 0; }
+
+  void block(int64_t kbi) {
+    const uint16_t* bad4 = ov.bad + kbi * kGroups;
+    if (!needs(kbi)) {
+      for (int64_t gi = 0; gi < kGroups; ++gi) ov.slot[kbi * kGroups + gi] = ov.pool.data();
+      return;
+    }
+    const int64_t kb = kb0 + kbi;
+    uint8_t wbuf[kBlock];  // a pairs16 W block's codes
+    for (int64_t gi = 0; gi < kGroups; ++gi) {
+      const bool need = bad4[gi] != 0 || ((any[kbi] >> gi) & 1u);
+      float* slot = ov.pool.data() + (need ? ++slots : 0) * slot_floats;
+      ov.slot[kbi * kGroups + gi] = slot;
+      for (uint32_t bad = bad4[gi]; bad != 0; bad &= bad - 1) {
+        const int64_t i = __builtin_ctz(bad);
+        const int64_t col = panel * kPanel + gi * kLanes + i;
+        const FJob job{xc.xi.data() + r0 * c.K + kb * kBlock,
+                       c.K,
+                       !c.kern.uses_xt || xc.rows <= kSmallRows
+                           ? nullptr
+                           : xc.xt.data() + (kb * kPairs) * xc.rows16 + r0,
+                       xc.rows16,
+                       rows,
+                       wv.codes(col, kb, wbuf),
+                       *wv.shift_at(kb, col),  // the panel's run: cached, unlike shift_rows
+                       f};
+        c.kern.f_lanes(job);
+        for (int64_t r = 0; r < rows; ++r) slot[r * kLanes + i] = f[r];
+        ++lane_sums;
+      }
+    }
+  }
+};
+
+// What the fused few-rows kernel (pairs16 W) asks for before it reaches K block kbi
+// (SmallJob::fill): the block's slots, the pairs of its groups with flagged rows and those
+// rows' patches, computed while the block's W is in cache (the kernel prefetches it; done
+// before the kernel, these scattered reads of W came first and missed: 1.5x the time).
+struct BlockFill {
+  SlotFiller& slots;
+  const Patch& patch;
+  const SmallJob& job;
+
+  static void run(void* self, int64_t kbi) {
+    BlockFill& b = *static_cast<BlockFill*>(self);
+    b.slots.block(kbi);
+    if (b.job.flagged[kbi] != 0) {
+      SmallJob one = b.job;  // the block's own view: its pairs at pw, its 2^t at g
+      one.kb0 += kbi;
+      one.kbs = 1;
+      one.flagged += kbi;
+      one.pw += kbi * kPairs * kPanel * 2;
+      one.g += kbi * kPanel;
+      b.slots.c.kern.flagged_pairs(one);
+    }
+    b.patch.rows_of_block(kbi, 0, b.patch.rows);
   }
 };
 
@@ -646,6 +741,9 @@ void run_task(const Call& c, int64_t task, TaskCounts& tally) {
   const int64_t rows16 = (rows + kLanes - 1) / kLanes * kLanes;
   Scratch& scratch = thread_scratch();
   const bool small = rows <= kSmallRows && c.kern.dot_small != nullptr;
+  // pairs16 W: sums and epilogue in one pass (dot_fused), each block's slots filled as the
+  // kernel reaches it (BlockFill); no sums buffer
+  const bool fused = small && c.meta->pairs16;
   const int64_t chunk = small ? kSmallChunkKb : kChunkKb;  // K blocks a step
   int16_t* pw = Scratch::at_least(scratch.pw, static_cast<size_t>(chunk * kPairs * kPanel * 2));
   float* g = Scratch::at_least(scratch.g, static_cast<size_t>(chunk * kPanel));
@@ -653,17 +751,18 @@ void run_task(const Call& c, int64_t task, TaskCounts& tally) {
   float* f = Scratch::at_least(scratch.f, static_cast<size_t>(rows16));
   uint8_t* flags = Scratch::at_least(scratch.flags, static_cast<size_t>(chunk * rows));
   uint64_t* masks = Scratch::at_least(scratch.masks, static_cast<size_t>(chunk * rows));
+  // dot_rows_vbmi's sums and scratch
+  const bool rows_kernel = small && !fused;
   int32_t* sums =
-      small ? Scratch::at_least(scratch.sums, static_cast<size_t>(chunk * kGroups * rows * kLanes))
-            : nullptr;
-  // dot_rows_vbmi's scratch
-  int16_t* xp = small ? Scratch::at_least(scratch.xp, static_cast<size_t>(rows * kXpRow)) : nullptr;
-  int32_t* tsum = small ? Scratch::at_least(scratch.tsum, static_cast<size_t>(rows * kPanel * kTsumLd)) : nullptr;
+      rows_kernel ? Scratch::at_least(scratch.sums, static_cast<size_t>(chunk * kGroups * rows * kLanes))
+                  : nullptr;
+  int16_t* xp = rows_kernel ? Scratch::at_least(scratch.xp, static_cast<size_t>(rows * kXpRow)) : nullptr;
+  int32_t* tsum =
+      rows_kernel ? Scratch::at_least(scratch.tsum, static_cast<size_t>(rows * kPanel * kTsumLd)) : nullptr;
   Overrides& ov = scratch.ov;
   uint64_t lane_sums = 0, row_sums = 0, wide_sums = 0;
   std::memset(out, 0, static_cast<size_t>(rows * kPanel) * sizeof(float));
   const WView wv = meta.view(c.w);
-  uint8_t wbuf[kBlock];  // a pairs16 W block's codes for f_lanes
   const float* ws0 = c.ws + (2 * panel) * c.KB;
   const float* ws1 = 2 * panel + 1 < c.NB ? ws0 + c.KB : ws0;  // no second half: unused
   for (int64_t kb0 = 0; kb0 < c.KB; kb0 += chunk) {
@@ -681,57 +780,36 @@ void run_task(const Call& c, int64_t task, TaskCounts& tally) {
     for (int64_t kbi = 0; kbi < kbs; ++kbi)
       for (int64_t r = 0; r < rows; ++r) any[kbi] = static_cast<uint8_t>(any[kbi] | flags[kbi * rows + r]);
 
-    // W's int16 pairs (few rows: straight into the sums, the pairs kept where flagged rows
-    // need them)
-    if (small) {
-      c.kern.dot_small({wv, panel, kb0, kbs, xc.xi.data() + r0 * c.K, c.K, rows, any, pw, g, sums, xp, tsum});
-    } else {
-      c.kern.pack({wv, panel, kb0, kbs, pw, g});
-    }
-
-    // slots where a group has flagged rows or lanes that are not int16 (room for all, so
-    // that one pass assigns them; slot 0 is the dummy the others share: the tiles read it
-    // under an all-zero mask), and there the lanes that are not int16, against every row
-    // (exact when the row's block is int16). Most blocks need neither: a block's four
-    // groups are tested at once.
     const size_t slot_floats = static_cast<size_t>(rows * kLanes);
     Scratch::at_least(ov.pool, static_cast<size_t>(kbs * kGroups + 1) * slot_floats);
-    size_t slots = 0;
-    for (int64_t kbi = 0; kbi < kbs; ++kbi) {
-      const uint16_t* bad4 = ov.bad + kbi * kGroups;
-      if (!ov.any_bad(kbi) && any[kbi] == 0) {
-        for (int64_t gi = 0; gi < kGroups; ++gi) ov.slot[kbi * kGroups + gi] = ov.pool.data();
-        continue;
-      }
-      const int64_t kb = kb0 + kbi;
-      for (int64_t gi = 0; gi < kGroups; ++gi) {
-        const bool need = bad4[gi] != 0 || ((any[kbi] >> gi) & 1u);
-        float* slot = ov.pool.data() + (need ? ++slots : 0) * slot_floats;
-        ov.slot[kbi * kGroups + gi] = slot;
-        for (uint32_t bad = bad4[gi]; bad != 0; bad &= bad - 1) {
-          const int64_t i = __builtin_ctz(bad);
-          const int64_t col = panel * kPanel + gi * kLanes + i;
-          const FJob job{xc.xi.data() + r0 * c.K + kb * kBlock,
-                         c.K,
-                         !c.kern.uses_xt || xc.rows <= kSmallRows
-                             ? nullptr
-                             : xc.xt.data() + (kb * kPairs) * xc.rows16 + r0,
-                         xc.rows16,
-                         rows,
-                         wv.codes(col, kb, wbuf),
-                         *wv.shift_at(kb, col),  // the panel's run: cached, unlike shift_rows
-                         f};
-          c.kern.f_lanes(job);
-          for (int64_t r = 0; r < rows; ++r) slot[r * kLanes + i] = f[r];
-          ++lane_sums;
-        }
-      }
-    }
-
+    SlotFiller slots{c, xc, wv, ov, panel, r0, rows, kb0, any, f, lane_sums};
     const TaskView view{xc.xi.data() + r0 * c.K, c.K, c.KB, xc.cm.data() + r0,
                         xc.xs.data() + r0, xc.rows, rows, kb0, kbs, pw, g,
                         wv.shift_at(0, panel * kPanel), ws0, ws1, masks, ov.slot, ov.bad, out};
     const Patch patch{c, xc, meta, panel, r0, rows, kb0, kbs, pw, flags, ov, row_sums, wide_sums};
+    SmallJob job{wv, panel, kb0, kbs, xc.xi.data() + r0 * c.K, c.K, rows, any, pw, g, sums, xp, tsum};
+    if (fused) {
+      uint8_t need[kMaxChunkKb];
+      for (int64_t kbi = 0; kbi < kbs; ++kbi) {
+        need[kbi] = slots.needs(kbi) ? 1 : 0;
+        if (!need[kbi]) slots.block(kbi);  // the dummy slots
+      }
+      BlockFill fill{slots, patch, job};
+      job.need = need;
+      job.fill = &BlockFill::run;
+      job.fill_ctx = &fill;
+      c.kern.dot_fused(job, view);
+      continue;
+    }
+
+    // W's int16 pairs (few rows: straight into the sums, the pairs kept where flagged rows
+    // need them)
+    if (small) {
+      c.kern.dot_small(job);
+    } else {
+      c.kern.pack({wv, panel, kb0, kbs, pw, g});
+    }
+    for (int64_t kbi = 0; kbi < kbs; ++kbi) slots.block(kbi);
     if (small) {
       patch.rows_between(0, rows);
       c.kern.epilogue_small(view, sums);
