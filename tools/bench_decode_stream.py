@@ -11,7 +11,8 @@ the number a decode step sees.
 
     python tools/bench_decode_stream.py [--rows 1,4] [--k 8192 --n 5120 --layers L]
         [--weights bf16|fp8] [--fp8-layout pairs16|plain]
-        [--library A.so,B.so]   # builds, timed in turns (A/B)
+        [--library A.so,B.so]   # builds, timed in turns (A/B; a build from before
+                                # pairs16 reads fp8 W with --fp8-layout plain only)
 
 Every round creates each library's session anew and times it in turn; the median is
 printed. A session's weights sit in pages of their own, and two sessions kept for the whole
