@@ -16,8 +16,9 @@
 // every value of the block is a multiple of (1 byte), and per (16 columns, K block) the
 // lanes whose block does not fit int16 and the largest sum, max and norm of |w >> t|
 // (14 bytes): 1/32 + 14/512 ~ 0.06 bytes a weight. A W fed as a graph input gets the same
-// figures on every call. For the one-row kernel t is kept a second time, per column (row of
-// W) over its blocks, padded by 16: 1/32 + 14/512 + 1/32 ~ 0.09 bytes a weight in all.
+// figures on every call. For the few-rows kernel of a plain W t is kept a second time, per
+// column (row of W) over its blocks, padded by 16: 1/32 + 14/512 + 1/32 ~ 0.09 bytes a
+// weight in all (a pairs16 W's kernel reads the first copy: ~0.06).
 //
 // The block dots are integer sums (fp8_int_blocks.h): act_quant(X) and W become int16
 // units >> t per block, and every int32 lane of a vpdpwssd accumulation (AVX512-VNNI; else
