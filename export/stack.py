@@ -203,7 +203,7 @@ def graph_weights(config: AttentionConfig, layer: int, weights: LayerWeights, *,
                                 np.asarray(checked[f"{base}.scale"], np.float32),
                                 linear_layout(specs[name], portable, numerics))
     for name, spec in specs.items():
-        if not is_linear(name, spec) or (name in graph and isinstance(graph[name], Fp8Weight)):
+        if not is_linear(name, spec) or isinstance(graph.get(name), Fp8Weight):
             continue
         w = checked[name]
         groups = config.o_groups if name == "wo_a.weight" else 1

@@ -1195,6 +1195,17 @@ CSA_TARGET_AVX512_VBMI __attribute__((noinline)) void dot_rows_vbmi(const SmallJ
   store_flagged_pairs(j);
 }
 
+// The few-rows epilogue's step for 16 columns of one row and K block (epilogue_small_body,
+// dot_groups_vbmi): acc + (P * 2^(t_w + t_x - 18)) * (xs * ws), P the block dots (sums or
+// slots), tw the columns' t_w, ex = t_x - 18 (the exponent of cm, a normal float).
+CSA_TARGET_AVX512 CSA_INLINE __m512 add_block_dot(__m512 acc, __m512 p, __m512i tw, int32_t ex, __m512 sc) {
+  const __m512 e = _mm512_cvtepi32_ps(_mm512_add_epi32(tw, _mm512_set1_epi32(ex)));
+  return _mm512_add_ps(acc, _mm512_mul_ps(_mm512_scalef_ps(p, e), sc));
+}
+CSA_TARGET_AVX512 CSA_INLINE int32_t cm_exponent(float cm) {
+  return static_cast<int32_t>(Fp8::bits_of(cm) >> 23) - 127;
+}
+
 // dot_groups_vbmi asks for each group's codes this far ahead in its run (four runs side by
 // side: 8 KiB ahead in all). Measured (twenty 8192 x 5120 linears from DRAM, 2 threads, 8
 // rounds, before the epilogue was fused): 16 KiB ahead (T1) 50.9 / 74.7 ms at 1 / 4 rows;
@@ -1227,7 +1238,7 @@ CSA_TARGET_AVX512_VBMI __attribute__((noinline)) void dot_groups_vbmi(const Smal
     float sc[MR][2];
     for (int m = 0; m < MR; ++m) {
       const float xs = v.xs[kb * v.ld + m];
-      ex[m] = static_cast<int32_t>(Fp8::bits_of(v.cm[kb * v.ld + m]) >> 23) - 127;
+      ex[m] = cm_exponent(v.cm[kb * v.ld + m]);
       sc[m][0] = xs * v.ws0[kb];
       sc[m][1] = xs * v.ws1[kb];
     }
@@ -1258,10 +1269,8 @@ CSA_TARGET_AVX512_VBMI __attribute__((noinline)) void dot_groups_vbmi(const Smal
         const __m512 s = _mm512_cvtepi32_ps(_mm512_add_epi32(acc[m][0], acc[m][1]));
         const __m512 p = _mm512_mask_loadu_ps(s, static_cast<__mmask16>(v.masks[kbi * v.rows + m] >> (16 * c)),
                                               slot + m * kLanes);
-        const __m512 e = _mm512_cvtepi32_ps(_mm512_add_epi32(tw, _mm512_set1_epi32(ex[m])));
         float* o = v.out + m * kPanel + kLanes * c;
-        _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o),
-                                          _mm512_mul_ps(_mm512_scalef_ps(p, e), _mm512_set1_ps(sc[m][c / 2]))));
+        _mm512_storeu_ps(o, add_block_dot(_mm512_loadu_ps(o), p, tw, ex[m], _mm512_set1_ps(sc[m][c / 2])));
       }
     }
   }
@@ -1301,8 +1310,7 @@ CSA_TARGET_AVX512 CSA_INLINE void epilogue_small_body(const TaskView& v, const i
     for (int64_t kbi = 0; kbi < v.kbs; ++kbi) {
       const int64_t kb = v.kb0 + kbi;
       const float xs = v.xs[kb * v.ld + r];
-      // t_x - 18: the exponent of cm = 2^(t_x - 18), a normal float
-      const __m512i ex = _mm512_set1_epi32(static_cast<int32_t>(Fp8::bits_of(v.cm[kb * v.ld + r]) >> 23) - 127);
+      const int32_t ex = cm_exponent(v.cm[kb * v.ld + r]);  // t_x - 18
       const __m512 sc[2] = {_mm512_set1_ps(xs * v.ws0[kb]), _mm512_set1_ps(xs * v.ws1[kb])};
       const uint64_t take = v.masks[kbi * v.rows + r];
       for (int64_t c = 0; c < kGroups; ++c) {
@@ -1310,8 +1318,7 @@ CSA_TARGET_AVX512 CSA_INLINE void epilogue_small_body(const TaskView& v, const i
         const __m512 p = _mm512_mask_loadu_ps(s, static_cast<__mmask16>(take >> (16 * c)),
                                               v.slot[kbi * kGroups + c] + r * kLanes);
         const __m128i tw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(v.tw + kb * kPanel + kLanes * c));
-        const __m512 e = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_cvtepu8_epi32(tw), ex));
-        f[c] = _mm512_add_ps(f[c], _mm512_mul_ps(_mm512_scalef_ps(p, e), sc[c / 2]));
+        f[c] = add_block_dot(f[c], p, _mm512_cvtepu8_epi32(tw), ex, sc[c / 2]);
       }
     }
     for (int64_t c = 0; c < kGroups; ++c) _mm512_storeu_ps(o + kLanes * c, f[c]);

@@ -562,6 +562,7 @@ struct Patch {
   void rows_of_block(int64_t kbi, int64_t ra, int64_t rb) const {
     int32_t h[kBlock], l[kBlock], ux[kBlock], uw[kBlock];
     uint8_t wbuf[kBlock];
+    const WView wv = meta.view(c.w);
     const int64_t kb = kb0 + kbi;
     const bool any_bad = ov.any_bad(kbi);
     const uint8_t* fits_row = xc.fits.data() + kb * xc.rows + r0;
@@ -613,9 +614,9 @@ struct Patch {
         for (uint32_t bad = ov.bad[kbi * kGroups + gi]; bad != 0; bad &= bad - 1) {
           const int64_t i = __builtin_ctz(bad);
           const int64_t col = panel * kPanel + gi * kLanes + i;
-          const uint8_t* codes = column_block(c.w, c.K, meta.pairs16, col, kb, wbuf);
+          const uint8_t* codes = wv.codes(col, kb, wbuf);
           for (int64_t e = 0; e < kBlock; ++e) uw[e] = fp8_int::kUnits.v[codes[e]];
-          const uint32_t tw = *meta.view(c.w).shift_at(kb, col);
+          const uint32_t tw = *wv.shift_at(kb, col);
           job.out[gi][i] = fp8_int::exact_dot(ux, 0, uw, tw);
           ++wide_sums;
         }
