@@ -228,6 +228,41 @@ def test_edge_inputs_match_the_definition(fed_sessions) -> None:
     assert np.signbit(xq[6][x[6] == 0]).all()  # negative zeros stay negative
 
 
+def test_act_quant_sixteen_blocks_at_a_time(fed_sessions) -> None:
+    """The AVX-512 act_quant takes 16 blocks of a row at once (its reductions across the
+    blocks) and falls back to one block at a time for a group holding a NaN, an inf or a
+    scale past 2^127: edge_rows' cases inside such groups, beside plain ones, K = 36 blocks
+    (two groups and a tail), against the definition on every path."""
+    k = 36 * 32
+    rng = np.random.default_rng(29)
+    plain = activations(rng, 1, k)[0]
+    edges = edge_rows(k)
+    x = np.tile(plain, (12, 1))
+    for i, row in enumerate(edges):  # each edge case in one block of a group, then all of it
+        at = 32 * (3 + 5 * i % 13)
+        x[i, at:at + 32] = row[:32]
+    x[8] = edges[4]  # every block a spread (most round to 0; blocks that are not int16)
+    x[9, 32 * 7 + 5] = np.nan  # group 0 falls back, group 1 does not
+    x[10, 32 * 20 + 1] = np.inf
+    x[11, 32 * 33:] = edges[7, :96]  # near the float32 maximum in the tail
+    x[11, 32 * 18:32 * 19] = edges[7, :32]  # ... and in a group: scales of 2^120 and more
+    codes, w_scale = checkpoint_like(rng, 40, k)
+    want = fp8_linear(x, values(codes), w_scale)
+    assert np.isnan(want[9]).all() and not np.isnan(want[:9]).any()
+    for isa, session in fed_sessions.items():
+        for rows in (slice(0, 12), slice(9, 12), slice(0, 3)):  # tiles and few rows
+            assert_same(run(session, x[rows], codes, w_scale), want[rows], f"isa={isa}")
+    # the same block figures (max, sum and norm of the units) on every path: the same rows
+    # flagged and summed in two digits, and the same wide sums (tiles, NaN rows left out)
+    x = np.concatenate([x[:9], activations(rng, 40, k)])
+    grown = {isa: counts_after(lambda s=session: run(s, x, codes, w_scale))
+             for isa, session in fed_sessions.items()}
+    assert grown["scalar"]["row_sums"] > 0 and grown["scalar"]["wide_sums"] > 0, grown
+    for isa, grew in grown.items():
+        for key in ("row_sums", "wide_sums", "lane_sums"):
+            assert grew[key] == grown["scalar"][key], (isa, key, grown)
+
+
 def test_exact_block_sums_matter(fed_sessions) -> None:
     """One product of 448 * 448 then 31 of 2^-8, a quarter of float32's ulp there each: a
     float32 running sum drops them all, the exact sum rounded once does not."""
@@ -496,15 +531,16 @@ def test_norm_bound_spares_blocks_the_sum_bounds_would_flag(fed_sessions) -> Non
     assert ux.max() * uw.sum() >= 2**31 and ux.sum() * uw.max() >= 2**31
     norms = [int(np.ceil(np.sqrt(float((u * u).sum())))) for u in (ux, uw)]
     assert norms[0] * norms[1] < 2**31
-    codes = codes_of(np.tile(wb, (40, 2)))
-    w_scale = np.full((2, 2), 2.0**-8, np.float32)
-    for m in (1, 7):  # the few-rows path and the tiles
-        x = np.tile(xb, (m, 2))
-        want = fp8_linear(x, values(codes), w_scale)
-        for isa, session in fed_sessions.items():
-            grew = counts_after(lambda s=session, i=isa, x=x, want=want: assert_same(
-                run(s, x, codes, w_scale), want, f"isa={i}"))
-            assert grew["calls"] == 1 and grew["row_sums"] == 0, (isa, m, grew)
+    for blocks in (2, 34):  # one at a time, and 16 at a time (AVX-512 act_quant) with a tail
+        codes = codes_of(np.tile(wb, (40, blocks)))
+        w_scale = np.full((2, blocks), 2.0**-8, np.float32)
+        for m in (1, 7):  # the few-rows path and the tiles
+            x = np.tile(xb, (m, blocks))
+            want = fp8_linear(x, values(codes), w_scale)
+            for isa, session in fed_sessions.items():
+                grew = counts_after(lambda s=session, i=isa, x=x, c=codes, ws=w_scale, want=want:
+                                    assert_same(run(s, x, c, ws), want, f"isa={i}"))
+                assert grew["calls"] == 1 and grew["row_sums"] == 0, (isa, m, blocks, grew)
 
 
 def test_norm_figures_are_exact_ceilings(tmp_path: Path) -> None:

@@ -66,6 +66,7 @@
 #include <string>
 #include <vector>
 
+#include "fp8_block_figures_avx512.h"
 #include "fp8_int_blocks.h"
 #include "fp8_linear.h"
 #include "fp8_linear_fast.h"
@@ -303,69 +304,176 @@ CSA_TARGET_AVX512 CSA_INLINE __m512i units_avx512(__m512 v) {
                                 units);
 }
 
+// The digits of a block that is not int16 (as quantize_row_body).
+CSA_TARGET_AVX512 CSA_INLINE void store_digits_avx512(XChunk& c, int16_t* d, int64_t r, int64_t kb,
+                                                     __m512i s0, __m512i s1) {
+  const __m512i lowbits = _mm512_set1_epi32((1 << fp8_int::kDigitBits) - 1);
+  uint8_t* lo = c.xlo.data() + r * c.K + kb * kBlock;
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(d), _mm512_cvtepi32_epi16(_mm512_srai_epi32(s0, fp8_int::kDigitBits)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + 16), _mm512_cvtepi32_epi16(_mm512_srai_epi32(s1, fp8_int::kDigitBits)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(lo), _mm512_cvtepi32_epi8(_mm512_and_si512(s0, lowbits)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + 16), _mm512_cvtepi32_epi8(_mm512_and_si512(s1, lowbits)));
+}
+
+// One block kb of row r (quantize_row_body's loop body).
+CSA_TARGET_AVX512 CSA_INLINE void quantize_block_avx512(XChunk& c, const float* src, int16_t* dst,
+                                                       int64_t r, int64_t kb) {
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  const __m512 x0 = _mm512_loadu_ps(src + kb * kBlock), x1 = _mm512_loadu_ps(src + kb * kBlock + 16);
+  float amax;
+  if ((_mm512_cmp_ps_mask(x0, x0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(x1, x1, _CMP_UNORD_Q)) != 0) {
+    amax = Fp8::from_bits(0x7FC00000u);  // torch's amax propagates NaN
+  } else {
+    amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, x0), _mm512_andnot_ps(sign, x1)));
+    if (amax < Fp8::kAmaxFloor) amax = Fp8::kAmaxFloor;
+  }
+  const float xs = Fp8::pow2_ceil(amax * Fp8::kMaxInv);
+  const float inv = Fp8::pow2_reciprocal(xs);
+  __m512 q0, q1;
+  if (inv != 0.0f) {
+    q0 = _mm512_mul_ps(x0, _mm512_set1_ps(inv));
+    q1 = _mm512_mul_ps(x1, _mm512_set1_ps(inv));
+  } else {
+    q0 = _mm512_div_ps(x0, _mm512_set1_ps(xs));
+    q1 = _mm512_div_ps(x1, _mm512_set1_ps(xs));
+  }
+  const __m512i u0 = units_avx512(q0), u1 = units_avx512(q1);
+  const __m512i a0 = _mm512_abs_epi32(u0), a1 = _mm512_abs_epi32(u1);
+  const uint32_t any = static_cast<uint32_t>(_mm512_reduce_or_epi32(_mm512_or_si512(a0, a1)));
+  const uint32_t shift = any != 0 ? static_cast<uint32_t>(__builtin_ctz(any)) : 0u;
+  const __m128i sh = _mm_cvtsi32_si128(static_cast<int>(shift));
+  const __m512i s0 = _mm512_sra_epi32(u0, sh), s1 = _mm512_sra_epi32(u1, sh);  // exact
+  const __m512i m0 = _mm512_srl_epi32(a0, sh), m1 = _mm512_srl_epi32(a1, sh);
+  const uint32_t absmax = static_cast<uint32_t>(_mm512_reduce_max_epu32(_mm512_max_epu32(m0, m1)));
+  const uint32_t l1 = static_cast<uint32_t>(_mm512_reduce_add_epi32(_mm512_add_epi32(m0, m1)));
+  const bool fits = absmax < fp8_int::kInt16Limit;
+  uint32_t l2 = 0;
+  if (fits) {  // squares below 2^30, two lanes' below 2^31; their sum in 64-bit lanes
+    const __m512i sq = _mm512_add_epi32(_mm512_mullo_epi32(m0, m0), _mm512_mullo_epi32(m1, m1));
+    const __m512i lo = _mm512_cvtepu32_epi64(_mm512_castsi512_si256(sq));
+    const __m512i hi = _mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64(sq, 1));
+    const __m512i wide = _mm512_add_epi64(lo, hi);
+    l2 = fp8_int::sqrt_ceil(static_cast<uint64_t>(_mm512_reduce_add_epi64(wide)));
+  }
+  const size_t at = static_cast<size_t>(kb * c.rows + r);
+  c.xs[at] = xs;
+  c.shift[at] = static_cast<uint8_t>(shift);
+  c.cm[at] = fp8_int::pow2f(static_cast<int>(shift) - 18);
+  c.fits[at] = fits ? 1 : 0;
+  c.lim_l1[at] = fits ? fp8_int::sum_limit(absmax) : 0u;
+  c.lim_max[at] = fits ? fp8_int::sum_limit(l1) : 0u;
+  c.lim_l2[at] = fits ? fp8_int::sum_limit(l2) : 0u;
+  int16_t* d = dst + kb * kBlock;
+  if (fits) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d), _mm512_cvtepi32_epi16(s0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + 16), _mm512_cvtepi32_epi16(s1));
+  } else {
+    store_digits_avx512(c, d, r, kb, s0, s1);
+  }
+}
+
+// 16 blocks from kb0 at once, their reductions across blocks (reduce16) rather than one
+// horizontal reduction per block: the same values as quantize_block_avx512. Returns false,
+// having written nothing, where a block's scale has no exact reciprocal (amax NaN, inf or
+// above 2^127 * 448): those take the per-block code.
+CSA_TARGET_AVX512 bool quantize_16_blocks_avx512(XChunk& c, const float* src, int16_t* dst, int64_t r,
+                                                 int64_t kb0) {
+  const __m512i abs_bits = _mm512_set1_epi32(0x7FFFFFFF);
+  __m512i v[16];
+  for (int b = 0; b < 16; ++b) {
+    const __m512i x0 = _mm512_loadu_si512(src + (kb0 + b) * kBlock);
+    const __m512i x1 = _mm512_loadu_si512(src + (kb0 + b) * kBlock + 16);
+    v[b] = _mm512_max_epu32(_mm512_and_si512(x0, abs_bits), _mm512_and_si512(x1, abs_bits));  // NaN: largest
+  }
+  const __m512i amax_bits = fp8_int::reduce16(v, fp8_int::MaxU32{});
+  if (_mm512_cmpgt_epu32_mask(amax_bits, _mm512_set1_epi32(0x7F800000)) != 0) return false;  // NaN
+  __m512 amax = _mm512_max_ps(_mm512_castsi512_ps(amax_bits), _mm512_set1_ps(Fp8::kAmaxFloor));
+  const __m512i t = _mm512_castps_si512(_mm512_mul_ps(amax, _mm512_set1_ps(Fp8::kMaxInv)));  // > 0
+  // Fp8::pow2_ceil (t is positive and finite or inf), then Fp8::pow2_reciprocal
+  const __m512i e = _mm512_srli_epi32(t, 23);
+  const __mmask16 frac = _mm512_test_epi32_mask(t, _mm512_set1_epi32(0x7FFFFF));
+  const __m512i k = _mm512_mask_add_epi32(e, frac, e, _mm512_set1_epi32(1));
+  if (_mm512_cmpgt_epu32_mask(k, _mm512_set1_epi32(253)) != 0) return false;  // no reciprocal
+  alignas(64) float xs[16], inv[16];
+  _mm512_store_si512(xs, _mm512_slli_epi32(k, 23));
+  _mm512_store_si512(inv, _mm512_slli_epi32(_mm512_sub_epi32(_mm512_set1_epi32(254), k), 23));
+
+  // units (act_quant's values * 2^9), kept for the second pass; the shifts t_x
+  alignas(64) int32_t units[16][kBlock];
+  for (int b = 0; b < 16; ++b) {
+    const __m512 s = _mm512_set1_ps(inv[b]);
+    const __m512i u0 = units_avx512(_mm512_mul_ps(_mm512_loadu_ps(src + (kb0 + b) * kBlock), s));
+    const __m512i u1 = units_avx512(_mm512_mul_ps(_mm512_loadu_ps(src + (kb0 + b) * kBlock + 16), s));
+    _mm512_store_si512(units[b], u0);
+    _mm512_store_si512(units[b] + 16, u1);
+    v[b] = _mm512_or_si512(_mm512_abs_epi32(u0), _mm512_abs_epi32(u1));
+  }
+  const __m512i any = fp8_int::reduce16(v, fp8_int::OrU32{});
+  // ctz(any), 0 where any == 0 (lzcnt(0) = 32)
+  const __m512i low = _mm512_and_si512(any, _mm512_sub_epi32(_mm512_setzero_si512(), any));
+  const __m512i shift = _mm512_max_epi32(_mm512_sub_epi32(_mm512_set1_epi32(31), _mm512_lzcnt_epi32(low)),
+                                         _mm512_setzero_si512());
+  alignas(64) int32_t sh[16];
+  _mm512_store_si512(sh, shift);
+
+  // units >> t_x into xi (overwritten below for blocks that are not int16), and the figures
+  __m512i vmax[16], vsq[16];
+  for (int b = 0; b < 16; ++b) {
+    const __m128i n = _mm_cvtsi32_si128(sh[b]);
+    const __m512i u0 = _mm512_load_si512(units[b]), u1 = _mm512_load_si512(units[b] + 16);
+    const __m512i m0 = _mm512_srl_epi32(_mm512_abs_epi32(u0), n), m1 = _mm512_srl_epi32(_mm512_abs_epi32(u1), n);
+    int16_t* d = dst + (kb0 + b) * kBlock;
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d), _mm512_cvtepi32_epi16(_mm512_sra_epi32(u0, n)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + 16), _mm512_cvtepi32_epi16(_mm512_sra_epi32(u1, n)));
+    vmax[b] = _mm512_max_epu32(m0, m1);
+    v[b] = _mm512_add_epi32(m0, m1);
+    // squares below 2^30 where the block is int16 (else unused), two lanes' below 2^31
+    const __m512i sq = _mm512_add_epi32(_mm512_mullo_epi32(m0, m0), _mm512_mullo_epi32(m1, m1));
+    vsq[b] = _mm512_add_epi64(_mm512_cvtepu32_epi64(_mm512_castsi512_si256(sq)),
+                              _mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64(sq, 1)));
+  }
+  const __m512i absmax = fp8_int::reduce16(vmax, fp8_int::MaxU32{});
+  const __m512i l1 = fp8_int::reduce16(v, fp8_int::AddU32{});
+  for (int i = 0; i < 8; ++i) vsq[i] = fp8_int::fold64<8>(vsq[2 * i], vsq[2 * i + 1]);
+  for (int i = 0; i < 4; ++i) vsq[i] = fp8_int::fold64<4>(vsq[2 * i], vsq[2 * i + 1]);
+  for (int i = 0; i < 2; ++i) vsq[i] = fp8_int::fold64<2>(vsq[2 * i], vsq[2 * i + 1]);  // blocks 0-7, 8-15
+  const __m512i l2 = _mm512_inserti64x4(_mm512_castsi256_si512(fp8_int::sqrt_ceil8(vsq[0])), fp8_int::sqrt_ceil8(vsq[1]), 1);
+  const __mmask16 fits = _mm512_cmplt_epu32_mask(absmax, _mm512_set1_epi32(static_cast<int>(fp8_int::kInt16Limit)));
+
+  alignas(64) uint32_t lim_l1[16], lim_max[16], lim_l2[16];
+  alignas(64) float cm[16];
+  _mm512_store_si512(lim_l1, _mm512_maskz_mov_epi32(fits, fp8_int::sum_limit16(absmax)));
+  _mm512_store_si512(lim_max, _mm512_maskz_mov_epi32(fits, fp8_int::sum_limit16(l1)));
+  _mm512_store_si512(lim_l2, _mm512_maskz_mov_epi32(fits, fp8_int::sum_limit16(l2)));
+  _mm512_store_si512(cm, _mm512_slli_epi32(_mm512_add_epi32(shift, _mm512_set1_epi32(127 - 18)), 23));
+  for (int b = 0; b < 16; ++b) {
+    const size_t at = static_cast<size_t>((kb0 + b) * c.rows + r);
+    const bool fit = (fits >> b) & 1u;
+    c.xs[at] = xs[b];
+    c.shift[at] = static_cast<uint8_t>(sh[b]);
+    c.cm[at] = cm[b];
+    c.fits[at] = fit ? 1 : 0;
+    c.lim_l1[at] = lim_l1[b];
+    c.lim_max[at] = lim_max[b];
+    c.lim_l2[at] = lim_l2[b];
+    if (!fit) {
+      const __m128i n = _mm_cvtsi32_si128(sh[b]);
+      store_digits_avx512(c, dst + (kb0 + b) * kBlock, r, kb0 + b, _mm512_sra_epi32(_mm512_load_si512(units[b]), n),
+                          _mm512_sra_epi32(_mm512_load_si512(units[b] + 16), n));
+    }
+  }
+  return true;
+}
+
 CSA_TARGET_AVX512 void quantize_avx512(const QuantJob& q, int64_t r) {
   XChunk& c = *q.xc;
   const float* src = q.x + r * c.K;
   int16_t* dst = c.xi.data() + r * c.K;
-  const __m512 sign = _mm512_set1_ps(-0.0f);
-  for (int64_t kb = 0; kb < c.KB; ++kb) {
-    const __m512 x0 = _mm512_loadu_ps(src + kb * kBlock), x1 = _mm512_loadu_ps(src + kb * kBlock + 16);
-    float amax;
-    if ((_mm512_cmp_ps_mask(x0, x0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(x1, x1, _CMP_UNORD_Q)) != 0) {
-      amax = Fp8::from_bits(0x7FC00000u);  // torch's amax propagates NaN
-    } else {
-      amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, x0), _mm512_andnot_ps(sign, x1)));
-      if (amax < Fp8::kAmaxFloor) amax = Fp8::kAmaxFloor;
-    }
-    const float xs = Fp8::pow2_ceil(amax * Fp8::kMaxInv);
-    const float inv = Fp8::pow2_reciprocal(xs);
-    __m512 q0, q1;
-    if (inv != 0.0f) {
-      q0 = _mm512_mul_ps(x0, _mm512_set1_ps(inv));
-      q1 = _mm512_mul_ps(x1, _mm512_set1_ps(inv));
-    } else {
-      q0 = _mm512_div_ps(x0, _mm512_set1_ps(xs));
-      q1 = _mm512_div_ps(x1, _mm512_set1_ps(xs));
-    }
-    const __m512i u0 = units_avx512(q0), u1 = units_avx512(q1);
-    const __m512i a0 = _mm512_abs_epi32(u0), a1 = _mm512_abs_epi32(u1);
-    const uint32_t any = static_cast<uint32_t>(_mm512_reduce_or_epi32(_mm512_or_si512(a0, a1)));
-    const uint32_t shift = any != 0 ? static_cast<uint32_t>(__builtin_ctz(any)) : 0u;
-    const __m128i sh = _mm_cvtsi32_si128(static_cast<int>(shift));
-    const __m512i s0 = _mm512_sra_epi32(u0, sh), s1 = _mm512_sra_epi32(u1, sh);  // exact
-    const __m512i m0 = _mm512_srl_epi32(a0, sh), m1 = _mm512_srl_epi32(a1, sh);
-    const uint32_t absmax = static_cast<uint32_t>(_mm512_reduce_max_epu32(_mm512_max_epu32(m0, m1)));
-    const uint32_t l1 = static_cast<uint32_t>(_mm512_reduce_add_epi32(_mm512_add_epi32(m0, m1)));
-    const bool fits = absmax < fp8_int::kInt16Limit;
-    uint32_t l2 = 0;
-    if (fits) {  // squares below 2^30, two lanes' below 2^31; their sum in 64-bit lanes
-      const __m512i sq = _mm512_add_epi32(_mm512_mullo_epi32(m0, m0), _mm512_mullo_epi32(m1, m1));
-      const __m512i lo = _mm512_cvtepu32_epi64(_mm512_castsi512_si256(sq));
-      const __m512i hi = _mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64(sq, 1));
-      const __m512i wide = _mm512_add_epi64(lo, hi);
-      l2 = fp8_int::sqrt_ceil(static_cast<uint64_t>(_mm512_reduce_add_epi64(wide)));
-    }
-    const size_t at = static_cast<size_t>(kb * c.rows + r);
-    c.xs[at] = xs;
-    c.shift[at] = static_cast<uint8_t>(shift);
-    c.cm[at] = fp8_int::pow2f(static_cast<int>(shift) - 18);
-    c.fits[at] = fits ? 1 : 0;
-    c.lim_l1[at] = fits ? fp8_int::sum_limit(absmax) : 0u;
-    c.lim_max[at] = fits ? fp8_int::sum_limit(l1) : 0u;
-    c.lim_l2[at] = fits ? fp8_int::sum_limit(l2) : 0u;
-    int16_t* d = dst + kb * kBlock;
-    if (fits) {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(d), _mm512_cvtepi32_epi16(s0));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + 16), _mm512_cvtepi32_epi16(s1));
-    } else {  // two digits (as quantize_row_body)
-      const __m512i lowbits = _mm512_set1_epi32((1 << fp8_int::kDigitBits) - 1);
-      uint8_t* lo = c.xlo.data() + r * c.K + kb * kBlock;
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(d), _mm512_cvtepi32_epi16(_mm512_srai_epi32(s0, fp8_int::kDigitBits)));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + 16), _mm512_cvtepi32_epi16(_mm512_srai_epi32(s1, fp8_int::kDigitBits)));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(lo), _mm512_cvtepi32_epi8(_mm512_and_si512(s0, lowbits)));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + 16), _mm512_cvtepi32_epi8(_mm512_and_si512(s1, lowbits)));
-    }
-  }
+  int64_t kb = 0;
+  for (; kb + 16 <= c.KB; kb += 16)
+    if (!quantize_16_blocks_avx512(c, src, dst, r, kb))
+      for (int64_t i = kb; i < kb + 16; ++i) quantize_block_avx512(c, src, dst, r, i);
+  for (; kb < c.KB; ++kb) quantize_block_avx512(c, src, dst, r, kb);
 }
 #pragma GCC diagnostic pop
 #endif
