@@ -229,11 +229,12 @@ def uniform_fp8_weights(rng: np.random.Generator, n: int, k: int
 
 def bench_fp8_linear(rows: list[int], rounds: int, min_time: float, threads: int = 2,
                      weights: str = "checkpoint", shapes: list[tuple[int, int]] | None = None,
-                     baseline: str | None = None) -> None:
+                     baseline: str | None = None, baseline_layout: str = "exported") -> None:
     """Fp8Linear vs the bf16 TorchLinear on the same [N, K] and values, timed in turns
     (interleaved_times); printed as a table of medians and best rounds. With `baseline` (an
-    older build of the library) its exact Fp8Linear is timed in the same turns, its output
-    checked bit for bit, and a line per row gives this build's time over its."""
+    older build of the library) its exact Fp8Linear is timed in the same turns, on W in the
+    layout this build runs ("exported") or plain W ("plain": builds from before pairs16), its
+    output checked bit for bit, and a line per row gives this build's time over its."""
     rng = np.random.default_rng(1)
     options = quiet(session_options(threads))
     make_weights = checkpoint_fp8_weights if weights == "checkpoint" else uniform_fp8_weights
@@ -250,8 +251,9 @@ def bench_fp8_linear(rows: list[int], rounds: int, min_time: float, threads: int
         fp8 = make_session(fp8_linear_model(codes, w_scale, layout=layout), options=options)
         fast = make_session(fp8_linear_model(codes, w_scale, "fast"), options=options)
         bf16 = make_session(bf16_linear_model(w), options=options)
-        base = (op_session(fp8_linear_model(codes, w_scale), threads, library=baseline,
-                               spinning=False) if baseline else None)
+        base_layout = layout if baseline_layout == "exported" else PLAIN
+        base = (op_session(fp8_linear_model(codes, w_scale, layout=base_layout), threads,
+                           library=baseline, spinning=False) if baseline else None)
         for m in rows:
             x = round_bf16(rng.standard_normal((m, k)).astype(np.float32))
             # spot check against the NumPy definition where it is quick
@@ -811,6 +813,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline-library", default=None,
                         help="an older libcsa2onnx_ops.so to time TorchLinear, Fp8Linear "
                              "(exact) and IndexerScore against, its outputs checked bit for bit")
+    parser.add_argument("--baseline-fp8-layout", choices=("exported", "plain"), default="exported",
+                        help="W's layout for the baseline build's Fp8Linear: the one this build "
+                             "runs (default), or plain for builds from before weight_layout")
     parser.add_argument("--sparse-torch", default=str(upstream.reference_dir() / "kernel_cpu.py"),
                         help="a file defining the reference's torch sparse_attn (default: the "
                              "upstream reference's kernel_cpu.py)")
@@ -836,7 +841,8 @@ def main(argv: list[str] | None = None) -> int:
             shapes = [(int(k), int(n)) for k, n in
                       (shape.split("x") for shape in args.fp8_shapes.split(","))]
         bench_fp8_linear([int(r) for r in args.fp8_rows.split(",")], args.repeat, args.min_time,
-                         args.threads or 2, args.fp8_weights, shapes, args.baseline_library)
+                         args.threads or 2, args.fp8_weights, shapes, args.baseline_library,
+                         args.baseline_fp8_layout)
         print()
 
     if args.threads:
