@@ -20,38 +20,35 @@ namespace csa::fp8_int {
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
 
-// One step of a transposing reduction: a and b hold nb blocks each, p partials a block
-// (lanes blk * p + j); the result holds a's blocks then b's, p / 2 partials each, every lane
-// op(partial j, partial j + p / 2) of its block.
-template <int kP, typename Op>
+// One step of a transposing reduction over vectors of kN lanes: a and b hold nb = kN / kP
+// blocks each, kP partials a block (lanes blk * kP + j); the step's result holds a's blocks
+// then b's, kP / 2 partials each, every lane op(partial j, partial j + kP / 2) of its block.
+// The two permutes' lane indices:
+template <typename T, int kN>
+struct FoldIndex {
+  T lo[kN], hi[kN];
+};
+template <typename T, int kN, int kP>
+constexpr FoldIndex<T, kN> fold_index() {
+  FoldIndex<T, kN> t{};
+  constexpr int h = kP / 2, nb = kN / kP;
+  for (int o = 0; o < kN; ++o) {
+    const int blk = o / h, j = o % h;
+    const int src = blk < nb ? blk * kP + j : kN + (blk - nb) * kP + j;
+    t.lo[o] = static_cast<T>(src);
+    t.hi[o] = static_cast<T>(src + h);
+  }
+  return t;
+}
+template <int kP, typename Op>  // 16 uint32 lanes
 CSA_TARGET_AVX512 __attribute__((always_inline)) inline __m512i fold32(__m512i a, __m512i b, Op op) {
-  alignas(64) static constexpr auto kIdx = [] {
-    struct { int32_t lo[16], hi[16]; } t{};
-    constexpr int h = kP / 2, nb = 16 / kP;
-    for (int o = 0; o < 16; ++o) {
-      const int blk = o / h, j = o % h;
-      const int src = blk < nb ? blk * kP + j : 16 + (blk - nb) * kP + j;
-      t.lo[o] = src;
-      t.hi[o] = src + h;
-    }
-    return t;
-  }();
+  alignas(64) static constexpr FoldIndex<int32_t, 16> kIdx = fold_index<int32_t, 16, kP>();
   return op(_mm512_permutex2var_epi32(a, _mm512_load_si512(kIdx.lo), b),
             _mm512_permutex2var_epi32(a, _mm512_load_si512(kIdx.hi), b));
 }
-template <int kP>
-CSA_TARGET_AVX512 __attribute__((always_inline)) inline __m512i fold64(__m512i a, __m512i b) {  // 8 uint64 lanes, sums
-  alignas(64) static constexpr auto kIdx = [] {
-    struct { int64_t lo[8], hi[8]; } t{};
-    constexpr int h = kP / 2, nb = 8 / kP;
-    for (int o = 0; o < 8; ++o) {
-      const int blk = o / h, j = o % h;
-      const int src = blk < nb ? blk * kP + j : 8 + (blk - nb) * kP + j;
-      t.lo[o] = src;
-      t.hi[o] = src + h;
-    }
-    return t;
-  }();
+template <int kP>  // 8 uint64 lanes, sums
+CSA_TARGET_AVX512 __attribute__((always_inline)) inline __m512i fold64(__m512i a, __m512i b) {
+  alignas(64) static constexpr FoldIndex<int64_t, 8> kIdx = fold_index<int64_t, 8, kP>();
   return _mm512_add_epi64(_mm512_permutex2var_epi64(a, _mm512_load_si512(kIdx.lo), b),
                           _mm512_permutex2var_epi64(a, _mm512_load_si512(kIdx.hi), b));
 }
