@@ -138,7 +138,7 @@ def indexer_score_pair_counts() -> dict[str, int]:
 
 
 FP8_LINEAR_COUNTS = ("calls", "small_tasks", "lane_sums", "row_sums", "wide_sums",
-                     "fast_calls", "fast_amx_calls", "fp16_tasks")
+                     "fast_calls", "fast_amx_calls", "fp16_tasks", "folded_calls")
 
 
 def fp8_linear_counts() -> dict[str, int]:
@@ -146,7 +146,9 @@ def fp8_linear_counts() -> dict[str, int]:
     kernel's exact fallbacks took it): calls; tasks on the few-rows path; W blocks that are
     not int16, summed against every row; (row, K block, 16 columns) summed in two digits;
     (row, K block, column) summed in int64; calls the fast kernel (numerics "fast") summed,
-    and those of them on AMX tiles; few-rows tasks that converted W by AVX512-FP16."""
+    and those of them on AMX tiles; few-rows tasks that converted W by AVX512-FP16; calls on
+    the tiles (more than 4 rows) whose WScale let the AVX-512 tiles fold 2^(t_x - 18) into
+    xs * ws (fp8_linear_kernels.h scales_fold)."""
     fn = ctypes.CDLL(str(library_path())).csa2onnx_fp8_linear_counts
     fn.restype = ctypes.c_uint64
     fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_uint64]

@@ -647,6 +647,28 @@ def test_extreme_scales_and_activations(fed_sessions) -> None:
             assert_same(run(session, x[rows], codes, w_scale), want[rows], f"isa={isa}")
 
 
+@pytest.mark.parametrize(("scale", "folds"), [(np.ldexp(1 + 2.0**-23, -86), True),
+                                               (np.ldexp(1 + 2.0**-23, -100), False)])
+def test_tiles_fold_the_scales_only_where_exact(fed_sessions, scale: float, folds: bool) -> None:
+    """The AVX-512 tiles multiply a lane's float(sum) * 2^t_w by one per-row product (xs * ws)
+    * 2^(t_x - 18) where that product is exact for every row: every WScale 0, inf, NaN or at
+    least 2^-86 in size (xs >= 2^-22 at the amax floor, 2^(t_x - 18) >= 2^-18). A block scale
+    of (1 + 2^-23) * 2^-100 makes the product subnormal for rows at the amax floor, where
+    folding would round it (a different output); the call keeps both multiplies. Rows at the
+    floor (xs = 2^-22) and ordinary rows, against the definition on every path."""
+    rng = np.random.default_rng(53)
+    codes, w_scale = checkpoint_like(rng, 96, 256)
+    w_scale[1, 3] = np.float32(scale)
+    x = activations(rng, 9, 256)
+    x[::2] *= np.float32(2.0**-22)  # amax below the floor: xs = 2^-22
+    want = fp8_linear(x, values(codes), w_scale)
+    assert np.isfinite(want).all() and (want != 0).all()
+    for isa, session in fed_sessions.items():
+        before = fp8_linear_counts()["folded_calls"]
+        assert_same(run(session, x, codes, w_scale), want, f"isa={isa}")
+        assert fp8_linear_counts()["folded_calls"] == before + int(folds), isa
+
+
 def anon_rss_bytes() -> int:
     """This process's resident anonymous memory (not file mappings)."""
     for line in Path("/proc/self/status").read_text().splitlines():

@@ -95,6 +95,7 @@ struct Counts {
   std::atomic<uint64_t> fast_calls{0};  // calls the fast kernel summed (numerics "fast")
   std::atomic<uint64_t> fast_amx_calls{0};  // ... of them on AMX tiles
   std::atomic<uint64_t> fp16_tasks{0};  // few-rows tasks that converted W by AVX512-FP16
+  std::atomic<uint64_t> folded_calls{0};  // calls on the tiles whose WScale let them fold
 };
 Counts counts;
 
@@ -635,6 +636,7 @@ struct Call {
   float* y;           // the chunk's first output row
   int64_t N, K, KB, NB, panels;
   bool round_output;  // Y through bfloat16 (the graph's Cast pair, fused)
+  bool fold_scales;   // scales_fold(WScale): the tiles' one multiply per lane
 };
 
 // The override slots of one task and block chunk: exact float sums of the lanes the tiles'
@@ -900,7 +902,8 @@ void run_task(const Call& c, int64_t task, TaskCounts& tally) {
     SlotFiller slots{c, xc, wv, ov, panel, r0, rows, kb0, any, f, lane_sums};
     const TaskView view{xc.xi.data() + r0 * c.K, c.K, c.KB, xc.cm.data() + r0,
                         xc.xs.data() + r0, xc.rows, rows, kb0, kbs, pw, g,
-                        wv.shift_at(0, panel * kPanel), ws0, ws1, masks, ov.slot, ov.bad, out};
+                        wv.shift_at(0, panel * kPanel), ws0, ws1, masks, ov.slot, ov.bad, out,
+                        c.fold_scales};
     const Patch patch{c, xc, meta, panel, r0, rows, kb0, kbs, pw, flags, ov, row_sums, wide_sums};
     SmallJob job{wv, panel, kb0, kbs, xc.xi.data() + r0 * c.K, c.K, rows, any, pw, g, sums, xp, tsum};
     if (fused) {
@@ -1087,7 +1090,9 @@ struct Fp8LinearKernel {
     const bool uses_xt = kern.uses_xt && meta->any_bad;
     std::atomic<bool> failed{false};
     Call call{kern, meta, codes, wscale.Data(), nullptr, &xc, nullptr,
-              d.N, d.K, d.KB, d.NB, (d.N + kPanel - 1) / kPanel, round_output};
+              d.N, d.K, d.KB, d.NB, (d.N + kPanel - 1) / kPanel, round_output,
+              d.M > kSmallRows && scales_fold(wscale.Data(), d.NB * d.KB)};
+    if (call.fold_scales) counts.folded_calls.fetch_add(1, std::memory_order_relaxed);
     for (int64_t m0 = 0; m0 < d.M; m0 += chunk) {
       xc.rows = d.M - m0 < chunk ? d.M - m0 : chunk;
       xc.rows16 = (xc.rows + kLanes - 1) / kLanes * kLanes;
@@ -1185,13 +1190,15 @@ void AppendFp8LinearOps(std::vector<std::unique_ptr<Ort::Custom::OrtLiteCustomOp
 // The counts (calls, tasks on the few-rows path, W blocks that are not int16 summed against
 // every row, (row, block, group)s summed in two digits, (row, block, column)s summed in
 // int64, calls the fast kernel summed, those of them on AMX tiles, few-rows tasks that
-// converted W by AVX512-FP16) into out[0..n); returns how many there are.
+// converted W by AVX512-FP16, calls on the tiles whose WScale let them fold the scales) into
+// out[0..n); returns how many there are.
 extern "C" __attribute__((visibility("default"))) uint64_t csa2onnx_fp8_linear_counts(uint64_t* out,
                                                                                      uint64_t n) {
   const uint64_t values[] = {csa::counts.calls.load(), csa::counts.small_tasks.load(),
                              csa::counts.lane_sums.load(), csa::counts.row_sums.load(),
                              csa::counts.wide_sums.load(), csa::counts.fast_calls.load(),
-                             csa::counts.fast_amx_calls.load(), csa::counts.fp16_tasks.load()};
+                             csa::counts.fast_amx_calls.load(), csa::counts.fp16_tasks.load(),
+                             csa::counts.folded_calls.load()};
   const uint64_t total = sizeof values / sizeof values[0];
   for (uint64_t i = 0; i < n && i < total; ++i) out[i] = values[i];
   return total;
