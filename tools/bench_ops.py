@@ -14,7 +14,8 @@ CPU). The implementations are timed in turns, round after round, in one process 
 machine's load then hits them alike), and each time is the median over the rounds.
 
     python tools/bench_ops.py --only fp8 [--fp8-rows 1,4,256,1024] [--threads 2]
-        [--fp8-weights checkpoint|uniform] [--fp8-shapes 5120x1280,...]  # Fp8Linear only
+        [--fp8-weights checkpoint|uniform] [--fp8-x normal|outliers]
+        [--fp8-shapes 5120x1280,...]                                  # Fp8Linear only
 
     python tools/bench_ops.py --only sparse [--threads 2] [--sparse-decode]  # SparseAttention
     python tools/bench_ops.py --only packed                         # Pack/UnpackQuantized only
@@ -72,7 +73,10 @@ Fp8Linear: milliseconds per call against the bf16 TorchLinear on the same [N, K]
 values: e4m3 is exact in bf16), both with W a constant initializer, at the released
 model's fp8 linear shapes (or --fp8-shapes) and M rows, intra_op_num_threads = --threads
 (default 2), timed in turns; the weights are quantised as a checkpoint holds them (or, with
---fp8-weights uniform, every code equally likely: Fp8Linear's worst case); the ratio is
+--fp8-weights uniform, every code equally likely: Fp8Linear's worst case), X normal bf16
+values (or, with --fp8-x outliers, as LLM activations are: 1/64 of the features 40 times as
+large, which leaves more of act_quant's blocks spanning more binades than int16 holds, each
+then summed in two digits against every column); the ratio is
 Fp8Linear's time over TorchLinear's, and the W columns give the bytes of weights each call
 reads. Exact Fp8Linear reads W in the layout an export writes (pairs16 where N is a
 multiple of 16; a --baseline-library build reads it plain). The "fast" column is Fp8Linear
@@ -227,9 +231,19 @@ def uniform_fp8_weights(rng: np.random.Generator, n: int, k: int
     return codes, w_scale
 
 
+def fp8_activations(rng: np.random.Generator, m: int, k: int, kind: str) -> np.ndarray:
+    """X [m, k] as bf16 values: normal ("normal"), or with 1/64 of the features (the same
+    for every row) 40 times as large ("outliers"), as LLM activations have."""
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    if kind == "outliers":
+        x[:, rng.choice(k, max(1, k // 64), replace=False)] *= 40.0
+    return round_bf16(x)
+
+
 def bench_fp8_linear(rows: list[int], rounds: int, min_time: float, threads: int = 2,
                      weights: str = "checkpoint", shapes: list[tuple[int, int]] | None = None,
-                     baseline: str | None = None, baseline_layout: str = "exported") -> None:
+                     baseline: str | None = None, baseline_layout: str = "exported",
+                     activations: str = "normal") -> None:
     """Fp8Linear vs the bf16 TorchLinear on the same [N, K] and values, timed in turns
     (interleaved_times); printed as a table of medians and best rounds. With `baseline` (an
     older build of the library) its exact Fp8Linear is timed in the same turns, on W in the
@@ -239,8 +253,8 @@ def bench_fp8_linear(rows: list[int], rounds: int, min_time: float, threads: int
     options = quiet(session_options(threads))
     make_weights = checkpoint_fp8_weights if weights == "checkpoint" else uniform_fp8_weights
     print(f"Fp8Linear vs bf16 TorchLinear, intra_op_num_threads={threads}, {os.cpu_count()} "
-          f"CPUs, W constant ({weights} weights); ms per call, median (best) of {rounds} "
-          "interleaved rounds")
+          f"CPUs, W constant ({weights} weights), X {activations}; ms per call, median (best) "
+          f"of {rounds} interleaved rounds")
     print(f"{'K':>5} {'N':>6} {'M':>5} {'Fp8Linear':>19} {'fast':>19} {'TorchLinear':>19} "
           f"{'ratio':>12} {'fast ratio':>12} {'W fp8':>9} {'W bf16':>9}")
     for k, n in shapes or FP8_SHAPES:
@@ -255,7 +269,7 @@ def bench_fp8_linear(rows: list[int], rounds: int, min_time: float, threads: int
         base = (op_session(fp8_linear_model(codes, w_scale, layout=base_layout), threads,
                            library=baseline, spinning=False) if baseline else None)
         for m in rows:
-            x = round_bf16(rng.standard_normal((m, k)).astype(np.float32))
+            x = fp8_activations(rng, m, k, activations)
             # spot check against the NumPy definition where it is quick
             if m <= 4 and n * k <= 1 << 23 and not same_bits(fp8.run(None, {"X": x})[0],
                                                              fp8_linear(x, w, w_scale)):
@@ -826,6 +840,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fp8-weights", choices=["checkpoint", "uniform"], default="checkpoint",
                         help="Fp8Linear's weights: quantised normal values as a checkpoint holds "
                              "them, or every e4m3 code equally likely (a worst case)")
+    parser.add_argument("--fp8-x", choices=["normal", "outliers"], default="normal",
+                        help="Fp8Linear's X: normal values, or 1/64 of the features 40 times as "
+                             "large (as LLM activations)")
     parser.add_argument("--fp8-shapes", default=None,
                         help="comma-separated KxN shapes for the Fp8Linear section (default: "
                              "the released model's fp8 linears)")
@@ -842,7 +859,7 @@ def main(argv: list[str] | None = None) -> int:
                       (shape.split("x") for shape in args.fp8_shapes.split(","))]
         bench_fp8_linear([int(r) for r in args.fp8_rows.split(",")], args.repeat, args.min_time,
                          args.threads or 2, args.fp8_weights, shapes, args.baseline_library,
-                         args.baseline_fp8_layout)
+                         args.baseline_fp8_layout, args.fp8_x)
         print()
 
     if args.threads:
