@@ -138,7 +138,8 @@ def indexer_score_pair_counts() -> dict[str, int]:
 
 
 FP8_LINEAR_COUNTS = ("calls", "small_tasks", "lane_sums", "row_sums", "wide_sums",
-                     "fast_calls", "fast_amx_calls", "fp16_tasks", "folded_calls")
+                     "fast_calls", "fast_amx_calls", "fp16_tasks", "folded_calls",
+                     "tile_wide_rows")
 
 
 def fp8_linear_counts() -> dict[str, int]:
@@ -148,7 +149,8 @@ def fp8_linear_counts() -> dict[str, int]:
     (row, K block, column) summed in int64; calls the fast kernel (numerics "fast") summed,
     and those of them on AMX tiles; few-rows tasks that converted W by AVX512-FP16; calls on
     the tiles (more than 4 rows) whose WScale let the AVX-512 tiles fold 2^(t_x - 18) into
-    xs * ws (fp8_linear_kernels.h scales_fold)."""
+    xs * ws (fp8_linear_kernels.h scales_fold); (row, K block, 64 columns) the AVX-512 tiles
+    summed in two digits themselves (a block of X that is not int16: no row patches there)."""
     fn = ctypes.CDLL(str(library_path())).csa2onnx_fp8_linear_counts
     fn.restype = ctypes.c_uint64
     fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_uint64]

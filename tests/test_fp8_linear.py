@@ -252,15 +252,23 @@ def test_act_quant_sixteen_blocks_at_a_time(fed_sessions) -> None:
     for isa, session in fed_sessions.items():
         for rows in (slice(0, 12), slice(9, 12), slice(0, 3)):  # tiles and few rows
             assert_same(run(session, x[rows], codes, w_scale), want[rows], f"isa={isa}")
-    # the same block figures (max, sum and norm of the units) on every path: the same rows
-    # flagged and summed in two digits, and the same wide sums (tiles, NaN rows left out)
+    # the same block figures (max, sum and norm of the units) on every path: the same wide
+    # sums (a block of X that is not int16 against one of W), and the same rows summed in
+    # two digits by row patches (tiles, NaN rows left out); the AVX-512 tiles sum the rows
+    # whose block is not int16 themselves, the same (row, block)s on each AVX-512 path
     x = np.concatenate([x[:9], activations(rng, 40, k)])
     grown = {isa: counts_after(lambda s=session: run(s, x, codes, w_scale))
              for isa, session in fed_sessions.items()}
     assert grown["scalar"]["row_sums"] > 0 and grown["scalar"]["wide_sums"] > 0, grown
     for isa, grew in grown.items():
-        for key in ("row_sums", "wide_sums", "lane_sums"):
+        for key in ("wide_sums", "lane_sums"):
             assert grew[key] == grown["scalar"][key], (isa, key, grown)
+        same_tiles = "avx512" if tiles_sum_wide_rows(isa) else "scalar"
+        for key in ("row_sums", "tile_wide_rows"):
+            assert grew[key] == grown[same_tiles][key], (isa, key, grown)
+        assert (grew["tile_wide_rows"] > 0) == tiles_sum_wide_rows(isa), (isa, grown)
+        if tiles_sum_wide_rows(isa):  # fewer row patches: those of blocks not int16 are gone
+            assert grew["row_sums"] < grown["scalar"]["row_sums"], (isa, grown)
 
 
 def test_exact_block_sums_matter(fed_sessions) -> None:
@@ -420,6 +428,12 @@ def activations(rng: np.random.Generator, m: int, k: int) -> np.ndarray:
     return round_bf16(x.astype(np.float32))
 
 
+def tiles_sum_wide_rows(isa: str) -> bool:
+    """Whether that path's tiles (more than 4 rows) sum a row whose block of X is not int16
+    in two digits themselves (the AVX-512 tiles) rather than by row patches."""
+    return isa.startswith("avx512")
+
+
 CPUINFO = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
 HAS_VBMI = " avx512vbmi " in CPUINFO
 # the few-rows kernel's other conversion of W needs both
@@ -502,7 +516,16 @@ def test_each_exact_fallback_is_taken(fed_sessions, kind: str, count: str, m: in
     for isa, session in fed_sessions.items():
         grew = counts_after(lambda s=session, i=isa: assert_same(run(s, x, codes, w_scale), want,
                                                                  f"isa={i} {kind}"))
-        assert grew["calls"] == 1 and grew[count] > 0, (isa, kind, grew)
+        tiles_take_it = kind in ("x_wide", "both") and m > 4 and tiles_sum_wide_rows(isa)
+        if kind == "x_wide" and tiles_take_it:  # the tiles' two digits, no row patch
+            assert grew["tile_wide_rows"] > 0 and grew["row_sums"] == 0, (isa, kind, grew)
+        else:
+            assert grew[count] > 0, (isa, kind, grew)
+        assert grew["calls"] == 1, (isa, grew)
+        if tiles_take_it:
+            assert grew["tile_wide_rows"] > 0, (isa, kind, grew)
+        elif m <= 4 or not tiles_sum_wide_rows(isa):  # few rows: row patches, as elsewhere
+            assert grew["tile_wide_rows"] == 0, (isa, kind, grew)
         assert_few_rows_path(isa, grew, few_rows=m <= 4)
 
 

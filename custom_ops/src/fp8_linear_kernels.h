@@ -15,7 +15,8 @@
 // - override slots: for a (K block, group) that has flagged rows or blocks that are not
 //   int16, slot[row][16] holds the exact float(sum) of those lanes, computed by wider kernels
 //   (f_lanes: one W block that is not int16 against every row, lanes over rows; row_patch:
-//   one flagged row against a group, X in two digits).
+//   one flagged row against a group, X in two digits; the AVX-512 tiles sum a row whose X
+//   block is not int16 in two digits themselves, wide_rows_avx512).
 // The tiles (rows x 64 columns per K block) sum in int32 lanes, then per lane
 //   P = float(S) (or the slot's value), d = (P * 2^t_w) * 2^(t_x - 18)  (exact: the block dot),
 //   out = out + d * (xs * ws)  (as the definition: one rounding for the product, one for +).
@@ -156,6 +157,11 @@ struct TaskView {
   const uint16_t* bad;       // [kbs][kGroups]
   float* out;             // [rows][kPanel]
   bool fold;              // (xs * ws) * 2^(t_x - 18) is exact for every row (scales_fold)
+  const uint8_t* fits;    // [KB][ld] at the task's first row: the block is int16
+  const uint8_t* xlo;     // [rows][K] at the task's first row: low digits (blocks not int16)
+  // AVX-512 tiles: the task's count of (row, block)s they summed in two digits, or null where
+  // act_quant flagged such rows for row patches instead (few rows)
+  uint64_t* wide_rows;
 };
 
 // Whether every (xs * ws) * 2^(t_x - 18) is a normal float's exact value: xs >= 2^-22
@@ -453,6 +459,15 @@ CSA_TARGET_AVX2 CSA_INLINE void tiles_avx2_body(const TaskView& v, int64_t r0, i
 }
 
 // -------------------------------------------------------------------- AVX-512 kernels
+// hi * 2^8 + lo for 16 int32 lanes, in int64, each rounded once to float.
+CSA_TARGET_AVX512 CSA_INLINE __m512 digits_to_float16(__m512i hi, __m512i lo) {
+  const __m512i h0 = _mm512_slli_epi64(_mm512_cvtepi32_epi64(_mm512_castsi512_si256(hi)), fp8_int::kDigitBits);
+  const __m512i h1 = _mm512_slli_epi64(_mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(hi, 1)), fp8_int::kDigitBits);
+  const __m512i s0 = _mm512_add_epi64(h0, _mm512_cvtepi32_epi64(_mm512_castsi512_si256(lo)));
+  const __m512i s1 = _mm512_add_epi64(h1, _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(lo, 1)));
+  return _mm512_insertf32x8(_mm512_castps256_ps512(_mm512_cvtepi64_ps(s0)), _mm512_cvtepi64_ps(s1), 1);
+}
+
 // vpdpwssd through inline assembly: GCC 12 keeps the intrinsic's accumulators in memory
 // (a store and a load around every instruction), which halves the tile's speed.
 #define CSA_DP16(kVnni, acc, a, b)                                     \
@@ -464,12 +479,91 @@ CSA_TARGET_AVX2 CSA_INLINE void tiles_avx2_body(const TaskView& v, int64_t r0, i
     }                                                                   \
   } while (0)
 
+// The rows of a tile whose block kbi is not int16 (bit m of `wide`): the tile's sums `hi`
+// are their high digit's (xi holds h = v >> 8, |h| < 2^10: exact in int32); here the low
+// digit's (xlo, 0..255) against the same pairs, and hi * 2^8 + lo in int64, rounded once to
+// float: row_patch's value, without its pass over the high digit and its first read of the
+// row. Out of line, so that the tile's pair loop keeps its registers.
+template <int MR, bool kVnni>
+CSA_TARGET_AVX512 __attribute__((noinline)) void wide_rows_avx512(const TaskView& v, int64_t r0,
+                                                                  int64_t kbi, uint32_t wide,
+                                                                  const __m512i (&hi)[MR][kGroups],
+                                                                  float (&p)[MR][kGroups][kLanes]) {
+  const int64_t kb = v.kb0 + kbi;
+  const int16_t* pw = v.pw + kbi * kPairs * kPanel * 2;
+  for (int m = 0; m < MR; ++m) {
+    if (((wide >> m) & 1u) == 0) continue;
+    alignas(64) int32_t lp[kPairs];  // the low digits as int16 pairs
+    _mm512_store_si512(lp, _mm512_cvtepu8_epi16(_mm256_loadu_si256(
+                               reinterpret_cast<const __m256i*>(v.xlo + (r0 + m) * v.K + kb * kBlock))));
+    __m512i lo[kGroups];
+#pragma GCC unroll 4
+    for (int c = 0; c < kGroups; ++c) lo[c] = _mm512_setzero_si512();
+#pragma GCC unroll 16
+    for (int64_t q = 0; q < kPairs; ++q) {
+      const __m512i xv = _mm512_set1_epi32(lp[q]);
+#pragma GCC unroll 4
+      for (int c = 0; c < kGroups; ++c)
+        CSA_DP16(kVnni, lo[c], xv, _mm512_loadu_si512(pw + (q * kPanel + kLanes * c) * 2));
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < kGroups; ++c) _mm512_store_ps(p[m][c], digits_to_float16(hi[m][c], lo[c]));
+  }
+}
+
+// tile_rows_avx512's epilogue of block kbi: per lane P = float(S) (kWide: the rows in `wide`
+// take wide_rows_avx512's floats, wp [MR][kGroups][16]), or the slot's value where its mask
+// says; out = out + d * (xs * ws) (kFold: as scales_fold allows).
+template <int MR, bool kFold, bool kWide>
+CSA_TARGET_AVX512 CSA_INLINE void tile_epilogue(const TaskView& v, int64_t r0, int64_t kbi,
+                                               const __m512i (&acc)[MR][kGroups], uint32_t wide,
+                                               const float* wp, __m512 (&out)[MR][kGroups]) {
+  const int64_t kb = v.kb0 + kbi;
+  const uint64_t* masks = v.masks + kbi * v.rows + r0;
+  uint64_t any = 0;
+  for (int m = 0; m < MR; ++m) any |= masks[m];
+  const float ws[2] = {v.ws0[kb], v.ws1[kb]};
+  float sc[MR][2];
+  for (int m = 0; m < MR; ++m) {
+    const float xs = v.xs[kb * v.ld + r0 + m];
+    sc[m][0] = xs * ws[0];
+    sc[m][1] = xs * ws[1];
+    if (kFold) {
+      const float cm = v.cm[kb * v.ld + r0 + m];
+      sc[m][0] = sc[m][0] * cm;
+      sc[m][1] = sc[m][1] * cm;
+    }
+  }
+#pragma GCC unroll 4
+  for (int m = 0; m < MR; ++m) {
+    const int64_t r = r0 + m;
+    const float* cm = v.cm + kb * v.ld + r;
+#pragma GCC unroll 4
+    for (int c = 0; c < kGroups; ++c) {
+      __m512 p = kWide && ((wide >> m) & 1u) != 0 ? _mm512_load_ps(wp + (m * kGroups + c) * kLanes)
+                                                  : _mm512_cvtepi32_ps(acc[m][c]);
+      if (any != 0)  // every slot pointer is valid (a shared dummy under an all-zero mask)
+        p = _mm512_mask_loadu_ps(p, static_cast<__mmask16>(masks[m] >> (16 * c)),
+                                 v.slot[kbi * kGroups + c] + r * kLanes);
+      p = _mm512_mul_ps(p, _mm512_loadu_ps(v.g + kbi * kPanel + kLanes * c));
+      if (!kFold) p = _mm512_mul_ps(p, _mm512_set1_ps(*cm));
+      p = _mm512_mul_ps(p, _mm512_set1_ps(sc[m][c / 2]));
+      out[m][c] = _mm512_add_ps(out[m][c], p);
+    }
+  }
+}
+
 // MR rows (1..3) x 64 columns over the chunk's K blocks: per block 16 pairs of vpdpwssd
 // into MR x 4 zmm, then the epilogue (slots by masked loads where a lane takes one) into
 // outputs that stay in registers for the whole chunk: 12 accumulators and 12 outputs at
 // MR = 3 (measured: 2-5% faster than 6 rows with the outputs in memory, 6-10% faster than 2
 // rows). W's pairs are loaded by inline assembly: from intrinsics GCC 12 loads them again
-// for later rows (8 loads a pair where 4 do; measured 10-19% slower).
+// for later rows (8 loads a pair where 4 do; measured 10-19% slower). A row whose block is
+// not int16 holds its high digit in xi: its sums here are exact, and wide_rows_avx512 adds
+// its low digit's (where the task asks: v.wide_rows), so that act_quant leaves such rows
+// unflagged. Measured against row patches (5120 x 512 / 1280, 1024 rows, 2 threads, call by
+// call): 23.1 -> 21.6 ms on normal X, 30.9 -> 29.1 and 69.0 -> 63.4 ms on X with outlier
+// features (bench_ops --fp8-x outliers: 7.5% of the blocks not int16).
 template <int MR, bool kVnni, bool kFold>
 CSA_TARGET_AVX512 __attribute__((noinline)) void tile_rows_avx512(const TaskView& v, int64_t r0) {
   __m512 out[MR][kGroups];
@@ -506,36 +600,24 @@ CSA_TARGET_AVX512 __attribute__((noinline)) void tile_rows_avx512(const TaskView
         for (int c = 0; c < kGroups; ++c) CSA_DP16(kVnni, acc[m][c], xv, w[c]);
       }
     }
-    const uint64_t* masks = v.masks + kbi * v.rows + r0;
-    uint64_t any = 0;
-    for (int m = 0; m < MR; ++m) any |= masks[m];
-    const float ws[2] = {v.ws0[kb], v.ws1[kb]};
-    float sc[MR][2];
-    for (int m = 0; m < MR; ++m) {
-      const float xs = v.xs[kb * v.ld + r0 + m];
-      sc[m][0] = xs * ws[0];
-      sc[m][1] = xs * ws[1];
-      if (kFold) {
-        const float cm = v.cm[kb * v.ld + r0 + m];
-        sc[m][0] = sc[m][0] * cm;
-        sc[m][1] = sc[m][1] * cm;
-      }
-    }
+    // rows whose block is not int16: their low digit too (rare; row patches otherwise)
+    uint32_t wide = 0;
+    if (v.wide_rows != nullptr)
+      for (int m = 0; m < MR; ++m) wide |= (v.fits[kb * v.ld + r0 + m] == 0 ? 1u : 0u) << m;
+    if (__builtin_expect(wide != 0, 0)) {
+      // the sums copied out by stores (handing `acc` itself to a call kept all of it in
+      // memory, in the pair loop too)
+      alignas(64) __m512i hi[MR][kGroups];
+      alignas(64) float wp[MR][kGroups][kLanes];
 #pragma GCC unroll 4
-    for (int m = 0; m < MR; ++m) {
-      const int64_t r = r0 + m;
-      const float* cm = v.cm + kb * v.ld + r;
+      for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 4
-      for (int c = 0; c < kGroups; ++c) {
-        __m512 p = _mm512_cvtepi32_ps(acc[m][c]);
-        if (any != 0)  // every slot pointer is valid (a shared dummy under an all-zero mask)
-          p = _mm512_mask_loadu_ps(p, static_cast<__mmask16>(masks[m] >> (16 * c)),
-                                   v.slot[kbi * kGroups + c] + r * kLanes);
-        p = _mm512_mul_ps(p, _mm512_loadu_ps(v.g + kbi * kPanel + kLanes * c));
-        if (!kFold) p = _mm512_mul_ps(p, _mm512_set1_ps(*cm));
-        p = _mm512_mul_ps(p, _mm512_set1_ps(sc[m][c / 2]));
-        out[m][c] = _mm512_add_ps(out[m][c], p);
-      }
+        for (int c = 0; c < kGroups; ++c) asm("vmovdqa64 %1, %0" : "=m"(hi[m][c]) : "v"(acc[m][c]));
+      wide_rows_avx512<MR, kVnni>(v, r0, kbi, wide, hi, wp);
+      *v.wide_rows += static_cast<uint64_t>(__builtin_popcount(wide));
+      tile_epilogue<MR, kFold, true>(v, r0, kbi, acc, wide, &wp[0][0][0], out);
+    } else {
+      tile_epilogue<MR, kFold, false>(v, r0, kbi, acc, 0, nullptr, out);
     }
   }
 #pragma GCC unroll 4
@@ -642,14 +724,6 @@ CSA_TARGET_AVX512 CSA_INLINE void flags_avx512_body(const FlagJob& j) {
   }
 }
 
-// hi * 2^8 + lo for 16 int32 lanes, in int64, each rounded once to float.
-CSA_TARGET_AVX512 CSA_INLINE __m512 digits_to_float16(__m512i hi, __m512i lo) {
-  const __m512i h0 = _mm512_slli_epi64(_mm512_cvtepi32_epi64(_mm512_castsi512_si256(hi)), fp8_int::kDigitBits);
-  const __m512i h1 = _mm512_slli_epi64(_mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(hi, 1)), fp8_int::kDigitBits);
-  const __m512i s0 = _mm512_add_epi64(h0, _mm512_cvtepi32_epi64(_mm512_castsi512_si256(lo)));
-  const __m512i s1 = _mm512_add_epi64(h1, _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(lo, 1)));
-  return _mm512_insertf32x8(_mm512_castps256_ps512(_mm512_cvtepi64_ps(s0)), _mm512_cvtepi64_ps(s1), 1);
-}
 
 // w_digits_generic with vector operations: units = mantissa << E from the code's fields
 // (e4m3fn: NaN codes 0), then >> t and the two digits, each digit's 32 int16 values (16 pairs)

@@ -36,11 +36,12 @@
 // tiles read by masked loads: a W block that is not int16 as two int16 digits
 // (v = h * 2^8 + l) against every row at once (16 rows a zmm, from X transposed; up to 4
 // rows: each row's block against the digits, lanes over k), a flagged
-// row the same way with X's block in two digits, and the rare pair where both blocks are
+// row the same way with X's block in two digits (the AVX-512 tiles sum a row whose block is
+// not int16 in two digits themselves: no patch), and the rare pair where both blocks are
 // not int16 in int64. Then per lane, in float, as the definition:
 // dot = (float(sum) * 2^t_w) * 2^(t_x - 18) (exact), out = out + dot * (xs * ws). Every
 // instruction-set path and thread count gives the same bits. This file is compiled with
-// -ffp-contract=off: the float scaling must stay multiply, multiply, multiply, add.
+// -ffp-contract=off: the float scaling must stay multiplies and an add, each rounded.
 // Per calling thread the kernel keeps the last chunk of quantised X (up to 256 rows x K x
 // 5 bytes) and per pool thread a task's buffers (a panel of 32 KiB and its slots), reused
 // from call to call.
@@ -96,6 +97,7 @@ struct Counts {
   std::atomic<uint64_t> fast_amx_calls{0};  // ... of them on AMX tiles
   std::atomic<uint64_t> fp16_tasks{0};  // few-rows tasks that converted W by AVX512-FP16
   std::atomic<uint64_t> folded_calls{0};  // calls on the tiles whose WScale let them fold
+  std::atomic<uint64_t> tile_wide_rows{0};  // (row, block, panel)s the tiles summed in two digits
 };
 Counts counts;
 
@@ -232,6 +234,7 @@ struct XChunk {
   std::vector<uint8_t> shift, fits;
   std::vector<uint32_t> lim_l1, lim_max, lim_l2;
   std::vector<float> xs, cm;
+  bool tiles_sum_wide_rows = false;  // quantised with QuantJob::wide_limit all ones
 
   // Room for max_rows rows of K (buffers only grow).
   void reserve(int64_t max_rows, int64_t k) {
@@ -257,6 +260,9 @@ struct XChunk {
 struct QuantJob {
   const float* x;  // the chunk's first row
   XChunk* xc;
+  // the limits of a block that is not int16: 0 flags its row against every group (row
+  // patches), all ones none (Kernels::tiles_sum_wide_rows: the tiles sum it in two digits)
+  uint32_t wide_limit = 0;
 };
 
 CSA_INLINE void quantize_row_body(const QuantJob& q, int64_t r) {
@@ -274,9 +280,9 @@ CSA_INLINE void quantize_row_body(const QuantJob& q, int64_t r) {
     c.shift[at] = static_cast<uint8_t>(b.shift);
     c.cm[at] = fp8_int::pow2f(static_cast<int>(b.shift) - 18);
     c.fits[at] = b.fits() ? 1 : 0;
-    c.lim_l1[at] = b.fits() ? fp8_int::sum_limit(b.absmax) : 0u;
-    c.lim_max[at] = b.fits() ? fp8_int::sum_limit(b.l1) : 0u;
-    c.lim_l2[at] = b.fits() ? fp8_int::sum_limit(b.l2) : 0u;
+    c.lim_l1[at] = b.fits() ? fp8_int::sum_limit(b.absmax) : q.wide_limit;
+    c.lim_max[at] = b.fits() ? fp8_int::sum_limit(b.l1) : q.wide_limit;
+    c.lim_l2[at] = b.fits() ? fp8_int::sum_limit(b.l2) : q.wide_limit;
     if (b.fits()) {
       for (int64_t i = 0; i < kBlock; ++i) dst[kb * kBlock + i] = static_cast<int16_t>(u[i] >> b.shift);
     } else {  // two digits (the tiles' sums of this row are replaced wherever they matter)
@@ -318,7 +324,7 @@ CSA_TARGET_AVX512 CSA_INLINE void store_digits_avx512(XChunk& c, int16_t* d, int
 
 // One block kb of row r (quantize_row_body's loop body).
 CSA_TARGET_AVX512 CSA_INLINE void quantize_block_avx512(XChunk& c, const float* src, int16_t* dst,
-                                                       int64_t r, int64_t kb) {
+                                                       int64_t r, int64_t kb, uint32_t wide_limit) {
   const __m512 sign = _mm512_set1_ps(-0.0f);
   const __m512 x0 = _mm512_loadu_ps(src + kb * kBlock), x1 = _mm512_loadu_ps(src + kb * kBlock + 16);
   float amax;
@@ -361,9 +367,9 @@ CSA_TARGET_AVX512 CSA_INLINE void quantize_block_avx512(XChunk& c, const float* 
   c.shift[at] = static_cast<uint8_t>(shift);
   c.cm[at] = fp8_int::pow2f(static_cast<int>(shift) - 18);
   c.fits[at] = fits ? 1 : 0;
-  c.lim_l1[at] = fits ? fp8_int::sum_limit(absmax) : 0u;
-  c.lim_max[at] = fits ? fp8_int::sum_limit(l1) : 0u;
-  c.lim_l2[at] = fits ? fp8_int::sum_limit(l2) : 0u;
+  c.lim_l1[at] = fits ? fp8_int::sum_limit(absmax) : wide_limit;
+  c.lim_max[at] = fits ? fp8_int::sum_limit(l1) : wide_limit;
+  c.lim_l2[at] = fits ? fp8_int::sum_limit(l2) : wide_limit;
   int16_t* d = dst + kb * kBlock;
   if (fits) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(d), _mm512_cvtepi32_epi16(s0));
@@ -378,7 +384,7 @@ CSA_TARGET_AVX512 CSA_INLINE void quantize_block_avx512(XChunk& c, const float* 
 // having written nothing, where a block's scale has no exact reciprocal (amax NaN, inf or
 // above 2^127 * 448): those take the per-block code.
 CSA_TARGET_AVX512 bool quantize_16_blocks_avx512(XChunk& c, const float* src, int16_t* dst, int64_t r,
-                                                 int64_t kb0) {
+                                                 int64_t kb0, uint32_t wide_limit) {
   const __m512i abs_bits = _mm512_set1_epi32(0x7FFFFFFF);
   __m512i v[16];
   for (int b = 0; b < 16; ++b) {
@@ -443,9 +449,10 @@ CSA_TARGET_AVX512 bool quantize_16_blocks_avx512(XChunk& c, const float* src, in
 
   alignas(64) uint32_t lim_l1[16], lim_max[16], lim_l2[16];
   alignas(64) float cm[16];
-  _mm512_store_si512(lim_l1, _mm512_maskz_mov_epi32(fits, fp8_int::sum_limit16(absmax)));
-  _mm512_store_si512(lim_max, _mm512_maskz_mov_epi32(fits, fp8_int::sum_limit16(l1)));
-  _mm512_store_si512(lim_l2, _mm512_maskz_mov_epi32(fits, fp8_int::sum_limit16(l2)));
+  const __m512i wide = _mm512_set1_epi32(static_cast<int>(wide_limit));
+  _mm512_store_si512(lim_l1, _mm512_mask_mov_epi32(wide, fits, fp8_int::sum_limit16(absmax)));
+  _mm512_store_si512(lim_max, _mm512_mask_mov_epi32(wide, fits, fp8_int::sum_limit16(l1)));
+  _mm512_store_si512(lim_l2, _mm512_mask_mov_epi32(wide, fits, fp8_int::sum_limit16(l2)));
   _mm512_store_si512(cm, _mm512_slli_epi32(_mm512_add_epi32(shift, _mm512_set1_epi32(127 - 18)), 23));
   for (int b = 0; b < 16; ++b) {
     const size_t at = static_cast<size_t>((kb0 + b) * c.rows + r);
@@ -472,9 +479,9 @@ CSA_TARGET_AVX512 void quantize_avx512(const QuantJob& q, int64_t r) {
   int16_t* dst = c.xi.data() + r * c.K;
   int64_t kb = 0;
   for (; kb + 16 <= c.KB; kb += 16)
-    if (!quantize_16_blocks_avx512(c, src, dst, r, kb))
-      for (int64_t i = kb; i < kb + 16; ++i) quantize_block_avx512(c, src, dst, r, i);
-  for (; kb < c.KB; ++kb) quantize_block_avx512(c, src, dst, r, kb);
+    if (!quantize_16_blocks_avx512(c, src, dst, r, kb, q.wide_limit))
+      for (int64_t i = kb; i < kb + 16; ++i) quantize_block_avx512(c, src, dst, r, i, q.wide_limit);
+  for (; kb < c.KB; ++kb) quantize_block_avx512(c, src, dst, r, kb, q.wide_limit);
 }
 
 // X^T as int16 pairs, rows padded with zeros to a multiple of 16, pairs [p0, p1) (a multiple
@@ -510,6 +517,9 @@ struct Kernels {
   void (*flagged_pairs)(const SmallJob&) = nullptr;
   void (*dot_fused)(const SmallJob&, const TaskView&) = nullptr;
   bool dot_small_fp16 = false;  // dot_small converts W by AVX512-FP16 (else by tables)
+  // the tiles sum a row whose block is not int16 in two digits themselves (AVX-512): act_quant
+  // then leaves such rows unflagged (QuantJob::wide_limit), with no row patches
+  bool tiles_sum_wide_rows = false;
 };
 
 void quantize_scalar(const QuantJob& q, int64_t r) { quantize_row_body(q, r); }
@@ -578,8 +588,10 @@ Kernels kernels_for(Path path) {
 #ifdef CSA_X86
   if (path == Path::kAvx2) return kAvx2Kernels;
   if (path == Path::kAvx512Plain) {
-    return {quantize_avx512, pack_avx512, flags_avx512, tiles_avx512_madd, f_lanes_avx512_madd,
-            row_patch_avx512_madd, true};
+    Kernels k{quantize_avx512, pack_avx512, flags_avx512, tiles_avx512_madd, f_lanes_avx512_madd,
+              row_patch_avx512_madd, true};
+    k.tiles_sum_wide_rows = true;
+    return k;
   }
   if (path == Path::kAvx512 || path == Path::kAvx512NoFp16) {
     const bool vnni = cpu_supports("avx512vnni"), vbmi = cpu_supports("avx512vbmi");
@@ -588,6 +600,7 @@ Kernels kernels_for(Path path) {
               flags_avx512, vnni ? tiles_avx512_vnni : tiles_avx512_madd,
               vnni ? f_lanes_avx512_vnni : f_lanes_avx512_madd,
               vnni ? row_patch_avx512_vnni : row_patch_avx512_madd, true};
+    k.tiles_sum_wide_rows = true;
     if (vbmi) {
       k.dot_small = fp16 ? (vnni ? dot_small_fp16_vnni : dot_small_fp16_madd)
                          : (vnni ? dot_small_vnni : dot_small_madd);
@@ -839,6 +852,7 @@ struct Scratch {
 // adding to one shared cache line at every task measurably slowed the few-rows path).
 struct TaskCounts {
   uint64_t small_tasks = 0, fp16_tasks = 0, lane_sums = 0, row_sums = 0, wide_sums = 0;
+  uint64_t tile_wide_rows = 0;
 };
 
 // The calling thread's buffers, reached once per task: with the thread_local named inside
@@ -877,7 +891,7 @@ void run_task(const Call& c, int64_t task, TaskCounts& tally) {
   int32_t* tsum =
       rows_kernel ? Scratch::at_least(scratch.tsum, static_cast<size_t>(rows * kPanel * kTsumLd)) : nullptr;
   Overrides& ov = scratch.ov;
-  uint64_t lane_sums = 0, row_sums = 0, wide_sums = 0;
+  uint64_t lane_sums = 0, row_sums = 0, wide_sums = 0, tile_wide_rows = 0;
   std::memset(out, 0, static_cast<size_t>(rows * kPanel) * sizeof(float));
   const WView wv = meta.view(c.w);
   const float* ws0 = c.ws + (2 * panel) * c.KB;
@@ -903,7 +917,8 @@ void run_task(const Call& c, int64_t task, TaskCounts& tally) {
     const TaskView view{xc.xi.data() + r0 * c.K, c.K, c.KB, xc.cm.data() + r0,
                         xc.xs.data() + r0, xc.rows, rows, kb0, kbs, pw, g,
                         wv.shift_at(0, panel * kPanel), ws0, ws1, masks, ov.slot, ov.bad, out,
-                        c.fold_scales};
+                        c.fold_scales, xc.fits.data() + r0, xc.xlo.data() + r0 * c.K,
+                        xc.tiles_sum_wide_rows ? &tile_wide_rows : nullptr};
     const Patch patch{c, xc, meta, panel, r0, rows, kb0, kbs, pw, flags, ov, row_sums, wide_sums};
     SmallJob job{wv, panel, kb0, kbs, xc.xi.data() + r0 * c.K, c.K, rows, any, pw, g, sums, xp, tsum};
     if (fused) {
@@ -953,7 +968,8 @@ void run_task(const Call& c, int64_t task, TaskCounts& tally) {
       std::memcpy(y, o, static_cast<size_t>(cols) * sizeof(float));
     }
   }
-  tally = {small ? 1u : 0u, small && c.kern.dot_small_fp16 ? 1u : 0u, lane_sums, row_sums, wide_sums};
+  tally = {small ? 1u : 0u, small && c.kern.dot_small_fp16 ? 1u : 0u, lane_sums, row_sums, wide_sums,
+           tile_wide_rows};
 }
 
 // Attributes and node I/O, checked when the session creates the kernel.
@@ -1096,7 +1112,8 @@ struct Fp8LinearKernel {
     for (int64_t m0 = 0; m0 < d.M; m0 += chunk) {
       xc.rows = d.M - m0 < chunk ? d.M - m0 : chunk;
       xc.rows16 = (xc.rows + kLanes - 1) / kLanes * kLanes;
-      const QuantJob quant{x.Data() + m0 * d.K, &xc};
+      xc.tiles_sum_wide_rows = kern.tiles_sum_wide_rows && xc.rows > kSmallRows;
+      const QuantJob quant{x.Data() + m0 * d.K, &xc, xc.tiles_sum_wide_rows ? 0xFFFFFFFFu : 0u};
       auto quantize = [&](int64_t r) { kern.quantize(quant, r); };
       for_each(ctx, xc.rows * d.K, serial_below::kElements, xc.rows, quantize);
       if (uses_xt && xc.rows > kSmallRows) {
@@ -1131,12 +1148,14 @@ struct Fp8LinearKernel {
         sum.lane_sums += t.lane_sums;
         sum.row_sums += t.row_sums;
         sum.wide_sums += t.wide_sums;
+        sum.tile_wide_rows += t.tile_wide_rows;
       }
       counts.small_tasks.fetch_add(sum.small_tasks, std::memory_order_relaxed);
       counts.fp16_tasks.fetch_add(sum.fp16_tasks, std::memory_order_relaxed);
       counts.lane_sums.fetch_add(sum.lane_sums, std::memory_order_relaxed);
       counts.row_sums.fetch_add(sum.row_sums, std::memory_order_relaxed);
       counts.wide_sums.fetch_add(sum.wide_sums, std::memory_order_relaxed);
+      counts.tile_wide_rows.fetch_add(sum.tile_wide_rows, std::memory_order_relaxed);
     }
     for (const int64_t col : meta->nan_columns)
       for (int64_t m = 0; m < d.M; ++m) out[m * d.N + col] = nan;
@@ -1190,15 +1209,16 @@ void AppendFp8LinearOps(std::vector<std::unique_ptr<Ort::Custom::OrtLiteCustomOp
 // The counts (calls, tasks on the few-rows path, W blocks that are not int16 summed against
 // every row, (row, block, group)s summed in two digits, (row, block, column)s summed in
 // int64, calls the fast kernel summed, those of them on AMX tiles, few-rows tasks that
-// converted W by AVX512-FP16, calls on the tiles whose WScale let them fold the scales) into
-// out[0..n); returns how many there are.
+// converted W by AVX512-FP16, calls on the tiles whose WScale let them fold the scales,
+// (row, block, panel)s the AVX-512 tiles summed in two digits) into out[0..n); returns how
+// many there are.
 extern "C" __attribute__((visibility("default"))) uint64_t csa2onnx_fp8_linear_counts(uint64_t* out,
                                                                                      uint64_t n) {
   const uint64_t values[] = {csa::counts.calls.load(), csa::counts.small_tasks.load(),
                              csa::counts.lane_sums.load(), csa::counts.row_sums.load(),
                              csa::counts.wide_sums.load(), csa::counts.fast_calls.load(),
                              csa::counts.fast_amx_calls.load(), csa::counts.fp16_tasks.load(),
-                             csa::counts.folded_calls.load()};
+                             csa::counts.folded_calls.load(), csa::counts.tile_wide_rows.load()};
   const uint64_t total = sizeof values / sizeof values[0];
   for (uint64_t i = 0; i < n && i < total; ++i) out[i] = values[i];
   return total;
