@@ -162,6 +162,8 @@ struct TaskView {
   // AVX-512 tiles: the task's count of (row, block)s they summed in two digits, or null where
   // act_quant flagged such rows for row patches instead (few rows)
   uint64_t* wide_rows;
+  const int32_t* wide_w;  // [kbs][kGroups][16][32]: W blocks that are not int16, units >> t_w
+  uint64_t* wide_sums;    // the task's count of (row, block, column)s summed in int64
 };
 
 // Whether every (xs * ws) * 2^(t_x - 18) is a normal float's exact value: xs >= 2^-22
@@ -483,7 +485,10 @@ CSA_TARGET_AVX512 CSA_INLINE __m512 digits_to_float16(__m512i hi, __m512i lo) {
 // are their high digit's (xi holds h = v >> 8, |h| < 2^10: exact in int32); here the low
 // digit's (xlo, 0..255) against the same pairs, and hi * 2^8 + lo in int64, rounded once to
 // float: row_patch's value, without its pass over the high digit and its first read of the
-// row. Out of line, so that the tile's pair loop keeps its registers.
+// row. The W lanes that are not int16 take their slot's value: the row's exact dot with
+// them, written here (Patch's wide sums, while the row is in cache): products of units below
+// 2^36, 32 of them, so every partial sum is an integer below 2^41 and exact in double. Out
+// of line, so that the tile's pair loop keeps its registers.
 template <int MR, bool kVnni>
 CSA_TARGET_AVX512 __attribute__((noinline)) void wide_rows_avx512(const TaskView& v, int64_t r0,
                                                                   int64_t kbi, uint32_t wide,
@@ -508,6 +513,32 @@ CSA_TARGET_AVX512 __attribute__((noinline)) void wide_rows_avx512(const TaskView
     }
 #pragma GCC unroll 4
     for (int c = 0; c < kGroups; ++c) _mm512_store_ps(p[m][c], digits_to_float16(hi[m][c], lo[c]));
+    uint64_t bad4;  // the block's lanes that are not int16, four groups
+    std::memcpy(&bad4, v.bad + kbi * kGroups, sizeof bad4);
+    if (bad4 == 0) continue;
+    // the row's units >> t_x (h * 2^8 + l) as doubles
+    const int16_t* x = v.xi + (r0 + m) * v.K + kb * kBlock;
+    const uint8_t* xl = v.xlo + (r0 + m) * v.K + kb * kBlock;
+    __m512d ux[4];
+    for (int half = 0; half < 2; ++half) {
+      const __m512i h = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16 * half)));
+      const __m512i l = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xl + 16 * half)));
+      const __m512i u = _mm512_add_epi32(_mm512_slli_epi32(h, fp8_int::kDigitBits), l);
+      ux[2 * half] = _mm512_cvtepi32_pd(_mm512_castsi512_si256(u));
+      ux[2 * half + 1] = _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(u, 1));
+    }
+    for (int c = 0; c < kGroups; ++c) {
+      float* slot = const_cast<float*>(v.slot[kbi * kGroups + c]) + (r0 + m) * kLanes;
+      for (uint32_t bad = v.bad[kbi * kGroups + c]; bad != 0; bad &= bad - 1) {
+        const int i = __builtin_ctz(bad);
+        const int32_t* uw = v.wide_w + ((kbi * kGroups + c) * kLanes + i) * kBlock;
+        __m512d sum = _mm512_setzero_pd();
+        for (int q = 0; q < 4; ++q)
+          sum = _mm512_fmadd_pd(ux[q], _mm512_cvtepi32_pd(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(uw + 8 * q))), sum);
+        slot[i] = static_cast<float>(_mm512_reduce_add_pd(sum));
+        ++*v.wide_sums;
+      }
+    }
   }
 }
 

@@ -657,6 +657,9 @@ struct Call {
 struct Overrides {
   std::vector<float> pool;
   const float* slot[kMaxChunkKb * kGroups] = {};
+  // the tiles' wide sums (XChunk::tiles_sum_wide_rows): each W block that is not int16 as
+  // its 32 units >> t_w, [kbs][kGroups][16 lanes][32] (only its lanes that are not int16)
+  std::vector<int32_t> wide_w;
   const uint16_t* bad = nullptr;  // [kbs][kGroups]: the chunk's run of WMeta::panel_bad
 
   // Whether block kbi has lanes that are not int16 in any group (four groups, one load).
@@ -670,7 +673,8 @@ struct Overrides {
 
 // The slot rows of flagged (row, block, group)s: the row's block in two digits against the
 // group's int16 lanes (row_patch); for a row whose block is not int16, its lanes that are not
-// int16 too (int64 per lane; f_lanes' values there assumed an int16 row).
+// int16 too (int64 per lane; f_lanes' values there assumed an int16 row). Where the tiles sum
+// such rows themselves (XChunk::tiles_sum_wide_rows), they write those lanes too.
 struct Patch {
   const Call& c;
   const XChunk& xc;
@@ -734,7 +738,7 @@ struct Patch {
         c.kern.row_patch(job);
         row_sums += static_cast<uint64_t>(__builtin_popcount(fl));
       }
-      if (fits || !any_bad) continue;
+      if (fits || !any_bad || xc.tiles_sum_wide_rows) continue;  // (else the tiles' own)
       // a block that is not int16 against lanes that are not int16: int64 per lane
       row_digits(job, h, l);
       for (int64_t i = 0; i < kBlock; ++i) ux[i] = h[i] * (1 << fp8_int::kDigitBits) + l[i];
@@ -800,6 +804,10 @@ struct SlotFiller {
         c.kern.f_lanes(job);
         for (int64_t r = 0; r < rows; ++r) slot[r * kLanes + i] = f[r];
         ++lane_sums;
+        if (xc.tiles_sum_wide_rows) {  // for the tiles' wide sums (rows not int16)
+          int32_t* u = ov.wide_w.data() + ((kbi * kGroups + gi) * kLanes + i) * kBlock;
+          for (int64_t e = 0; e < kBlock; ++e) u[e] = fp8_int::kUnits.v[job.codes[e]] >> job.t;
+        }
       }
     }
   }
@@ -913,12 +921,15 @@ void run_task(const Call& c, int64_t task, TaskCounts& tally) {
 
     const size_t slot_floats = static_cast<size_t>(rows * kLanes);
     Scratch::at_least(ov.pool, static_cast<size_t>(kbs * kGroups + 1) * slot_floats);
+    if (xc.tiles_sum_wide_rows && meta.any_bad)
+      Scratch::at_least(ov.wide_w, static_cast<size_t>(kbs * kGroups * kLanes * kBlock));
     SlotFiller slots{c, xc, wv, ov, panel, r0, rows, kb0, any, f, lane_sums};
     const TaskView view{xc.xi.data() + r0 * c.K, c.K, c.KB, xc.cm.data() + r0,
                         xc.xs.data() + r0, xc.rows, rows, kb0, kbs, pw, g,
                         wv.shift_at(0, panel * kPanel), ws0, ws1, masks, ov.slot, ov.bad, out,
                         c.fold_scales, xc.fits.data() + r0, xc.xlo.data() + r0 * c.K,
-                        xc.tiles_sum_wide_rows ? &tile_wide_rows : nullptr};
+                        xc.tiles_sum_wide_rows ? &tile_wide_rows : nullptr, ov.wide_w.data(),
+                        &wide_sums};
     const Patch patch{c, xc, meta, panel, r0, rows, kb0, kbs, pw, flags, ov, row_sums, wide_sums};
     SmallJob job{wv, panel, kb0, kbs, xc.xi.data() + r0 * c.K, c.K, rows, any, pw, g, sums, xp, tsum};
     if (fused) {
