@@ -163,7 +163,7 @@ struct TaskView {
   // act_quant flagged such rows for row patches instead (few rows)
   uint64_t* wide_rows;
   const int32_t* wide_w;  // [kbs][kGroups][16][32]: W blocks that are not int16, units >> t_w
-  uint64_t* wide_sums;    // the task's count of (row, block, column)s summed in int64
+  uint64_t* wide_sums;    // the task's count of (row, block, column)s summed exactly (int64 or double)
 };
 
 // Whether every (xs * ws) * 2^(t_x - 18) is a normal float's exact value: xs >= 2^-22
