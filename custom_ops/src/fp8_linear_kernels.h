@@ -460,6 +460,98 @@ CSA_TARGET_AVX2 CSA_INLINE void tiles_avx2_body(const TaskView& v, int64_t r0, i
   if (r < r1) tile_rows_avx2<1>(v, r);
 }
 
+// kUnits.v[c] >> t for 32 codes of a pairs16 run, in int16 (the lanes a pack stores). A
+// code's units are M * 2^sh (M = m, plus 8 where e > 0; sh = max(e - 1, 0)), and an int16
+// lane's t leaves sh - t in [-3, 11] (t divides every unit of the block: tz(M) + sh >= t;
+// v <= 32767 with M >= 8 for e > 0), so with d = sh + 4 - t in [1, 15] the value is
+// (M * 2^12) * 2^d >> 16: vpmulhuw, both factors 16-bit. All per byte until then: e and sh
+// and M * 2^4 by table lookups (vpshufb), d from each lane's 4 - t (-64 zeroes a lane that
+// is not int16: an index with bit 7 set looks up 0), 2^d as one vpshufb of the word
+// [d, d - 8] (2^d's low byte, then its high one); the NaN codes give M = 0, the sign last
+// (the code in the word's high byte is negative for a negative code, 0 only for 0).
+struct UnitsAvx2 {
+  __m256i sh, m4, top, pow2;
+};
+
+CSA_TARGET_AVX2 CSA_INLINE UnitsAvx2 units_tables_avx2() {
+  const __m128i sh = _mm_setr_epi8(0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14);
+  const __m128i m4 = _mm_setr_epi8(0, 16, 32, 48, 64, 80, 96, 112, 0, 16, 32, 48, 64, 80, 96, 112);
+  const __m128i top = _mm_setr_epi8(0, -128, -128, -128, -128, -128, -128, -128, -128, -128, -128,
+                                    -128, -128, -128, -128, -128);
+  const __m128i pow2 = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 0, 0, 0, 0, 0, 0, 0, 0);
+  return {_mm256_broadcastsi128_si256(sh), _mm256_broadcastsi128_si256(m4),
+          _mm256_broadcastsi128_si256(top), _mm256_broadcastsi128_si256(pow2)};
+}
+
+// codes: bytes [run 0, run 2 | run 1, run 3] (8 each); tneg: each byte's 4 - t (or -64);
+// out: [run 0, run 1] and [run 2, run 3] as int16.
+CSA_TARGET_AVX2 CSA_INLINE void units_shifted_avx2(const UnitsAvx2& k, __m256i codes, __m256i tneg,
+                                                   __m256i* out) {
+  const __m256i nib = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
+  const __m256i e = _mm256_and_si256(_mm256_srli_epi16(codes, 3), nib);
+  const __m256i nan = _mm256_cmpeq_epi8(_mm256_and_si256(codes, _mm256_set1_epi8(0x7F)),
+                                        _mm256_set1_epi8(0x7F));
+  const __m256i m4 = _mm256_andnot_si256(
+      nan, _mm256_or_si256(_mm256_shuffle_epi8(k.m4, _mm256_and_si256(codes, nib)),
+                           _mm256_shuffle_epi8(k.top, e)));
+  const __m256i d = _mm256_add_epi8(_mm256_shuffle_epi8(k.sh, e), tneg);
+  const __m256i d8 = _mm256_sub_epi8(d, _mm256_set1_epi8(8));
+  const __m256i v0 = _mm256_mulhi_epu16(_mm256_unpacklo_epi8(zero, m4),
+                                        _mm256_shuffle_epi8(k.pow2, _mm256_unpacklo_epi8(d, d8)));
+  const __m256i v1 = _mm256_mulhi_epu16(_mm256_unpackhi_epi8(zero, m4),
+                                        _mm256_shuffle_epi8(k.pow2, _mm256_unpackhi_epi8(d, d8)));
+  out[0] = _mm256_sign_epi16(v0, _mm256_unpacklo_epi8(zero, codes));
+  out[1] = _mm256_sign_epi16(v1, _mm256_unpackhi_epi8(zero, codes));
+}
+
+// pack for a pairs16 W (the exported layout) on AVX2: pack_generic's panel, built from the
+// runs as they lie. Pair p = 2z + h of a group's block is 4 runs of 8 codes (columns 4l..4l+3,
+// two k each) at 64z + 16l + 8h, each run the pair's 4 lanes in panel order: the 64 bytes of
+// z hold pairs 2z (even 8-byte words) and 2z + 1 (odd ones).
+CSA_TARGET_AVX2 CSA_INLINE void pack_pairs16_avx2_body(const PackJob& j) {
+  const UnitsAvx2 k = units_tables_avx2();
+  for (int64_t kbi = 0; kbi < j.kbs; ++kbi) {
+    const int64_t kb = j.kb0 + kbi;
+    for (int64_t c = 0; c < kGroups; ++c) {
+      const int64_t grp = j.panel * kGroups + c;
+      int16_t* dst = j.pw + (kbi * kPairs * kPanel + kLanes * c) * 2;
+      float* g = j.g + kbi * kPanel + kLanes * c;
+      if (grp >= j.w.groups) {  // past N: zero lanes, 2^0
+        for (int64_t p = 0; p < kPairs; ++p) std::memset(dst + p * kPanel * 2, 0, kLanes * 2 * sizeof(int16_t));
+        for (int64_t i = 0; i < kLanes; ++i) g[i] = 1.0f;
+        continue;
+      }
+      // g = 2^t; each lane's 4 - t, -64 where the lane is not int16
+      const __m128i t16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(j.w.shift_at(kb, grp * kLanes)));
+      const __m256i bias = _mm256_set1_epi32(127);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(g),
+                          _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtepu8_epi32(t16), bias), 23));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(g + 8),
+                          _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(t16, 8)), bias), 23));
+      const __m128i bit = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
+      const __m128i bad = _mm_shuffle_epi8(_mm_cvtsi32_si128(j.w.bad_at(grp, kb)),
+                                           _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
+      const __m128i tl = _mm_blendv_epi8(_mm_sub_epi8(_mm_set1_epi8(4), t16), _mm_set1_epi8(-64),
+                                         _mm_cmpeq_epi8(_mm_and_si128(bad, bit), bit));
+      // per byte of [run 0, run 2 | run 1, run 3]: lanes (0-3, 8-11 | 4-7, 12-15), twice each
+      const __m128i lo = _mm_unpacklo_epi8(tl, tl), hi = _mm_unpackhi_epi8(tl, tl);
+      const __m256i tneg = _mm256_set_m128i(_mm_unpackhi_epi64(lo, hi), _mm_unpacklo_epi64(lo, hi));
+      const uint8_t* run = j.w.w + (grp * j.w.KB + kb) * kPairs16Bytes;
+      for (int64_t z = 0; z < kPairs / 2; ++z) {
+        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run + 64 * z));
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run + 64 * z + 32));
+        for (int h = 0; h < 2; ++h) {
+          __m256i v[2];
+          units_shifted_avx2(k, h ? _mm256_unpackhi_epi64(a, b) : _mm256_unpacklo_epi64(a, b), tneg, v);
+          __m256i* out = reinterpret_cast<__m256i*>(dst + (2 * z + h) * kPanel * 2);
+          _mm256_storeu_si256(out, v[0]);
+          _mm256_storeu_si256(out + 1, v[1]);
+        }
+      }
+    }
+  }
+}
+
 // -------------------------------------------------------------------- AVX-512 kernels
 // hi * 2^8 + lo for 16 int32 lanes, in int64, each rounded once to float.
 CSA_TARGET_AVX512 CSA_INLINE __m512 digits_to_float16(__m512i hi, __m512i lo) {

@@ -533,7 +533,13 @@ const Kernels kScalarKernels{quantize_scalar, pack_scalar, flags_scalar, tiles_s
 
 #ifdef CSA_X86
 CSA_TARGET_AVX2 void quantize_avx2(const QuantJob& q, int64_t r) { quantize_row_body(q, r); }
-CSA_TARGET_AVX2 void pack_avx2(const PackJob& j) { pack_generic(j); }
+CSA_TARGET_AVX2 void pack_avx2(const PackJob& j) {
+  if (j.w.pairs16) {
+    pack_pairs16_avx2_body(j);
+  } else {
+    pack_generic(j);
+  }
+}
 CSA_TARGET_AVX2 void flags_avx2(const FlagJob& j) { flags_generic(j); }
 CSA_TARGET_AVX2 void tiles_avx2(const TaskView& v, int64_t r0, int64_t r1) { tiles_avx2_body(v, r0, r1); }
 CSA_TARGET_AVX2 void f_lanes_avx2(const FJob& j) { f_lanes_generic(j); }
