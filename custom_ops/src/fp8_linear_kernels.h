@@ -460,6 +460,88 @@ CSA_TARGET_AVX2 CSA_INLINE void tiles_avx2_body(const TaskView& v, int64_t r0, i
   if (r < r1) tile_rows_avx2<1>(v, r);
 }
 
+// hi * 2^8 + lo for 8 int32 lanes, rounded once to float: AVX2 has no int64 -> float, so
+// in double (exact: below 2^40), then to float (the one rounding, to nearest even, as
+// digits_to_float's int64 -> float).
+CSA_TARGET_AVX2 CSA_INLINE __m256 digits_to_float8(__m256i hi, __m256i lo) {
+  const __m256d radix = _mm256_set1_pd(static_cast<double>(1 << fp8_int::kDigitBits));
+  const __m256d s0 = _mm256_fmadd_pd(_mm256_cvtepi32_pd(_mm256_castsi256_si128(hi)), radix,
+                                     _mm256_cvtepi32_pd(_mm256_castsi256_si128(lo)));
+  const __m256d s1 = _mm256_fmadd_pd(_mm256_cvtepi32_pd(_mm256_extracti128_si256(hi, 1)), radix,
+                                     _mm256_cvtepi32_pd(_mm256_extracti128_si256(lo, 1)));
+  return _mm256_set_m128(_mm256_cvtpd_ps(s1), _mm256_cvtpd_ps(s0));
+}
+
+// f_lanes_generic four rows at a time (the last ones padded): each row's block against the W block's digits, lanes
+// over k (vpmaddwd; every int32 partial sum exact, as the AVX-512 path's), the lanes summed
+// by a vphaddd tree, hi * 2^8 + lo rounded once per row.
+CSA_TARGET_AVX2 CSA_INLINE void f_lanes_avx2_body(const FJob& j) {
+  alignas(32) int32_t wh[kPairs], wl[kPairs];
+  w_digits_generic(j.codes, j.t, wh, wl);
+  const __m256i dh[2] = {_mm256_load_si256(reinterpret_cast<const __m256i*>(wh)),
+                         _mm256_load_si256(reinterpret_cast<const __m256i*>(wh + 8))};
+  const __m256i dl[2] = {_mm256_load_si256(reinterpret_cast<const __m256i*>(wl)),
+                         _mm256_load_si256(reinterpret_cast<const __m256i*>(wl + 8))};
+  const __m256d radix = _mm256_set1_pd(static_cast<double>(1 << fp8_int::kDigitBits));
+  for (int64_t r = 0; r < j.rows; r += 4) {
+    const int64_t n = j.rows - r < 4 ? j.rows - r : 4;  // the last rows: the others 0
+    __m256i h[4], l[4];
+    for (int i = 0; i < 4; ++i) {
+      h[i] = l[i] = _mm256_setzero_si256();
+      if (i >= n) continue;
+      const int16_t* x = j.xi + (r + i) * j.K;
+      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16));
+      h[i] = _mm256_add_epi32(_mm256_madd_epi16(x0, dh[0]), _mm256_madd_epi16(x1, dh[1]));
+      l[i] = _mm256_add_epi32(_mm256_madd_epi16(x0, dl[0]), _mm256_madd_epi16(x1, dl[1]));
+    }
+    const __m256i hs = _mm256_hadd_epi32(_mm256_hadd_epi32(h[0], h[1]), _mm256_hadd_epi32(h[2], h[3]));
+    const __m256i ls = _mm256_hadd_epi32(_mm256_hadd_epi32(l[0], l[1]), _mm256_hadd_epi32(l[2], l[3]));
+    const __m128i hsum = _mm_add_epi32(_mm256_castsi256_si128(hs), _mm256_extracti128_si256(hs, 1));
+    const __m128i lsum = _mm_add_epi32(_mm256_castsi256_si128(ls), _mm256_extracti128_si256(ls, 1));
+    alignas(16) float f[4];
+    _mm_store_ps(f, _mm256_cvtpd_ps(_mm256_fmadd_pd(_mm256_cvtepi32_pd(hsum), radix, _mm256_cvtepi32_pd(lsum))));
+    std::memcpy(j.f + r, f, static_cast<size_t>(n) * sizeof(float));
+  }
+}
+
+// row_patch_generic with a group's 16 lanes in two ymm: the row's digit pairs broadcast
+// against the panel's pairs (vpmaddwd: each int32 lane exact, as the AVX-512 path's).
+CSA_TARGET_AVX2 CSA_INLINE void row_patch_avx2_body(const RowJob& j) {
+  alignas(32) int32_t hp[kPairs], lp[kPairs];  // the digits as int16 pairs
+  for (int half = 0; half < 2; ++half) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(j.x + 16 * half));
+    __m256i h = x, l;
+    if (j.fits) {
+      h = _mm256_srai_epi16(x, fp8_int::kDigitBits);
+      l = _mm256_and_si256(x, _mm256_set1_epi16((1 << fp8_int::kDigitBits) - 1));
+    } else {
+      l = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(j.xlo + 16 * half)));
+    }
+    _mm256_store_si256(reinterpret_cast<__m256i*>(hp + 8 * half), h);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lp + 8 * half), l);
+  }
+  const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  for (int64_t c = 0; c < kGroups; ++c) {
+    if (((j.groups >> c) & 1u) == 0) continue;
+    const int16_t* pw = j.pw + c * kLanes * 2;
+    __m256i h[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}, l[2] = {h[0], h[0]};
+    for (int64_t p = 0; p < kPairs; ++p) {
+      const __m256i xh = _mm256_set1_epi32(hp[p]), xl = _mm256_set1_epi32(lp[p]);
+      for (int q = 0; q < 2; ++q) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pw + (p * kPanel + 8 * q) * 2));
+        h[q] = _mm256_add_epi32(h[q], _mm256_madd_epi16(xh, w));
+        l[q] = _mm256_add_epi32(l[q], _mm256_madd_epi16(xl, w));
+      }
+    }
+    for (int q = 0; q < 2; ++q) {  // the lanes that are int16 (the others hold f_lanes' values)
+      const __m256i keep = _mm256_cmpeq_epi32(
+          _mm256_and_si256(_mm256_set1_epi32((~j.bad[c] >> (8 * q)) & 0xFF), lane_bit), lane_bit);
+      _mm256_maskstore_ps(j.out[c] + 8 * q, keep, digits_to_float8(h[q], l[q]));
+    }
+  }
+}
+
 // kUnits.v[c] >> t for 32 codes of a pairs16 run, in int16 (the lanes a pack stores). A
 // code's units are M * 2^sh (M = m, plus 8 where e > 0; sh = max(e - 1, 0)), and an int16
 // lane's t leaves sh - t in [-3, 11] (t divides every unit of the block: tz(M) + sh >= t;

@@ -542,8 +542,8 @@ CSA_TARGET_AVX2 void pack_avx2(const PackJob& j) {
 }
 CSA_TARGET_AVX2 void flags_avx2(const FlagJob& j) { flags_generic(j); }
 CSA_TARGET_AVX2 void tiles_avx2(const TaskView& v, int64_t r0, int64_t r1) { tiles_avx2_body(v, r0, r1); }
-CSA_TARGET_AVX2 void f_lanes_avx2(const FJob& j) { f_lanes_generic(j); }
-CSA_TARGET_AVX2 void row_patch_avx2(const RowJob& j) { row_patch_generic(j); }
+CSA_TARGET_AVX2 void f_lanes_avx2(const FJob& j) { f_lanes_avx2_body(j); }
+CSA_TARGET_AVX2 void row_patch_avx2(const RowJob& j) { row_patch_avx2_body(j); }
 const Kernels kAvx2Kernels{quantize_avx2, pack_avx2, flags_avx2, tiles_avx2,
                            f_lanes_avx2, row_patch_avx2, false};
 
