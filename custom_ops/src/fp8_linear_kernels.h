@@ -404,8 +404,10 @@ CSA_TARGET_AVX512 CSA_INLINE __m512 e4m3_rne_avx512(__m512 v) {
 
 // ---------------------------------------------------------------------- AVX2 tiles
 // 2 rows x 32 columns (4 ymm of 8 int32 lanes) per step, vpmaddwd + vpaddd (exact: the
-// flagged lanes may wrap, and take their slot's value).
-template <int MR>
+// flagged lanes may wrap, and take their slot's value). The epilogue as the AVX-512 tiles':
+// slots blended in only where a row of the tile takes one, 2^(t_x - 18) folded into the
+// scale where scales_fold allows (kFold).
+template <int MR, bool kFold>
 CSA_TARGET_AVX2 CSA_INLINE void tile_avx2(const TaskView& v, int64_t r0, int64_t kbi,
                                           int64_t half) {
   const int64_t kb = v.kb0 + kbi;
@@ -425,39 +427,56 @@ CSA_TARGET_AVX2 CSA_INLINE void tile_avx2(const TaskView& v, int64_t r0, int64_t
       for (int q = 0; q < 4; ++q) acc[m][q] = _mm256_add_epi32(acc[m][q], _mm256_madd_epi16(xv, w[q]));
     }
   }
+  const uint64_t* masks = v.masks + kbi * v.rows + r0;
+  uint64_t any = 0;
+  float sc[MR], cm[MR];
+  for (int m = 0; m < MR; ++m) {
+    any |= masks[m];
+    cm[m] = v.cm[kb * v.ld + r0 + m];
+    sc[m] = v.xs[kb * v.ld + r0 + m] * (half == 0 ? v.ws0 : v.ws1)[kb];
+    if (kFold) sc[m] = sc[m] * cm[m];
+  }
   const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
   for (int q = 0; q < 4; ++q) {
     const int64_t c = (half * 32 + 8 * q) / kLanes, i0 = (8 * q) % kLanes;
-    const float* slot = v.slot[kbi * kGroups + c];
-    const float* wsrow = half == 0 ? v.ws0 : v.ws1;
     const __m256 g = _mm256_loadu_ps(v.g + kbi * kPanel + half * 32 + 8 * q);
     for (int m = 0; m < MR; ++m) {
       const int64_t r = r0 + m;
-      const uint32_t mask = static_cast<uint32_t>(v.masks[kbi * v.rows + r] >> (16 * c)) & 0xFFFFu;
-      const __m256i bits = _mm256_set1_epi32(static_cast<int>((mask >> i0) & 0xFFu));
-      const __m256 take = _mm256_castsi256_ps(
-          _mm256_cmpeq_epi32(_mm256_and_si256(bits, lane_bit), lane_bit));
-      const __m256 p = _mm256_blendv_ps(_mm256_cvtepi32_ps(acc[m][q]),
-                                        _mm256_loadu_ps(slot + r * kLanes + i0), take);
-      const __m256 cm = _mm256_set1_ps(v.cm[kb * v.ld + r]);
-      const __m256 sc = _mm256_set1_ps(v.xs[kb * v.ld + r] * wsrow[kb]);
-      const __m256 term = _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(p, g), cm), sc);
+      __m256 p = _mm256_cvtepi32_ps(acc[m][q]);
+      if (any != 0) {  // every slot pointer is valid (a shared dummy under an all-zero mask)
+        const uint32_t mask = static_cast<uint32_t>(masks[m] >> (16 * c + i0)) & 0xFFu;
+        const __m256 take = _mm256_castsi256_ps(_mm256_cmpeq_epi32(
+            _mm256_and_si256(_mm256_set1_epi32(static_cast<int>(mask)), lane_bit), lane_bit));
+        p = _mm256_blendv_ps(p, _mm256_loadu_ps(v.slot[kbi * kGroups + c] + r * kLanes + i0), take);
+      }
+      p = _mm256_mul_ps(p, g);
+      if (!kFold) p = _mm256_mul_ps(p, _mm256_set1_ps(cm[m]));
+      p = _mm256_mul_ps(p, _mm256_set1_ps(sc[m]));
       float* o = v.out + r * kPanel + half * 32 + 8 * q;
-      _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), term));
+      _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), p));
     }
   }
 }
 
-template <int MR>
+template <int MR, bool kFold>
 CSA_TARGET_AVX2 __attribute__((noinline)) void tile_rows_avx2(const TaskView& v, int64_t r0) {
   for (int64_t kbi = 0; kbi < v.kbs; ++kbi)
-    for (int64_t half = 0; half < 2; ++half) tile_avx2<MR>(v, r0, kbi, half);
+    for (int64_t half = 0; half < 2; ++half) tile_avx2<MR, kFold>(v, r0, kbi, half);
+}
+
+template <bool kFold>
+CSA_TARGET_AVX2 CSA_INLINE void tiles_avx2_rows(const TaskView& v, int64_t r0, int64_t r1) {
+  int64_t r = r0;
+  for (; r + 2 <= r1; r += 2) tile_rows_avx2<2, kFold>(v, r);
+  if (r < r1) tile_rows_avx2<1, kFold>(v, r);
 }
 
 CSA_TARGET_AVX2 CSA_INLINE void tiles_avx2_body(const TaskView& v, int64_t r0, int64_t r1) {
-  int64_t r = r0;
-  for (; r + 2 <= r1; r += 2) tile_rows_avx2<2>(v, r);
-  if (r < r1) tile_rows_avx2<1>(v, r);
+  if (v.fold) {
+    tiles_avx2_rows<true>(v, r0, r1);
+  } else {
+    tiles_avx2_rows<false>(v, r0, r1);
+  }
 }
 
 // hi * 2^8 + lo for 8 int32 lanes, rounded once to float: AVX2 has no int64 -> float, so
