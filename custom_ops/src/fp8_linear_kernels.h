@@ -402,6 +402,27 @@ CSA_TARGET_AVX512 CSA_INLINE __m512 e4m3_rne_avx512(__m512 v) {
   return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(q), sign));
 }
 
+// e4m3_rne_avx512 in 8 lanes (the same operations).
+CSA_TARGET_AVX2 CSA_INLINE __m256 e4m3_rne_avx2(__m256 v) {
+  const __m256 lim = _mm256_set1_ps(Fp8::kMax);
+  v = _mm256_min_ps(_mm256_max_ps(v, _mm256_sub_ps(_mm256_setzero_ps(), lim)), lim);
+  const __m256i sign = _mm256_and_si256(_mm256_castps_si256(v),
+                                        _mm256_set1_epi32(static_cast<int>(0x80000000u)));
+  const __m256 a = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v);
+  const __m256 two23 = _mm256_set1_ps(0x1p23f);
+  const __m256 small = _mm256_mul_ps(
+      _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(a, _mm256_set1_ps(512.0f)), two23), two23),
+      _mm256_set1_ps(0x1p-9f));
+  const __m256i b = _mm256_castps_si256(a);
+  const __m256i big = _mm256_and_si256(
+      _mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7FFFF)),
+                       _mm256_and_si256(_mm256_srli_epi32(b, 20), _mm256_set1_epi32(1))),
+      _mm256_set1_epi32(static_cast<int>(0xFFF00000u)));
+  const __m256 q = _mm256_blendv_ps(_mm256_castsi256_ps(big), small,
+                                    _mm256_cmp_ps(a, _mm256_set1_ps(0x1p-6f), _CMP_LT_OQ));
+  return _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(q), sign));
+}
+
 // ---------------------------------------------------------------------- AVX2 tiles
 // 2 rows x 32 columns (4 ymm of 8 int32 lanes) per step, vpmaddwd + vpaddd (exact: the
 // flagged lanes may wrap, and take their slot's value). The epilogue as the AVX-512 tiles':

@@ -265,15 +265,22 @@ struct QuantJob {
   uint32_t wide_limit = 0;
 };
 
+// act_quant of one block: its scale xs and its values' units (value * 2^9, NaN 0).
+CSA_INLINE float block_units_generic(const float* x, int32_t* u) {
+  float v[kBlock];
+  const float xs = Fp8::quantize_block(x, v);
+  for (int64_t i = 0; i < kBlock; ++i) u[i] = fp8_int::units_of_value(v[i]);
+  return xs;
+}
+
+template <float (*kBlockUnits)(const float*, int32_t*)>
 CSA_INLINE void quantize_row_body(const QuantJob& q, int64_t r) {
   XChunk& c = *q.xc;
   const float* src = q.x + r * c.K;
   int16_t* dst = c.xi.data() + r * c.K;
-  float v[kBlock];
   int32_t u[kBlock];
   for (int64_t kb = 0; kb < c.KB; ++kb) {
-    const float xs = Fp8::quantize_block(src + kb * kBlock, v);
-    for (int64_t i = 0; i < kBlock; ++i) u[i] = fp8_int::units_of_value(v[i]);
+    const float xs = kBlockUnits(src + kb * kBlock, u);
     const BlockInts b = fp8_int::analyse_block(u);
     const size_t at = static_cast<size_t>(kb * c.rows + r);
     c.xs[at] = xs;
@@ -301,6 +308,37 @@ CSA_INLINE void quantize_row_body(const QuantJob& q, int64_t r) {
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
+// block_units_generic in four ymm: the same IEEE operations (the amax, pow2_ceil, the
+// multiply by xs's exact reciprocal or the division, the clamp and the rounding to e4m3 as
+// e4m3_rne_avx2), so the same xs and units; a NaN amax as quantize_block_avx512's.
+CSA_TARGET_AVX2 float block_units_avx2(const float* x, int32_t* u) {  // not inlined: a template argument
+  __m256 v[4], amax8 = _mm256_setzero_ps(), nan8 = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    amax8 = _mm256_max_ps(amax8, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v[i]));
+    nan8 = _mm256_or_ps(nan8, _mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
+  }
+  float amax;
+  if (_mm256_movemask_ps(nan8) != 0) {
+    amax = Fp8::from_bits(0x7FC00000u);  // torch's amax propagates NaN
+  } else {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+    if (amax < Fp8::kAmaxFloor) amax = Fp8::kAmaxFloor;
+  }
+  const float xs = Fp8::pow2_ceil(amax * Fp8::kMaxInv);
+  const float inv = Fp8::pow2_reciprocal(xs);
+  for (int i = 0; i < 4; ++i) {
+    const __m256 q = inv != 0.0f ? _mm256_mul_ps(v[i], _mm256_set1_ps(inv))
+                                 : _mm256_div_ps(v[i], _mm256_set1_ps(xs));
+    const __m256i units = _mm256_cvttps_epi32(_mm256_mul_ps(e4m3_rne_avx2(q), _mm256_set1_ps(512.0f)));
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(q, q, _CMP_UNORD_Q));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(u + 8 * i), _mm256_andnot_si256(nan, units));
+  }
+  return xs;
+}
+
 // quantize_row_body with two zmm per block: the same IEEE operations (the division by xs,
 // the clamp, the rounding to e4m3 of fp8_linear.h as bit operations), so the same values.
 CSA_TARGET_AVX512 CSA_INLINE __m512i units_avx512(__m512 v) {
@@ -522,7 +560,7 @@ struct Kernels {
   bool tiles_sum_wide_rows = false;
 };
 
-void quantize_scalar(const QuantJob& q, int64_t r) { quantize_row_body(q, r); }
+void quantize_scalar(const QuantJob& q, int64_t r) { quantize_row_body<block_units_generic>(q, r); }
 void pack_scalar(const PackJob& j) { pack_generic(j); }
 void flags_scalar(const FlagJob& j) { flags_generic(j); }
 void tiles_scalar(const TaskView& v, int64_t r0, int64_t r1) { tiles_generic(v, r0, r1); }
@@ -532,7 +570,7 @@ const Kernels kScalarKernels{quantize_scalar, pack_scalar, flags_scalar, tiles_s
                              f_lanes_scalar, row_patch_scalar, false};
 
 #ifdef CSA_X86
-CSA_TARGET_AVX2 void quantize_avx2(const QuantJob& q, int64_t r) { quantize_row_body(q, r); }
+CSA_TARGET_AVX2 void quantize_avx2(const QuantJob& q, int64_t r) { quantize_row_body<block_units_avx2>(q, r); }
 CSA_TARGET_AVX2 void pack_avx2(const PackJob& j) {
   if (j.w.pairs16) {
     pack_pairs16_avx2_body(j);
