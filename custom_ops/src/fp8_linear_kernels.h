@@ -500,21 +500,23 @@ CSA_TARGET_AVX2 CSA_INLINE void tiles_avx2_body(const TaskView& v, int64_t r0, i
   }
 }
 
-// hi * 2^8 + lo for 8 int32 lanes, rounded once to float: AVX2 has no int64 -> float, so
+// hi * 2^8 + lo for 4 int32 lanes, rounded once to float: AVX2 has no int64 -> float, so
 // in double (exact: below 2^40), then to float (the one rounding, to nearest even, as
 // digits_to_float's int64 -> float).
-CSA_TARGET_AVX2 CSA_INLINE __m256 digits_to_float8(__m256i hi, __m256i lo) {
+CSA_TARGET_AVX2 CSA_INLINE __m128 digits_to_float4(__m128i hi, __m128i lo) {
   const __m256d radix = _mm256_set1_pd(static_cast<double>(1 << fp8_int::kDigitBits));
-  const __m256d s0 = _mm256_fmadd_pd(_mm256_cvtepi32_pd(_mm256_castsi256_si128(hi)), radix,
-                                     _mm256_cvtepi32_pd(_mm256_castsi256_si128(lo)));
-  const __m256d s1 = _mm256_fmadd_pd(_mm256_cvtepi32_pd(_mm256_extracti128_si256(hi, 1)), radix,
-                                     _mm256_cvtepi32_pd(_mm256_extracti128_si256(lo, 1)));
-  return _mm256_set_m128(_mm256_cvtpd_ps(s1), _mm256_cvtpd_ps(s0));
+  return _mm256_cvtpd_ps(_mm256_fmadd_pd(_mm256_cvtepi32_pd(hi), radix, _mm256_cvtepi32_pd(lo)));
 }
 
-// f_lanes_generic four rows at a time (the last ones padded): each row's block against the W block's digits, lanes
-// over k (vpmaddwd; every int32 partial sum exact, as the AVX-512 path's), the lanes summed
-// by a vphaddd tree, hi * 2^8 + lo rounded once per row.
+// The same for 8 lanes.
+CSA_TARGET_AVX2 CSA_INLINE __m256 digits_to_float8(__m256i hi, __m256i lo) {
+  return _mm256_set_m128(digits_to_float4(_mm256_extracti128_si256(hi, 1), _mm256_extracti128_si256(lo, 1)),
+                         digits_to_float4(_mm256_castsi256_si128(hi), _mm256_castsi256_si128(lo)));
+}
+
+// f_lanes_generic four rows at a time (the last ones padded): each row's block against the
+// W block's digits, lanes over k (vpmaddwd; every int32 partial sum exact, as the AVX-512
+// path's), the lanes summed by a vphaddd tree, hi * 2^8 + lo rounded once per row.
 CSA_TARGET_AVX2 CSA_INLINE void f_lanes_avx2_body(const FJob& j) {
   alignas(32) int32_t wh[kPairs], wl[kPairs];
   w_digits_generic(j.codes, j.t, wh, wl);
@@ -522,7 +524,6 @@ CSA_TARGET_AVX2 CSA_INLINE void f_lanes_avx2_body(const FJob& j) {
                          _mm256_load_si256(reinterpret_cast<const __m256i*>(wh + 8))};
   const __m256i dl[2] = {_mm256_load_si256(reinterpret_cast<const __m256i*>(wl)),
                          _mm256_load_si256(reinterpret_cast<const __m256i*>(wl + 8))};
-  const __m256d radix = _mm256_set1_pd(static_cast<double>(1 << fp8_int::kDigitBits));
   for (int64_t r = 0; r < j.rows; r += 4) {
     const int64_t n = j.rows - r < 4 ? j.rows - r : 4;  // the last rows: the others 0
     __m256i h[4], l[4];
@@ -540,7 +541,7 @@ CSA_TARGET_AVX2 CSA_INLINE void f_lanes_avx2_body(const FJob& j) {
     const __m128i hsum = _mm_add_epi32(_mm256_castsi256_si128(hs), _mm256_extracti128_si256(hs, 1));
     const __m128i lsum = _mm_add_epi32(_mm256_castsi256_si128(ls), _mm256_extracti128_si256(ls, 1));
     alignas(16) float f[4];
-    _mm_store_ps(f, _mm256_cvtpd_ps(_mm256_fmadd_pd(_mm256_cvtepi32_pd(hsum), radix, _mm256_cvtepi32_pd(lsum))));
+    _mm_store_ps(f, digits_to_float4(hsum, lsum));
     std::memcpy(j.f + r, f, static_cast<size_t>(n) * sizeof(float));
   }
 }
@@ -658,7 +659,7 @@ CSA_TARGET_AVX2 CSA_INLINE void pack_pairs16_avx2_body(const PackJob& j) {
       // per byte of [run 0, run 2 | run 1, run 3]: lanes (0-3, 8-11 | 4-7, 12-15), twice each
       const __m128i lo = _mm_unpacklo_epi8(tl, tl), hi = _mm_unpackhi_epi8(tl, tl);
       const __m256i tneg = _mm256_set_m128i(_mm_unpackhi_epi64(lo, hi), _mm_unpacklo_epi64(lo, hi));
-      const uint8_t* run = j.w.w + (grp * j.w.KB + kb) * kPairs16Bytes;
+      const uint8_t* run = j.w.w + Fp8::pairs16_offset(j.w.K, grp * kLanes, kb * kBlock);
       for (int64_t z = 0; z < kPairs / 2; ++z) {
         const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run + 64 * z));
         const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run + 64 * z + 32));
