@@ -627,6 +627,42 @@ CSA_TARGET_AVX2 CSA_INLINE void units_shifted_avx2(const UnitsAvx2& k, __m256i c
   out[1] = _mm256_sign_epi16(v1, _mm256_unpackhi_epi8(zero, codes));
 }
 
+// A group's block on AVX2 (either layout): g = 2^t of its 16 lanes, and per byte of the
+// [cols 0-3, 8-11 | cols 4-7, 12-15] arrangement units_shifted_avx2 reads (each column's two
+// codes of a k-pair), the lane's 4 - t, or -64 where the lane is not int16.
+CSA_TARGET_AVX2 CSA_INLINE __m256i group_tneg_avx2(const PackJob& j, int64_t kb, int64_t grp, float* g) {
+  const __m128i t16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(j.w.shift_at(kb, grp * kLanes)));
+  const __m256i bias = _mm256_set1_epi32(127);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(g),
+                      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtepu8_epi32(t16), bias), 23));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(g + 8),
+                      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(t16, 8)), bias), 23));
+  const __m128i bit = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
+  const __m128i bad = _mm_shuffle_epi8(_mm_cvtsi32_si128(j.w.bad_at(grp, kb)),
+                                       _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
+  const __m128i tl = _mm_blendv_epi8(_mm_sub_epi8(_mm_set1_epi8(4), t16), _mm_set1_epi8(-64),
+                                     _mm_cmpeq_epi8(_mm_and_si128(bad, bit), bit));
+  const __m128i lo = _mm_unpacklo_epi8(tl, tl), hi = _mm_unpackhi_epi8(tl, tl);
+  return _mm256_set_m128i(_mm_unpackhi_epi64(lo, hi), _mm_unpacklo_epi64(lo, hi));
+}
+
+// Pair p of a group's block (codes in units_shifted_avx2's arrangement) as the panel's two
+// ymm: lanes 0-7 and 8-15, each the column's k-pair as int16 units.
+CSA_TARGET_AVX2 CSA_INLINE void store_pair_avx2(const UnitsAvx2& k, __m256i codes, __m256i tneg,
+                                                int16_t* dst, int64_t p) {
+  __m256i v[2];
+  units_shifted_avx2(k, codes, tneg, v);
+  __m256i* out = reinterpret_cast<__m256i*>(dst + p * kPanel * 2);
+  _mm256_storeu_si256(out, v[0]);
+  _mm256_storeu_si256(out + 1, v[1]);
+}
+
+// Group grp past N: zero lanes, 2^0.
+CSA_INLINE void pack_empty_group(int16_t* dst, float* g) {
+  for (int64_t p = 0; p < kPairs; ++p) std::memset(dst + p * kPanel * 2, 0, kLanes * 2 * sizeof(int16_t));
+  for (int64_t i = 0; i < kLanes; ++i) g[i] = 1.0f;
+}
+
 // pack for a pairs16 W (the exported layout) on AVX2: pack_generic's panel, built from the
 // runs as they lie. Pair p = 2z + h of a group's block is 4 runs of 8 codes (columns 4l..4l+3,
 // two k each) at 64z + 16l + 8h, each run the pair's 4 lanes in panel order: the 64 bytes of
@@ -639,37 +675,68 @@ CSA_TARGET_AVX2 CSA_INLINE void pack_pairs16_avx2_body(const PackJob& j) {
       const int64_t grp = j.panel * kGroups + c;
       int16_t* dst = j.pw + (kbi * kPairs * kPanel + kLanes * c) * 2;
       float* g = j.g + kbi * kPanel + kLanes * c;
-      if (grp >= j.w.groups) {  // past N: zero lanes, 2^0
-        for (int64_t p = 0; p < kPairs; ++p) std::memset(dst + p * kPanel * 2, 0, kLanes * 2 * sizeof(int16_t));
-        for (int64_t i = 0; i < kLanes; ++i) g[i] = 1.0f;
+      if (grp >= j.w.groups) {
+        pack_empty_group(dst, g);
         continue;
       }
-      // g = 2^t; each lane's 4 - t, -64 where the lane is not int16
-      const __m128i t16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(j.w.shift_at(kb, grp * kLanes)));
-      const __m256i bias = _mm256_set1_epi32(127);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(g),
-                          _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtepu8_epi32(t16), bias), 23));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(g + 8),
-                          _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(t16, 8)), bias), 23));
-      const __m128i bit = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
-      const __m128i bad = _mm_shuffle_epi8(_mm_cvtsi32_si128(j.w.bad_at(grp, kb)),
-                                           _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
-      const __m128i tl = _mm_blendv_epi8(_mm_sub_epi8(_mm_set1_epi8(4), t16), _mm_set1_epi8(-64),
-                                         _mm_cmpeq_epi8(_mm_and_si128(bad, bit), bit));
-      // per byte of [run 0, run 2 | run 1, run 3]: lanes (0-3, 8-11 | 4-7, 12-15), twice each
-      const __m128i lo = _mm_unpacklo_epi8(tl, tl), hi = _mm_unpackhi_epi8(tl, tl);
-      const __m256i tneg = _mm256_set_m128i(_mm_unpackhi_epi64(lo, hi), _mm_unpacklo_epi64(lo, hi));
+      const __m256i tneg = group_tneg_avx2(j, kb, grp, g);
       const uint8_t* run = j.w.w + Fp8::pairs16_offset(j.w.K, grp * kLanes, kb * kBlock);
       for (int64_t z = 0; z < kPairs / 2; ++z) {
         const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run + 64 * z));
         const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run + 64 * z + 32));
+        store_pair_avx2(k, _mm256_unpacklo_epi64(a, b), tneg, dst, 2 * z);
+        store_pair_avx2(k, _mm256_unpackhi_epi64(a, b), tneg, dst, 2 * z + 1);
+      }
+    }
+  }
+}
+
+// pack for a plain W on AVX2: the group's 16 columns (a block each: 16 words, the k-pairs)
+// transposed into pairs by four unpack stages, the last one leaving each pair in
+// units_shifted_avx2's arrangement: after the 16-, 32- and 64-bit unpacks of columns
+// (0-3 with 8-11, 4-7 with 12-15) a ymm holds pair p's columns [0-3, 8-11 | ...] in its low
+// lane and pair p + 8's in its high lane; vperm2i128 pairs the lanes. Columns past N read as
+// zeros (their lanes are not int16 anyway).
+CSA_TARGET_AVX2 CSA_INLINE void pack_plain_avx2_body(const PackJob& j) {
+  const UnitsAvx2 k = units_tables_avx2();
+  for (int64_t kbi = 0; kbi < j.kbs; ++kbi) {
+    const int64_t kb = j.kb0 + kbi;
+    for (int64_t c = 0; c < kGroups; ++c) {
+      const int64_t grp = j.panel * kGroups + c;
+      int16_t* dst = j.pw + (kbi * kPairs * kPanel + kLanes * c) * 2;
+      float* g = j.g + kbi * kPanel + kLanes * c;
+      if (grp >= j.w.groups) {
+        pack_empty_group(dst, g);
+        continue;
+      }
+      const __m256i tneg = group_tneg_avx2(j, kb, grp, g);
+      __m256i r[16];
+      for (int64_t i = 0; i < 16; ++i) {
+        const int64_t n = grp * kLanes + i;
+        r[i] = n < j.w.N ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(j.w.w + n * j.w.K + kb * kBlock))
+                         : _mm256_setzero_si256();
+      }
+      __m256i s[16];
+      for (int i = 0; i < 8; ++i) {  // words of columns 2i, 2i + 1
+        s[2 * i] = _mm256_unpacklo_epi16(r[2 * i], r[2 * i + 1]);
+        s[2 * i + 1] = _mm256_unpackhi_epi16(r[2 * i], r[2 * i + 1]);
+      }
+      // s[2i + h]: columns 2i, 2i + 1 of pairs 4h..4h+3 (low lane) and 8 + 4h.. (high lane)
+      for (int q = 0; q < 4; ++q)
         for (int h = 0; h < 2; ++h) {
-          __m256i v[2];
-          units_shifted_avx2(k, h ? _mm256_unpackhi_epi64(a, b) : _mm256_unpacklo_epi64(a, b), tneg, v);
-          __m256i* out = reinterpret_cast<__m256i*>(dst + (2 * z + h) * kPanel * 2);
-          _mm256_storeu_si256(out, v[0]);
-          _mm256_storeu_si256(out + 1, v[1]);
+          r[4 * q + 2 * h] = _mm256_unpacklo_epi32(s[4 * q + h], s[4 * q + 2 + h]);
+          r[4 * q + 2 * h + 1] = _mm256_unpackhi_epi32(s[4 * q + h], s[4 * q + 2 + h]);
         }
+      // r[4q + i]: columns 4q..4q+3 of pairs 2i, 2i + 1 (low lane) and 2i + 8, 2i + 9
+      for (int q = 0; q < 2; ++q)
+        for (int i = 0; i < 4; ++i) {
+          s[8 * q + 2 * i] = _mm256_unpacklo_epi64(r[4 * q + i], r[4 * q + 8 + i]);
+          s[8 * q + 2 * i + 1] = _mm256_unpackhi_epi64(r[4 * q + i], r[4 * q + 8 + i]);
+        }
+      // s[8q + p]: columns [4q..4q+3, 4q+8..4q+11] of pair p (low lane) and p + 8 (high)
+      for (int p = 0; p < 8; ++p) {
+        store_pair_avx2(k, _mm256_permute2x128_si256(s[p], s[8 + p], 0x20), tneg, dst, p);
+        store_pair_avx2(k, _mm256_permute2x128_si256(s[p], s[8 + p], 0x31), tneg, dst, p + 8);
       }
     }
   }

@@ -575,7 +575,7 @@ CSA_TARGET_AVX2 void pack_avx2(const PackJob& j) {
   if (j.w.pairs16) {
     pack_pairs16_avx2_body(j);
   } else {
-    pack_generic(j);
+    pack_plain_avx2_body(j);
   }
 }
 CSA_TARGET_AVX2 void flags_avx2(const FlagJob& j) { flags_generic(j); }
