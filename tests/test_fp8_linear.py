@@ -440,10 +440,13 @@ HAS_VBMI = " avx512vbmi " in CPUINFO
 HAS_FP16 = " avx512_fp16 " in CPUINFO and " gfni " in CPUINFO
 
 
-def assert_few_rows_path(isa: str, grew: dict[str, int], few_rows: bool = True) -> None:
+def assert_few_rows_path(isa: str, grew: dict[str, int], few_rows: bool = True,
+                         pairs16: bool = False) -> None:
     """The few-rows path ran exactly where it should: AVX512-VBMI's, converting W by
-    AVX512-FP16 on the default path of a CPU that has it, by tables on the others."""
-    small = few_rows and isa in ("avx512", "avx512-nofp16") and HAS_VBMI
+    AVX512-FP16 on the default path of a CPU that has it, by tables on the others; AVX2's
+    for a pairs16 W only."""
+    small = few_rows and ((isa in ("avx512", "avx512-nofp16") and HAS_VBMI)
+                          or (isa == "avx2" and pairs16))
     assert (grew["small_tasks"] > 0) == small, (isa, grew)
     assert (grew["fp16_tasks"] > 0) == (small and isa == "avx512" and HAS_FP16), (isa, grew)
 

@@ -88,7 +88,7 @@ def test_every_path_matches_the_definition_and_the_plain_layout(pairs16_sessions
     for isa, session in pairs16_sessions.items():
         grew = counts_after(lambda s=session, i=isa: assert_same(
             run(s, x, pack_pairs16(codes), w_scale), want, f"isa={i}"))
-        assert_few_rows_path(isa, grew, few_rows=m <= 4)
+        assert_few_rows_path(isa, grew, few_rows=m <= 4, pairs16=True)
 
 
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 304, 1280), (4, 1008, 512), (7, 128, 1024),
@@ -117,7 +117,7 @@ def test_edges_take_every_exact_fallback(pairs16_sessions, m: int, n: int, k: in
     for isa, session in pairs16_sessions.items():
         grew = counts_after(lambda s=session, i=isa: assert_same(
             run(s, x, pack_pairs16(codes), w_scale), want, f"isa={i}"))
-        assert_few_rows_path(isa, grew, few_rows=m <= 4)
+        assert_few_rows_path(isa, grew, few_rows=m <= 4, pairs16=True)
         assert grew["lane_sums"] > 0 and grew["row_sums"] > 0, (isa, grew)
         assert grew["wide_sums"] > 0, (isa, grew)
 

@@ -587,23 +587,26 @@ CSA_TARGET_AVX2 CSA_INLINE void row_patch_avx2_body(const RowJob& j) {
 // code's units are M * 2^sh (M = m, plus 8 where e > 0; sh = max(e - 1, 0)), and an int16
 // lane's t leaves sh - t in [-3, 11] (t divides every unit of the block: tz(M) + sh >= t;
 // v <= 32767 with M >= 8 for e > 0), so with d = sh + 4 - t in [1, 15] the value is
-// (M * 2^12) * 2^d >> 16: vpmulhuw, both factors 16-bit. All per byte until then: e and sh
-// and M * 2^4 by table lookups (vpshufb), d from each lane's 4 - t (-64 zeroes a lane that
-// is not int16: an index with bit 7 set looks up 0), 2^d as one vpshufb of the word
-// [d, d - 8] (2^d's low byte, then its high one); the NaN codes give M = 0, the sign last
-// (the code in the word's high byte is negative for a negative code, 0 only for 0).
+// (M * 2^12) * 2^d >> 16: vpmulhuw, both factors 16-bit. All per byte until then: sh by a
+// saturating subtract, M * 2^4 by table lookups (vpshufb), d from each lane's 4 - t (-64
+// zeroes a lane that is not int16: an index with bit 7 set looks up 0), 2^d's low and high
+// bytes by one lookup each, joined into words by the unpacks that widen; the sign last (the
+// code in the word's high byte is negative for a negative code, 0 only for 0). A NaN code
+// is not zeroed (pack_generic's is): it gives some int16 in its own lane only, a column that
+// the op sets to NaN after the tasks (Fp8LinearKernel's nan_columns); 3 of 22 operations,
+// 11% of a one-row call.
 struct UnitsAvx2 {
-  __m256i sh, m4, top, pow2;
+  __m256i m4, top, pow2_lo, pow2_hi;
 };
 
 CSA_TARGET_AVX2 CSA_INLINE UnitsAvx2 units_tables_avx2() {
-  const __m128i sh = _mm_setr_epi8(0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14);
   const __m128i m4 = _mm_setr_epi8(0, 16, 32, 48, 64, 80, 96, 112, 0, 16, 32, 48, 64, 80, 96, 112);
   const __m128i top = _mm_setr_epi8(0, -128, -128, -128, -128, -128, -128, -128, -128, -128, -128,
                                     -128, -128, -128, -128, -128);
-  const __m128i pow2 = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 0, 0, 0, 0, 0, 0, 0, 0);
-  return {_mm256_broadcastsi128_si256(sh), _mm256_broadcastsi128_si256(m4),
-          _mm256_broadcastsi128_si256(top), _mm256_broadcastsi128_si256(pow2)};
+  const __m128i lo = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m128i hi = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 2, 4, 8, 16, 32, 64, -128);
+  return {_mm256_broadcastsi128_si256(m4), _mm256_broadcastsi128_si256(top),
+          _mm256_broadcastsi128_si256(lo), _mm256_broadcastsi128_si256(hi)};
 }
 
 // codes: bytes [run 0, run 2 | run 1, run 3] (8 each); tneg: each byte's 4 - t (or -64);
@@ -612,17 +615,12 @@ CSA_TARGET_AVX2 CSA_INLINE void units_shifted_avx2(const UnitsAvx2& k, __m256i c
                                                    __m256i* out) {
   const __m256i nib = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
   const __m256i e = _mm256_and_si256(_mm256_srli_epi16(codes, 3), nib);
-  const __m256i nan = _mm256_cmpeq_epi8(_mm256_and_si256(codes, _mm256_set1_epi8(0x7F)),
-                                        _mm256_set1_epi8(0x7F));
-  const __m256i m4 = _mm256_andnot_si256(
-      nan, _mm256_or_si256(_mm256_shuffle_epi8(k.m4, _mm256_and_si256(codes, nib)),
-                           _mm256_shuffle_epi8(k.top, e)));
-  const __m256i d = _mm256_add_epi8(_mm256_shuffle_epi8(k.sh, e), tneg);
-  const __m256i d8 = _mm256_sub_epi8(d, _mm256_set1_epi8(8));
-  const __m256i v0 = _mm256_mulhi_epu16(_mm256_unpacklo_epi8(zero, m4),
-                                        _mm256_shuffle_epi8(k.pow2, _mm256_unpacklo_epi8(d, d8)));
-  const __m256i v1 = _mm256_mulhi_epu16(_mm256_unpackhi_epi8(zero, m4),
-                                        _mm256_shuffle_epi8(k.pow2, _mm256_unpackhi_epi8(d, d8)));
+  const __m256i m4 = _mm256_or_si256(_mm256_shuffle_epi8(k.m4, _mm256_and_si256(codes, nib)),
+                                     _mm256_shuffle_epi8(k.top, e));
+  const __m256i d = _mm256_add_epi8(_mm256_subs_epu8(e, _mm256_set1_epi8(1)), tneg);
+  const __m256i lo = _mm256_shuffle_epi8(k.pow2_lo, d), hi = _mm256_shuffle_epi8(k.pow2_hi, d);
+  const __m256i v0 = _mm256_mulhi_epu16(_mm256_unpacklo_epi8(zero, m4), _mm256_unpacklo_epi8(lo, hi));
+  const __m256i v1 = _mm256_mulhi_epu16(_mm256_unpackhi_epi8(zero, m4), _mm256_unpackhi_epi8(lo, hi));
   out[0] = _mm256_sign_epi16(v0, _mm256_unpacklo_epi8(zero, codes));
   out[1] = _mm256_sign_epi16(v1, _mm256_unpackhi_epi8(zero, codes));
 }
@@ -630,15 +628,15 @@ CSA_TARGET_AVX2 CSA_INLINE void units_shifted_avx2(const UnitsAvx2& k, __m256i c
 // A group's block on AVX2 (either layout): g = 2^t of its 16 lanes, and per byte of the
 // [cols 0-3, 8-11 | cols 4-7, 12-15] arrangement units_shifted_avx2 reads (each column's two
 // codes of a k-pair), the lane's 4 - t, or -64 where the lane is not int16.
-CSA_TARGET_AVX2 CSA_INLINE __m256i group_tneg_avx2(const PackJob& j, int64_t kb, int64_t grp, float* g) {
-  const __m128i t16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(j.w.shift_at(kb, grp * kLanes)));
+CSA_TARGET_AVX2 CSA_INLINE __m256i group_tneg_avx2(const WView& w, int64_t kb, int64_t grp, float* g) {
+  const __m128i t16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.shift_at(kb, grp * kLanes)));
   const __m256i bias = _mm256_set1_epi32(127);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(g),
                       _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtepu8_epi32(t16), bias), 23));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(g + 8),
                       _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(t16, 8)), bias), 23));
   const __m128i bit = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
-  const __m128i bad = _mm_shuffle_epi8(_mm_cvtsi32_si128(j.w.bad_at(grp, kb)),
+  const __m128i bad = _mm_shuffle_epi8(_mm_cvtsi32_si128(w.bad_at(grp, kb)),
                                        _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
   const __m128i tl = _mm_blendv_epi8(_mm_sub_epi8(_mm_set1_epi8(4), t16), _mm_set1_epi8(-64),
                                      _mm_cmpeq_epi8(_mm_and_si128(bad, bit), bit));
@@ -679,7 +677,7 @@ CSA_TARGET_AVX2 CSA_INLINE void pack_pairs16_avx2_body(const PackJob& j) {
         pack_empty_group(dst, g);
         continue;
       }
-      const __m256i tneg = group_tneg_avx2(j, kb, grp, g);
+      const __m256i tneg = group_tneg_avx2(j.w, kb, grp, g);
       const uint8_t* run = j.w.w + Fp8::pairs16_offset(j.w.K, grp * kLanes, kb * kBlock);
       for (int64_t z = 0; z < kPairs / 2; ++z) {
         const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run + 64 * z));
@@ -709,7 +707,7 @@ CSA_TARGET_AVX2 CSA_INLINE void pack_plain_avx2_body(const PackJob& j) {
         pack_empty_group(dst, g);
         continue;
       }
-      const __m256i tneg = group_tneg_avx2(j, kb, grp, g);
+      const __m256i tneg = group_tneg_avx2(j.w, kb, grp, g);
       __m256i r[16];
       for (int64_t i = 0; i < 16; ++i) {
         const int64_t n = grp * kLanes + i;
@@ -740,6 +738,94 @@ CSA_TARGET_AVX2 CSA_INLINE void pack_plain_avx2_body(const PackJob& j) {
       }
     }
   }
+}
+
+// dot_groups_vbmi (and dot_groups_avx2) ask for each group's codes this far ahead in its run (four runs side by
+// side: 8 KiB ahead in all). Measured (twenty 8192 x 5120 linears from DRAM, 2 threads, 8
+// rounds, before the epilogue was fused): 16 KiB ahead (T1) 50.9 / 74.7 ms at 1 / 4 rows;
+// 2 KiB 45.1 / 68.8 (T0), 45.5 / 64.9 (T1); 1 KiB (T0) 46.1 / 67.4; none 52.3 / 78.2.
+constexpr int64_t kGroupPrefetchBytes = 2048;
+
+// MR rows of X (decode, 1..4) against a pairs16 W on AVX2, the epilogue fused (the AVX2
+// dot_groups_vbmi): per K block the panel's four groups side by side (four sequential streams
+// of W), each group's pairs converted once (units_shifted_avx2, lanes over columns) and
+// multiplied by vpmaddwd with each row's pair broadcast, the int32 lanes in registers (exact
+// as the tiles': the same products, the flags keep the sums below 2^31); then per row the
+// tiles' epilogue on those lanes, slots where masks say so (j.fill fills a block's slots and
+// patches first, while its W is in cache). The pack and the tiles wrote and re-read every
+// pair through a panel.
+template <int MR>
+CSA_TARGET_AVX2 __attribute__((noinline)) void dot_groups_avx2(const SmallJob& j, const TaskView& v) {
+  const UnitsAvx2 k = units_tables_avx2();
+  const int64_t g0 = j.panel * kGroups;
+  const int64_t live = j.w.groups - g0 < kGroups ? j.w.groups - g0 : kGroups;  // N % 16 == 0
+  const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  for (int64_t kbi = 0; kbi < j.kbs; ++kbi) {
+    if (j.need[kbi]) j.fill(j.fill_ctx, kbi);
+    const int64_t kb = j.kb0 + kbi;
+    const int16_t* x = j.xi + kb * kBlock;  // row m's block at x + m * K
+    float cm[MR], sc[MR][2];
+    for (int m = 0; m < MR; ++m) {
+      const float xs = v.xs[kb * v.ld + m];
+      cm[m] = v.cm[kb * v.ld + m];
+      sc[m][0] = xs * v.ws0[kb];
+      sc[m][1] = xs * v.ws1[kb];
+    }
+    for (int64_t c = 0; c < live; ++c) {  // groups past N: columns never stored
+      const uint8_t* run = j.w.w + ((g0 + c) * j.w.KB + kb) * kPairs16Bytes;
+      alignas(32) float g[kLanes];
+      const __m256i tneg = group_tneg_avx2(j.w, kb, g0 + c, g);
+      __m256i acc[MR][2];
+      for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
+      for (int z = 0; z < kPairs / 2; ++z) {
+        _mm_prefetch(reinterpret_cast<const char*>(run + kGroupPrefetchBytes + 64 * z), _MM_HINT_T0);
+        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run + 64 * z));
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run + 64 * z + 32));
+        for (int h = 0; h < 2; ++h) {
+          __m256i u[2];
+          units_shifted_avx2(k, h ? _mm256_unpackhi_epi64(a, b) : _mm256_unpacklo_epi64(a, b), tneg, u);
+          for (int m = 0; m < MR; ++m) {
+            int32_t pair;  // row m's pair 2z + h
+            std::memcpy(&pair, x + m * j.K + 4 * z + 2 * h, sizeof pair);
+            const __m256i xv = _mm256_set1_epi32(pair);
+            acc[m][0] = _mm256_add_epi32(acc[m][0], _mm256_madd_epi16(xv, u[0]));
+            acc[m][1] = _mm256_add_epi32(acc[m][1], _mm256_madd_epi16(xv, u[1]));
+          }
+        }
+      }
+      const float* slot = v.slot[kbi * kGroups + c];
+      for (int m = 0; m < MR; ++m) {
+        const uint32_t mask = static_cast<uint32_t>(v.masks[kbi * v.rows + m] >> (kLanes * c)) & 0xFFFFu;
+        for (int q = 0; q < 2; ++q) {
+          __m256 p = _mm256_cvtepi32_ps(acc[m][q]);
+          if (mask != 0) {
+            const __m256 take = _mm256_castsi256_ps(_mm256_cmpeq_epi32(
+                _mm256_and_si256(_mm256_set1_epi32(static_cast<int>(mask >> (8 * q))), lane_bit), lane_bit));
+            p = _mm256_blendv_ps(p, _mm256_loadu_ps(slot + m * kLanes + 8 * q), take);
+          }
+          p = _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(p, _mm256_load_ps(g + 8 * q)), _mm256_set1_ps(cm[m])),
+                            _mm256_set1_ps(sc[m][c / 2]));
+          float* o = v.out + m * kPanel + kLanes * c + 8 * q;
+          _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), p));
+        }
+      }
+    }
+  }
+}
+
+CSA_TARGET_AVX2 CSA_INLINE void dot_fused_avx2_body(const SmallJob& j, const TaskView& v) {
+  switch (j.rows) {
+    case 1: dot_groups_avx2<1>(j, v); break;
+    case 2: dot_groups_avx2<2>(j, v); break;
+    case 3: dot_groups_avx2<3>(j, v); break;
+    default: dot_groups_avx2<4>(j, v); break;
+  }
+}
+
+// The pairs of a block's groups with flagged rows (their row patches read them) and their
+// 2^t: the AVX2 pack of the block (all four groups).
+CSA_TARGET_AVX2 CSA_INLINE void flagged_pairs_avx2_body(const SmallJob& j) {
+  pack_pairs16_avx2_body({j.w, j.panel, j.kb0, j.kbs, j.pw, j.g});
 }
 
 // -------------------------------------------------------------------- AVX-512 kernels
@@ -1620,11 +1706,6 @@ CSA_TARGET_AVX512 CSA_INLINE int32_t cm_exponent(float cm) {
   return static_cast<int32_t>(Fp8::bits_of(cm) >> 23) - 127;
 }
 
-// dot_groups_vbmi asks for each group's codes this far ahead in its run (four runs side by
-// side: 8 KiB ahead in all). Measured (twenty 8192 x 5120 linears from DRAM, 2 threads, 8
-// rounds, before the epilogue was fused): 16 KiB ahead (T1) 50.9 / 74.7 ms at 1 / 4 rows;
-// 2 KiB 45.1 / 68.8 (T0), 45.5 / 64.9 (T1); 1 KiB (T0) 46.1 / 67.4; none 52.3 / 78.2.
-constexpr int64_t kGroupPrefetchBytes = 2048;
 
 // MR rows of X (decode, 1..4) against a pairs16 W, lanes over columns, the epilogue fused:
 // per K block, the panel's four groups side by side (four sequential streams of W for the

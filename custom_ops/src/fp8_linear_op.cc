@@ -549,7 +549,8 @@ struct Kernels {
   void (*row_patch)(const RowJob&);
   bool uses_xt;  // f_lanes reads X^T (for more than kSmallRows rows): AVX-512 paths only
   // few rows (<= kSmallRows): conversion and sums in one pass, then the epilogue (or null);
-  // a pairs16 W: sums and epilogue in one pass, the flagged groups' pairs apart
+  // a pairs16 W: sums and epilogue in one pass, the flagged groups' pairs apart (AVX2 has
+  // these two only: its few rows of a plain W take the pack and the tiles)
   void (*dot_small)(const SmallJob&) = nullptr;
   void (*epilogue_small)(const TaskView&, const int32_t* sums) = nullptr;
   void (*flagged_pairs)(const SmallJob&) = nullptr;
@@ -582,8 +583,14 @@ CSA_TARGET_AVX2 void flags_avx2(const FlagJob& j) { flags_generic(j); }
 CSA_TARGET_AVX2 void tiles_avx2(const TaskView& v, int64_t r0, int64_t r1) { tiles_avx2_body(v, r0, r1); }
 CSA_TARGET_AVX2 void f_lanes_avx2(const FJob& j) { f_lanes_avx2_body(j); }
 CSA_TARGET_AVX2 void row_patch_avx2(const RowJob& j) { row_patch_avx2_body(j); }
-const Kernels kAvx2Kernels{quantize_avx2, pack_avx2, flags_avx2, tiles_avx2,
-                           f_lanes_avx2, row_patch_avx2, false};
+CSA_TARGET_AVX2 void dot_fused_avx2(const SmallJob& j, const TaskView& v) { dot_fused_avx2_body(j, v); }
+CSA_TARGET_AVX2 void flagged_pairs_avx2(const SmallJob& j) { flagged_pairs_avx2_body(j); }
+Kernels avx2_kernels() {
+  Kernels k{quantize_avx2, pack_avx2, flags_avx2, tiles_avx2, f_lanes_avx2, row_patch_avx2, false};
+  k.flagged_pairs = flagged_pairs_avx2;  // few rows of a pairs16 W only (no dot_small)
+  k.dot_fused = dot_fused_avx2;
+  return k;
+}
 
 CSA_TARGET_AVX512 void pack_avx512(const PackJob& j) { pack_generic(j); }
 CSA_TARGET_AVX512_VBMI void pack_avx512_vbmi(const PackJob& j) { pack_vbmi_body(j); }
@@ -630,7 +637,7 @@ bool cpu_supports(const char* feature) {
 
 Kernels kernels_for(Path path) {
 #ifdef CSA_X86
-  if (path == Path::kAvx2) return kAvx2Kernels;
+  if (path == Path::kAvx2) return avx2_kernels();
   if (path == Path::kAvx512Plain) {
     Kernels k{quantize_avx512, pack_avx512, flags_avx512, tiles_avx512_madd, f_lanes_avx512_madd,
               row_patch_avx512_madd, true};
@@ -923,10 +930,10 @@ void run_task(const Call& c, int64_t task, TaskCounts& tally) {
   const int64_t rows = xc.rows - r0 < kTaskRows ? xc.rows - r0 : kTaskRows;
   const int64_t rows16 = (rows + kLanes - 1) / kLanes * kLanes;
   Scratch& scratch = thread_scratch();
-  const bool small = rows <= kSmallRows && c.kern.dot_small != nullptr;
   // pairs16 W: sums and epilogue in one pass (dot_fused), each block's slots filled as the
   // kernel reaches it (BlockFill); no sums buffer
-  const bool fused = small && c.meta->pairs16;
+  const bool fused = rows <= kSmallRows && c.meta->pairs16 && c.kern.dot_fused != nullptr;
+  const bool small = fused || (rows <= kSmallRows && c.kern.dot_small != nullptr);
   const int64_t chunk = small ? kSmallChunkKb : kChunkKb;  // K blocks a step
   int16_t* pw = Scratch::at_least(scratch.pw, static_cast<size_t>(chunk * kPairs * kPanel * 2));
   float* g = Scratch::at_least(scratch.g, static_cast<size_t>(chunk * kPanel));
