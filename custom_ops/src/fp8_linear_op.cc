@@ -31,7 +31,9 @@
 // in memory); with at most 4 rows (decode) the pairs go straight from the conversion into
 // vpdpwssd, up to 256 K blocks a step (fewer for 2 to 4 rows: X's chunk stays in L1),
 // each W row in order against every row of X, 64 codes a zmm (lanes over k, block sums by
-// an add/shuffle tree; a panel is one sequential stream, prefetched 16 KiB ahead). The
+// an add/shuffle tree; a panel is one sequential stream, prefetched 16 KiB ahead); a
+// pairs16 W's few rows, lanes over columns, the epilogue fused (AVX2 too: vpmaddwd on
+// pairs from vpshufb tables and vpmulhuw; its few rows of a plain W take the pack). The
 // blocks where the precondition fails are summed exactly first, into override slots the
 // tiles read by masked loads: a W block that is not int16 as two int16 digits
 // (v = h * 2^8 + l) against every row at once (16 rows a zmm, from X transposed; up to 4
