@@ -661,41 +661,48 @@ CSA_INLINE void pack_empty_group(int16_t* dst, float* g) {
   for (int64_t i = 0; i < kLanes; ++i) g[i] = 1.0f;
 }
 
-// pack for a pairs16 W (the exported layout) on AVX2: pack_generic's panel, built from the
-// runs as they lie. Pair p = 2z + h of a group's block is 4 runs of 8 codes (columns 4l..4l+3,
-// two k each) at 64z + 16l + 8h, each run the pair's 4 lanes in panel order: the 64 bytes of
-// z hold pairs 2z (even 8-byte words) and 2z + 1 (odd ones).
-CSA_TARGET_AVX2 CSA_INLINE void pack_pairs16_avx2_body(const PackJob& j) {
-  const UnitsAvx2 k = units_tables_avx2();
-  for (int64_t kbi = 0; kbi < j.kbs; ++kbi) {
-    const int64_t kb = j.kb0 + kbi;
-    for (int64_t c = 0; c < kGroups; ++c) {
-      const int64_t grp = j.panel * kGroups + c;
-      int16_t* dst = j.pw + (kbi * kPairs * kPanel + kLanes * c) * 2;
-      float* g = j.g + kbi * kPanel + kLanes * c;
-      if (grp >= j.w.groups) {
-        pack_empty_group(dst, g);
-        continue;
-      }
-      const __m256i tneg = group_tneg_avx2(j.w, kb, grp, g);
-      const uint8_t* run = j.w.w + Fp8::pairs16_offset(j.w.K, grp * kLanes, kb * kBlock);
-      for (int64_t z = 0; z < kPairs / 2; ++z) {
-        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run + 64 * z));
-        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run + 64 * z + 32));
-        store_pair_avx2(k, _mm256_unpacklo_epi64(a, b), tneg, dst, 2 * z);
-        store_pair_avx2(k, _mm256_unpackhi_epi64(a, b), tneg, dst, 2 * z + 1);
-      }
+// A plain W's group block as units_shifted_avx2 reads a pairs16 run: the group's 16
+// columns (a block each: 16 words, the k-pairs) transposed into pairs by four unpack
+// stages, the last one leaving each pair in that arrangement: after the 16-, 32- and 64-bit
+// unpacks of columns (0-3 with 8-11, 4-7 with 12-15) a ymm holds pair p's columns
+// [0-3, 8-11 | ...] in its low lane and pair p + 8's in its high lane; vperm2i128 pairs the
+// lanes. Columns past N read as zeros (their lanes are not int16 anyway).
+CSA_TARGET_AVX2 CSA_INLINE void plain_pairs_avx2(const WView& w, int64_t grp, int64_t kb, __m256i* pairs) {
+  __m256i r[16], s[16];
+  for (int64_t i = 0; i < 16; ++i) {
+    const int64_t n = grp * kLanes + i;
+    r[i] = n < w.N ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.w + n * w.K + kb * kBlock))
+                   : _mm256_setzero_si256();
+  }
+  for (int i = 0; i < 8; ++i) {  // words of columns 2i, 2i + 1
+    s[2 * i] = _mm256_unpacklo_epi16(r[2 * i], r[2 * i + 1]);
+    s[2 * i + 1] = _mm256_unpackhi_epi16(r[2 * i], r[2 * i + 1]);
+  }
+  // s[2i + h]: columns 2i, 2i + 1 of pairs 4h..4h+3 (low lane) and 8 + 4h.. (high lane)
+  for (int q = 0; q < 4; ++q)
+    for (int h = 0; h < 2; ++h) {
+      r[4 * q + 2 * h] = _mm256_unpacklo_epi32(s[4 * q + h], s[4 * q + 2 + h]);
+      r[4 * q + 2 * h + 1] = _mm256_unpackhi_epi32(s[4 * q + h], s[4 * q + 2 + h]);
     }
+  // r[4q + i]: columns 4q..4q+3 of pairs 2i, 2i + 1 (low lane) and 2i + 8, 2i + 9
+  for (int q = 0; q < 2; ++q)
+    for (int i = 0; i < 4; ++i) {
+      s[8 * q + 2 * i] = _mm256_unpacklo_epi64(r[4 * q + i], r[4 * q + 8 + i]);
+      s[8 * q + 2 * i + 1] = _mm256_unpackhi_epi64(r[4 * q + i], r[4 * q + 8 + i]);
+    }
+  // s[8q + p]: columns [4q..4q+3, 4q+8..4q+11] of pair p (low lane) and p + 8 (high)
+  for (int p = 0; p < 8; ++p) {
+    pairs[p] = _mm256_permute2x128_si256(s[p], s[8 + p], 0x20);
+    pairs[p + 8] = _mm256_permute2x128_si256(s[p], s[8 + p], 0x31);
   }
 }
 
-// pack for a plain W on AVX2: the group's 16 columns (a block each: 16 words, the k-pairs)
-// transposed into pairs by four unpack stages, the last one leaving each pair in
-// units_shifted_avx2's arrangement: after the 16-, 32- and 64-bit unpacks of columns
-// (0-3 with 8-11, 4-7 with 12-15) a ymm holds pair p's columns [0-3, 8-11 | ...] in its low
-// lane and pair p + 8's in its high lane; vperm2i128 pairs the lanes. Columns past N read as
-// zeros (their lanes are not int16 anyway).
-CSA_TARGET_AVX2 CSA_INLINE void pack_plain_avx2_body(const PackJob& j) {
+// pack on AVX2: pack_generic's panel. A pairs16 W (the exported layout) from the runs as
+// they lie: pair p = 2z + h of a group's block is 4 runs of 8 codes (columns 4l..4l+3, two k
+// each) at 64z + 16l + 8h, each run the pair's 4 lanes in panel order, so the 64 bytes of z
+// hold pairs 2z (even 8-byte words) and 2z + 1 (odd ones). A plain W by plain_pairs_avx2.
+template <bool kPlain>
+CSA_TARGET_AVX2 CSA_INLINE void pack_avx2_body(const PackJob& j) {
   const UnitsAvx2 k = units_tables_avx2();
   for (int64_t kbi = 0; kbi < j.kbs; ++kbi) {
     const int64_t kb = j.kb0 + kbi;
@@ -708,33 +715,18 @@ CSA_TARGET_AVX2 CSA_INLINE void pack_plain_avx2_body(const PackJob& j) {
         continue;
       }
       const __m256i tneg = group_tneg_avx2(j.w, kb, grp, g);
-      __m256i r[16];
-      for (int64_t i = 0; i < 16; ++i) {
-        const int64_t n = grp * kLanes + i;
-        r[i] = n < j.w.N ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(j.w.w + n * j.w.K + kb * kBlock))
-                         : _mm256_setzero_si256();
-      }
-      __m256i s[16];
-      for (int i = 0; i < 8; ++i) {  // words of columns 2i, 2i + 1
-        s[2 * i] = _mm256_unpacklo_epi16(r[2 * i], r[2 * i + 1]);
-        s[2 * i + 1] = _mm256_unpackhi_epi16(r[2 * i], r[2 * i + 1]);
-      }
-      // s[2i + h]: columns 2i, 2i + 1 of pairs 4h..4h+3 (low lane) and 8 + 4h.. (high lane)
-      for (int q = 0; q < 4; ++q)
-        for (int h = 0; h < 2; ++h) {
-          r[4 * q + 2 * h] = _mm256_unpacklo_epi32(s[4 * q + h], s[4 * q + 2 + h]);
-          r[4 * q + 2 * h + 1] = _mm256_unpackhi_epi32(s[4 * q + h], s[4 * q + 2 + h]);
+      if constexpr (kPlain) {
+        __m256i pairs[kPairs];
+        plain_pairs_avx2(j.w, grp, kb, pairs);
+        for (int64_t p = 0; p < kPairs; ++p) store_pair_avx2(k, pairs[p], tneg, dst, p);
+      } else {
+        const uint8_t* run = j.w.w + Fp8::pairs16_offset(j.w.K, grp * kLanes, kb * kBlock);
+        for (int64_t z = 0; z < kPairs / 2; ++z) {
+          const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run + 64 * z));
+          const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run + 64 * z + 32));
+          store_pair_avx2(k, _mm256_unpacklo_epi64(a, b), tneg, dst, 2 * z);
+          store_pair_avx2(k, _mm256_unpackhi_epi64(a, b), tneg, dst, 2 * z + 1);
         }
-      // r[4q + i]: columns 4q..4q+3 of pairs 2i, 2i + 1 (low lane) and 2i + 8, 2i + 9
-      for (int q = 0; q < 2; ++q)
-        for (int i = 0; i < 4; ++i) {
-          s[8 * q + 2 * i] = _mm256_unpacklo_epi64(r[4 * q + i], r[4 * q + 8 + i]);
-          s[8 * q + 2 * i + 1] = _mm256_unpackhi_epi64(r[4 * q + i], r[4 * q + 8 + i]);
-        }
-      // s[8q + p]: columns [4q..4q+3, 4q+8..4q+11] of pair p (low lane) and p + 8 (high)
-      for (int p = 0; p < 8; ++p) {
-        store_pair_avx2(k, _mm256_permute2x128_si256(s[p], s[8 + p], 0x20), tneg, dst, p);
-        store_pair_avx2(k, _mm256_permute2x128_si256(s[p], s[8 + p], 0x31), tneg, dst, p + 8);
       }
     }
   }
@@ -823,9 +815,9 @@ CSA_TARGET_AVX2 CSA_INLINE void dot_fused_avx2_body(const SmallJob& j, const Tas
 }
 
 // The pairs of a block's groups with flagged rows (their row patches read them) and their
-// 2^t: the AVX2 pack of the block (all four groups).
+// 2^t: the AVX2 pack of the block (all four groups; a pairs16 W, the one dot_groups_avx2 reads).
 CSA_TARGET_AVX2 CSA_INLINE void flagged_pairs_avx2_body(const SmallJob& j) {
-  pack_pairs16_avx2_body({j.w, j.panel, j.kb0, j.kbs, j.pw, j.g});
+  pack_avx2_body<false>({j.w, j.panel, j.kb0, j.kbs, j.pw, j.g});
 }
 
 // -------------------------------------------------------------------- AVX-512 kernels

@@ -576,9 +576,9 @@ const Kernels kScalarKernels{quantize_scalar, pack_scalar, flags_scalar, tiles_s
 CSA_TARGET_AVX2 void quantize_avx2(const QuantJob& q, int64_t r) { quantize_row_body<block_units_avx2>(q, r); }
 CSA_TARGET_AVX2 void pack_avx2(const PackJob& j) {
   if (j.w.pairs16) {
-    pack_pairs16_avx2_body(j);
+    pack_avx2_body<false>(j);
   } else {
-    pack_plain_avx2_body(j);
+    pack_avx2_body<true>(j);
   }
 }
 CSA_TARGET_AVX2 void flags_avx2(const FlagJob& j) { flags_generic(j); }
