@@ -337,6 +337,13 @@ def op_session(model: bytes, threads: int, isa: str | None = None, library: str 
             os.environ["CSA_TORCH_LINEAR_ISA"] = old
 
 
+# A pause before each function's turn: the intra-op threads of the one timed before it
+# (onnxruntime's pools spin after a run, torch's OpenMP threads too) stop spinning first.
+# Without it, whatever ran second took their cores: on a 2-core AMD EPYC (AVX2 only) the
+# same TorchLinear kernel in two sessions timed 1.2-1.6x apart, the later one slower.
+SETTLE_SECONDS = 0.2
+
+
 def interleaved_times(fns: dict[str, Callable[[], Any]], rounds: int,
                       min_time: float) -> dict[str, tuple[float, float]]:
     """(median, best) seconds per call of each function, timed in turns: every round calls
@@ -352,6 +359,7 @@ def interleaved_times(fns: dict[str, Callable[[], Any]], rounds: int,
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
+            time.sleep(SETTLE_SECONDS)
             t0 = time.perf_counter()
             for _ in range(calls):
                 fn()
