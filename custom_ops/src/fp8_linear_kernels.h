@@ -424,6 +424,25 @@ CSA_TARGET_AVX2 CSA_INLINE __m256 e4m3_rne_avx2(__m256 v) {
 }
 
 // ---------------------------------------------------------------------- AVX2 tiles
+// The epilogue of 8 lanes (the AVX2 tiles' and dot_groups_avx2's): the block dots (or the
+// slot's, in the lanes whose bit of mask8 is set; slot is read only then), times 2^t_w (g),
+// times cm unless folded into sc, times sc, added to out: each multiply rounded on its own.
+template <bool kFold>
+CSA_TARGET_AVX2 CSA_INLINE void add_block_dots8(__m256i sums, uint32_t mask8, const float* slot,
+                                                __m256 g, float cm, float sc, float* out) {
+  __m256 p = _mm256_cvtepi32_ps(sums);
+  if (mask8 != 0) {
+    const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256 take = _mm256_castsi256_ps(_mm256_cmpeq_epi32(
+        _mm256_and_si256(_mm256_set1_epi32(static_cast<int>(mask8)), lane_bit), lane_bit));
+    p = _mm256_blendv_ps(p, _mm256_loadu_ps(slot), take);
+  }
+  p = _mm256_mul_ps(p, g);
+  if (!kFold) p = _mm256_mul_ps(p, _mm256_set1_ps(cm));
+  p = _mm256_mul_ps(p, _mm256_set1_ps(sc));
+  _mm256_storeu_ps(out, _mm256_add_ps(_mm256_loadu_ps(out), p));
+}
+
 // 2 rows x 32 columns (4 ymm of 8 int32 lanes) per step, vpmaddwd + vpaddd (exact: the
 // flagged lanes may wrap, and take their slot's value). The epilogue as the AVX-512 tiles':
 // slots blended in only where a row of the tile takes one, 2^(t_x - 18) folded into the
@@ -457,24 +476,15 @@ CSA_TARGET_AVX2 CSA_INLINE void tile_avx2(const TaskView& v, int64_t r0, int64_t
     sc[m] = v.xs[kb * v.ld + r0 + m] * (half == 0 ? v.ws0 : v.ws1)[kb];
     if (kFold) sc[m] = sc[m] * cm[m];
   }
-  const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
   for (int q = 0; q < 4; ++q) {
     const int64_t c = (half * 32 + 8 * q) / kLanes, i0 = (8 * q) % kLanes;
     const __m256 g = _mm256_loadu_ps(v.g + kbi * kPanel + half * 32 + 8 * q);
     for (int m = 0; m < MR; ++m) {
       const int64_t r = r0 + m;
-      __m256 p = _mm256_cvtepi32_ps(acc[m][q]);
-      if (any != 0) {  // every slot pointer is valid (a shared dummy under an all-zero mask)
-        const uint32_t mask = static_cast<uint32_t>(masks[m] >> (16 * c + i0)) & 0xFFu;
-        const __m256 take = _mm256_castsi256_ps(_mm256_cmpeq_epi32(
-            _mm256_and_si256(_mm256_set1_epi32(static_cast<int>(mask)), lane_bit), lane_bit));
-        p = _mm256_blendv_ps(p, _mm256_loadu_ps(v.slot[kbi * kGroups + c] + r * kLanes + i0), take);
-      }
-      p = _mm256_mul_ps(p, g);
-      if (!kFold) p = _mm256_mul_ps(p, _mm256_set1_ps(cm[m]));
-      p = _mm256_mul_ps(p, _mm256_set1_ps(sc[m]));
-      float* o = v.out + r * kPanel + half * 32 + 8 * q;
-      _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), p));
+      // every slot pointer is valid (a shared dummy under an all-zero mask)
+      const uint32_t mask = any != 0 ? static_cast<uint32_t>(masks[m] >> (16 * c + i0)) & 0xFFu : 0u;
+      add_block_dots8<kFold>(acc[m][q], mask, v.slot[kbi * kGroups + c] + r * kLanes + i0, g, cm[m],
+                             sc[m], v.out + r * kPanel + half * 32 + 8 * q);
     }
   }
 }
@@ -751,7 +761,6 @@ CSA_TARGET_AVX2 __attribute__((noinline)) void dot_groups_avx2(const SmallJob& j
   const UnitsAvx2 k = units_tables_avx2();
   const int64_t g0 = j.panel * kGroups;
   const int64_t live = j.w.groups - g0 < kGroups ? j.w.groups - g0 : kGroups;  // N % 16 == 0
-  const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
   for (int64_t kbi = 0; kbi < j.kbs; ++kbi) {
     if (j.need[kbi]) j.fill(j.fill_ctx, kbi);
     const int64_t kb = j.kb0 + kbi;
@@ -788,18 +797,10 @@ CSA_TARGET_AVX2 __attribute__((noinline)) void dot_groups_avx2(const SmallJob& j
       const float* slot = v.slot[kbi * kGroups + c];
       for (int m = 0; m < MR; ++m) {
         const uint32_t mask = static_cast<uint32_t>(v.masks[kbi * v.rows + m] >> (kLanes * c)) & 0xFFFFu;
-        for (int q = 0; q < 2; ++q) {
-          __m256 p = _mm256_cvtepi32_ps(acc[m][q]);
-          if (mask != 0) {
-            const __m256 take = _mm256_castsi256_ps(_mm256_cmpeq_epi32(
-                _mm256_and_si256(_mm256_set1_epi32(static_cast<int>(mask >> (8 * q))), lane_bit), lane_bit));
-            p = _mm256_blendv_ps(p, _mm256_loadu_ps(slot + m * kLanes + 8 * q), take);
-          }
-          p = _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(p, _mm256_load_ps(g + 8 * q)), _mm256_set1_ps(cm[m])),
-                            _mm256_set1_ps(sc[m][c / 2]));
-          float* o = v.out + m * kPanel + kLanes * c + 8 * q;
-          _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), p));
-        }
+        for (int q = 0; q < 2; ++q)
+          add_block_dots8<false>(acc[m][q], (mask >> (8 * q)) & 0xFFu, slot + m * kLanes + 8 * q,
+                                 _mm256_load_ps(g + 8 * q), cm[m], sc[m][c / 2],
+                                 v.out + m * kPanel + kLanes * c + 8 * q);
       }
     }
   }
