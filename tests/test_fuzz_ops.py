@@ -8,9 +8,9 @@ wrong value (SparseAttention, TorchLinear, IndexerScore and ApplyRope against th
 definition paths; the others against NumPy definitions, the C library's cosf/sinf, or, for
 TorchRMSNorm, a float64 evaluation to 1e-5).
 
-The sanitizer build (custom_ops/build-asan) takes ~30 s the first time on 2 cores; the cases
-~40 s. Cases run in a subprocess with the sanitizer runtimes preloaded, so a report kills that
-process, not pytest.
+The sanitizer build (custom_ops/build-asan, -O1) takes ~95 s the first time on 2 cores (AVX2
+AMD EPYC); the cases ~60 s. Cases run in a subprocess with the sanitizer runtimes preloaded,
+so a report kills that process, not pytest.
 """
 
 from __future__ import annotations

@@ -1513,10 +1513,9 @@ template <int MR, bool kVnni, bool kFp16>
 CSA_TARGET_AVX512_VBMI CSA_INLINE void dot_quad(const QuadConstants& k, __m512i ca, __m512i cb, __m512i scale,
                                                const int16_t* x, __m512i (&acc)[MR]) {
   // lane b of v[2h + i]: words 8i..8i+7 of codes 16h..16h+15 of block b
-  __m512i v[4];
-#pragma GCC unroll 2
-  for (int h = 0; h < 2; ++h)
-    convert_codes<kFp16>(k, _mm512_shuffle_i64x2(ca, cb, h == 0 ? 0x88 : 0xDD), scale, v[2 * h], v[2 * h + 1]);
+  __m512i v[4];  // two calls, not a loop: the shuffle's immediate must be a constant at any -O
+  convert_codes<kFp16>(k, _mm512_shuffle_i64x2(ca, cb, 0x88), scale, v[0], v[1]);
+  convert_codes<kFp16>(k, _mm512_shuffle_i64x2(ca, cb, 0xDD), scale, v[2], v[3]);
 #pragma GCC unroll 4
   for (int m = 0; m < MR; ++m) {  // each row of X against the same converted codes
     const int16_t* xm = x + m * kXpRow;
