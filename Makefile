@@ -29,9 +29,13 @@ TORCH_CLASS_TESTS := tests/test_unseen_cases.py tests/test_upstream_cases.py \
 	tests/test_torch_linear.py tests/test_cross_cpu.py tests/test_fp8_cases.py
 TORCH_AVX2 := ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2
 
+# pytest-xdist: a worker per core, each test file on one worker (its module fixtures and
+# caches built once), in collection order (tests/conftest.py puts the slowest file first).
+PYTEST := $(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder
+
 test: setup
-	$(PY) -m pytest -q
-	$(TORCH_AVX2) $(PY) -m pytest -q $(TORCH_CLASS_TESTS)
+	$(PYTEST)
+	$(TORCH_AVX2) $(PYTEST) $(TORCH_CLASS_TESTS)
 
 lint: setup
 	$(VENV)/bin/ruff check .
