@@ -282,7 +282,8 @@ CSA_INLINE void chain_tile(const float* x, int64_t ldx, const float* panel, int6
 // One chunk [k0, k1) of kOneDnnPairs (bf16 W, pair panel; k0 even) for rows [0, MR) x
 // columns [0, NT): per pair the product of k+1 first, then that of k (each widened once from
 // the packed pair and shared by the rows), a last single k when k1 is odd; then out += sum.
-template <int MR, int NT>
+// PF > 0: each pair row's lines are prefetched PF pair rows ahead (see task_avx2).
+template <int MR, int NT, int PF>
 CSA_INLINE void pair_tile(const float* x, int64_t ldx, const uint32_t* panel, int64_t k0,
                           int64_t k1, float* out) {
   float acc[MR][NT];
@@ -292,6 +293,8 @@ CSA_INLINE void pair_tile(const float* x, int64_t ldx, const uint32_t* panel, in
   int64_t k = k0;
   for (; k + 1 < k1; k += 2) {
     const uint32_t* wp = panel + (k / 2) * kPanel;
+    if constexpr (PF > 0)
+      for (int j = 0; j < NT; j += 16) __builtin_prefetch(wp + PF * kPanel + j);  // 64-byte lines
 #pragma GCC ivdep
     for (int j = 0; j < NT; ++j) {
       w1[j] = float_of_bits(wp[j] & 0xFFFF0000u);
@@ -402,7 +405,7 @@ CSA_INLINE void store_rows(const Job& j, const TaskRows& tr, const float* buf) {
   }
 }
 
-template <bool kPairs, int MR, int NT>
+template <bool kPairs, int MR, int NT, int PF>
 CSA_INLINE void seq_rows(const Job& j, const void* panel_data, const float* x0, int64_t rows,
                          float* buf) {
   const int64_t ldx = j.G * j.K;
@@ -413,7 +416,7 @@ CSA_INLINE void seq_rows(const Job& j, const void* panel_data, const float* x0, 
         constexpr int R = decltype(mr)::value;
         const float* x = x0 + r * ldx;
         if constexpr (kPairs)
-          pair_tile<R, NT>(x, ldx, static_cast<const uint32_t*>(panel_data) + c, k0, k1,
+          pair_tile<R, NT, PF>(x, ldx, static_cast<const uint32_t*>(panel_data) + c, k0, k1,
                            buf + r * kPanel + c);
         else
           chain_tile<R, NT>(x, ldx, static_cast<const float*>(panel_data) + c, k0, k1,
@@ -426,7 +429,7 @@ CSA_INLINE void seq_rows(const Job& j, const void* panel_data, const float* x0, 
   }
 }
 
-template <int MR, int NT, int LANES_NT>
+template <int MR, int NT, int LANES_NT, int PF = 0>
 CSA_INLINE void run_task(const Job& j, size_t task, bool w_bf16) {
   const TaskRows tr = task_rows(j, task);
   alignas(64) float buf[kMaxRows * kPanel];
@@ -436,10 +439,10 @@ CSA_INLINE void run_task(const Job& j, size_t task, bool w_bf16) {
   const float* x = task_x(j, tr);
   if (w_bf16) {
     const int64_t offset = tr.panel * j.pairs * kPanel;
-    seq_rows<true, MR, NT>(j, static_cast<const uint32_t*>(j.panels) + offset, x, tr.rows, buf);
+    seq_rows<true, MR, NT, PF>(j, static_cast<const uint32_t*>(j.panels) + offset, x, tr.rows, buf);
   } else if (j.plan.order == Order::kMklBlocked) {
     const int64_t offset = tr.panel * j.K * kPanel;
-    seq_rows<false, MR, NT>(j, static_cast<const float*>(j.panels) + offset, x, tr.rows, buf);
+    seq_rows<false, MR, NT, 0>(j, static_cast<const float*>(j.panels) + offset, x, tr.rows, buf);
   } else {
     const float* panel = static_cast<const float*>(j.panels) + tr.panel * j.K * kPanel;
     for (int64_t r = 0; r < tr.rows; ++r)
@@ -462,11 +465,15 @@ CSA_TARGET_AVX512 void task_avx512(const Job& j, size_t task, bool w_bf16) {
 // rows) read every 256-byte pair row in two halves. Measured on an AMD EPYC with AVX2 only
 // (family 23), 3 layers' decode step, 2 threads: 95.7 -> 59.0 ms at batch 1; at batch 4
 // the 64-column pass was slower (1 row a tile: 100 -> 119 ms; 2 rows: 111, spilling).
+// A bf16 panel's pair rows are prefetched kAvx2PrefetchPairs ahead (2 KiB of one stream):
+// there the hardware prefetcher alone left one row at 0.62 of the read probe
+// (tools/bench_decode_stream.py, 800 MiB: 57 -> 39-46 ms; 4 rows 97 -> 85-89 ms, FMA-bound).
+constexpr int kAvx2PrefetchPairs = 8;
 CSA_TARGET_AVX2 void task_avx2(const Job& j, size_t task, bool w_bf16) {
   if (j.M == 1) {
-    run_task<1, 64, 32>(j, task, w_bf16);
+    run_task<1, 64, 32, kAvx2PrefetchPairs>(j, task, w_bf16);
   } else {
-    run_task<2, 32, 32>(j, task, w_bf16);
+    run_task<2, 32, 32, kAvx2PrefetchPairs>(j, task, w_bf16);
   }
 }
 #endif
