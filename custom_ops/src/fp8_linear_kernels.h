@@ -527,13 +527,38 @@ CSA_TARGET_AVX2 CSA_INLINE __m256 digits_to_float8(__m256i hi, __m256i lo) {
 // f_lanes_generic four rows at a time (the last ones padded): each row's block against the
 // W block's digits, lanes over k (vpmaddwd; every int32 partial sum exact, as the AVX-512
 // path's), the lanes summed by a vphaddd tree, hi * 2^8 + lo rounded once per row.
+// w_digits_generic in ymm (w_digits_avx512's twin): 8 codes' units at a time (M << sh, NaN
+// codes 0, the sign last), >> t, the two digits; packed into int16 pairs in k order. The
+// scalar loop took most of a one-row f_lanes call (AMD EPYC, AVX2: f_lanes 7.1% of an fp8
+// decode step's samples).
+CSA_TARGET_AVX2 CSA_INLINE void w_digits_avx2(const uint8_t* codes, uint32_t t, __m256i (&dh)[2],
+                                              __m256i (&dl)[2]) {
+  const __m256i zero = _mm256_setzero_si256();
+  const __m128i count = _mm_cvtsi32_si128(static_cast<int>(t));
+  __m256i h[4], l[4];
+  for (int q = 0; q < 4; ++q) {
+    const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 8 * q)));
+    const __m256i e = _mm256_and_si256(_mm256_srli_epi32(c, 3), _mm256_set1_epi32(15));
+    const __m256i mant = _mm256_or_si256(_mm256_and_si256(c, _mm256_set1_epi32(7)),
+                                         _mm256_and_si256(_mm256_cmpgt_epi32(e, zero), _mm256_set1_epi32(8)));
+    const __m256i expo = _mm256_max_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), zero);
+    const __m256i nan = _mm256_cmpeq_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x7F)), _mm256_set1_epi32(0x7F));
+    const __m256i u = _mm256_andnot_si256(nan, _mm256_sllv_epi32(mant, expo));
+    const __m256i neg = _mm256_sub_epi32(zero, _mm256_srli_epi32(c, 7));  // -1 for a negative code
+    const __m256i v = _mm256_sra_epi32(_mm256_sub_epi32(_mm256_xor_si256(u, neg), neg), count);  // exact
+    h[q] = _mm256_srai_epi32(v, fp8_int::kDigitBits);
+    l[q] = _mm256_and_si256(v, _mm256_set1_epi32(255));
+  }
+  // packs gives codes [0-3, 8-11 | 4-7, 12-15] of two registers; the 64-bit permute, k order
+  for (int i = 0; i < 2; ++i) {
+    dh[i] = _mm256_permute4x64_epi64(_mm256_packs_epi32(h[2 * i], h[2 * i + 1]), 0xD8);
+    dl[i] = _mm256_permute4x64_epi64(_mm256_packs_epi32(l[2 * i], l[2 * i + 1]), 0xD8);
+  }
+}
+
 CSA_TARGET_AVX2 CSA_INLINE void f_lanes_avx2_body(const FJob& j) {
-  alignas(32) int32_t wh[kPairs], wl[kPairs];
-  w_digits_generic(j.codes, j.t, wh, wl);
-  const __m256i dh[2] = {_mm256_load_si256(reinterpret_cast<const __m256i*>(wh)),
-                         _mm256_load_si256(reinterpret_cast<const __m256i*>(wh + 8))};
-  const __m256i dl[2] = {_mm256_load_si256(reinterpret_cast<const __m256i*>(wl)),
-                         _mm256_load_si256(reinterpret_cast<const __m256i*>(wl + 8))};
+  __m256i dh[2], dl[2];
+  w_digits_avx2(j.codes, j.t, dh, dl);
   for (int64_t r = 0; r < j.rows; r += 4) {
     const int64_t n = j.rows - r < 4 ? j.rows - r : 4;  // the last rows: the others 0
     __m256i h[4], l[4];
