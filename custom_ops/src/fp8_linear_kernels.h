@@ -524,9 +524,6 @@ CSA_TARGET_AVX2 CSA_INLINE __m256 digits_to_float8(__m256i hi, __m256i lo) {
                          digits_to_float4(_mm256_castsi256_si128(hi), _mm256_castsi256_si128(lo)));
 }
 
-// f_lanes_generic four rows at a time (the last ones padded): each row's block against the
-// W block's digits, lanes over k (vpmaddwd; every int32 partial sum exact, as the AVX-512
-// path's), the lanes summed by a vphaddd tree, hi * 2^8 + lo rounded once per row.
 // w_digits_generic in ymm (w_digits_avx512's twin): 8 codes' units at a time (M << sh, NaN
 // codes 0, the sign last), >> t, the two digits; packed into int16 pairs in k order. The
 // scalar loop took most of a one-row f_lanes call (AMD EPYC, AVX2: f_lanes 7.1% of an fp8
@@ -556,6 +553,9 @@ CSA_TARGET_AVX2 CSA_INLINE void w_digits_avx2(const uint8_t* codes, uint32_t t, 
   }
 }
 
+// f_lanes_generic four rows at a time (the last ones padded): each row's block against the
+// W block's digits, lanes over k (vpmaddwd; every int32 partial sum exact, as the AVX-512
+// path's), the lanes summed by a vphaddd tree, hi * 2^8 + lo rounded once per row.
 CSA_TARGET_AVX2 CSA_INLINE void f_lanes_avx2_body(const FJob& j) {
   __m256i dh[2], dl[2];
   w_digits_avx2(j.codes, j.t, dh, dl);
