@@ -195,7 +195,8 @@ def emulate(x: np.ndarray, w: np.ndarray, w_bf16: bool) -> np.ndarray:
 
 
 EMULATION_SHAPES = [  # (M, N, K): every order, chunk rule, tail and tile edge
-    (1, 70, 1100), (3, 33, 1100), (7, 64, 701), (13, 65, 130), (50, 20, 96),  # oneDNN pairs
+    (1, 70, 1100), (3, 33, 1100), (4, 70, 1100), (7, 64, 701), (13, 65, 130),  # oneDNN pairs
+    (50, 20, 96),
     (1, 16, 256), (2, 8, 130), (3, 5, 77), (1, 3, 200), (4, 4, 64),  # torch dot (<= 4096)
     (4, 12, 200), (9, 100, 385), (6, 64, 500), (61, 17, 1000), (5, 13, 7),  # MKL chunks
     (1, 20, 13), (1, 9, 14), (1, 64, 15), (1, 40, 16), (2, 30, 99), (3, 7, 33),  # MKL lanes
@@ -727,6 +728,7 @@ def test_pack_panels_is_the_documented_layout(w_type: str) -> None:
 
 PANEL_SHAPES = [  # (M, N, K): every order, odd K, N past a multiple of 64, tiny and empty
     (1, 70, 1100), (7, 64, 701), (13, 65, 130), (100, 130, 97), (3, 129, 2049),  # pairs
+    (2, 64, 530), (4, 131, 1029),
     (1, 16, 256), (3, 5, 77), (1, 3, 200), (2, 1, 1),  # torch dot (<= 4096)
     (9, 100, 385), (61, 17, 1000), (5, 13, 7),  # MKL chunks
     (1, 20, 13), (2, 30, 99), (50, 11, 40)]  # MKL lanes
