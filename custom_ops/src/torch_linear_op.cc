@@ -468,12 +468,12 @@ CSA_TARGET_AVX512 void task_avx512(const Job& j, size_t task, bool w_bf16) {
 // A bf16 panel's pair rows are prefetched kAvx2PrefetchPairs ahead (2 KiB of one stream):
 // there the hardware prefetcher alone left one row at 0.62 of the read probe
 // (tools/bench_decode_stream.py, 800 MiB: 57 -> 39-46 ms; 4 rows 97 -> 85-89 ms, FMA-bound).
-// Three and four rows (decode at batch 3-4) take all rows in one tile (four rows need more
-// ymm registers than AVX2 has: 16 accumulators besides the pair and X): each half pair row is converted once, not once per
-// two rows, and read once. Measured there (800 MiB, 2 threads, three runs in turns): 3 rows
-// 67-74 -> 58-60 ms, 4 rows 82-90 -> 75.5-76.5; three rows a tile with the fourth alone:
-// 79-81; 4 rows x 16 columns (four passes over each pair row): about 7x slower; more rows
-// (prefill) a tile of three: no gain, kept at two.
+// Three and four rows (decode at batch 3-4) take all rows in one tile, so each half pair row
+// is converted and read once, not once per two rows (four rows need more ymm registers than
+// AVX2 has: 16 accumulators besides the pair and X). Measured there (800 MiB, 2 threads,
+// three runs in turns): 3 rows 67-74 -> 58-60 ms, 4 rows 82-90 -> 75.5-76.5; three rows a
+// tile with the fourth alone: 79-81; 4 rows x 16 columns (four passes over each pair row):
+// about 7x slower; more rows (prefill) in tiles of three: no gain, kept at two.
 constexpr int kAvx2PrefetchPairs = 8;
 CSA_TARGET_AVX2 void task_avx2(const Job& j, size_t task, bool w_bf16) {
   if (j.M == 1) {
