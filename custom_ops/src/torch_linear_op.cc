@@ -465,19 +465,22 @@ CSA_TARGET_AVX512 void task_avx512(const Job& j, size_t task, bool w_bf16) {
 // rows) read every 256-byte pair row in two halves. Measured on an AMD EPYC with AVX2 only
 // (family 23), 3 layers' decode step, 2 threads: 95.7 -> 59.0 ms at batch 1; at batch 4
 // the 64-column pass was slower (1 row a tile: 100 -> 119 ms; 2 rows: 111, spilling).
-// A bf16 panel's pair rows are prefetched kAvx2PrefetchPairs ahead (2 KiB of one stream):
-// there the hardware prefetcher alone left one row at 0.62 of the read probe
-// (tools/bench_decode_stream.py, 800 MiB: 57 -> 39-46 ms; 4 rows 97 -> 85-89 ms, FMA-bound).
+// A bf16 panel's pair rows are prefetched ahead: there the hardware prefetcher alone left
+// one row at 0.62 of the read probe (tools/bench_decode_stream.py, 800 MiB: 57 -> 39-46 ms
+// 8 pairs ahead; 4 rows 97 -> 85-89 ms, FMA-bound). One row reads a panel's 256-byte pair
+// rows fastest 4 ahead (1 KiB): measured later, 800 MiB in turns, 0 / 2 / 4 / 6 / 8 / 16
+// / 32 ahead: 49.5 / 33.0 / 32.4-34.9 / 37.3 / 39.3-41.2 / 38.6 / 38.9 ms; two to four rows
+// (FMA-bound) keep 8, the same or a little faster there (3 rows: 52.9 at 8, 56.1 at 4).
 // Three and four rows (decode at batch 3-4) take all rows in one tile, so each half pair row
 // is converted and read once, not once per two rows (four rows need more ymm registers than
 // AVX2 has: 16 accumulators besides the pair and X). Measured there (800 MiB, 2 threads,
 // three runs in turns): 3 rows 67-74 -> 58-60 ms, 4 rows 82-90 -> 75.5-76.5; three rows a
 // tile with the fourth alone: 79-81; 4 rows x 16 columns (four passes over each pair row):
 // about 7x slower; more rows (prefill) in tiles of three: no gain, kept at two.
-constexpr int kAvx2PrefetchPairs = 8;
+constexpr int kAvx2PrefetchPairs = 8, kAvx2PrefetchPairsOneRow = 4;
 CSA_TARGET_AVX2 void task_avx2(const Job& j, size_t task, bool w_bf16) {
   if (j.M == 1) {
-    run_task<1, 64, 32, kAvx2PrefetchPairs>(j, task, w_bf16);
+    run_task<1, 64, 32, kAvx2PrefetchPairsOneRow>(j, task, w_bf16);
   } else if (j.M == 3) {
     run_task<3, 32, 32, kAvx2PrefetchPairs>(j, task, w_bf16);
   } else if (j.M == 4) {
