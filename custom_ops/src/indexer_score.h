@@ -358,7 +358,11 @@ __attribute__((always_inline)) inline void tile_row(const Tile& tile, int64_t r,
 
 template <typename V>
 __attribute__((always_inline)) inline void tile_row(const Tile& tile, int64_t r, float* terms) {
-  tile_row<V>(tile, r, terms, [&](int64_t c, float* t) { fma_block<V>(tile, r, c, t); });
+  // always_inline: a lambda is compiled for the default target, and GCC left every vector
+  // member below it a call (AVX2 tiles 5x slower; tests/test_kernel_inlining.py)
+  tile_row<V>(tile, r, terms, [&](int64_t c, float* t) __attribute__((always_inline)) {
+    fma_block<V>(tile, r, c, t);
+  });
 }
 
 #ifdef CSA_X86
