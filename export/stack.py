@@ -246,7 +246,8 @@ def _compute_once(model: ir.Model) -> None:
     """Identical nodes (op, inputs, attributes) computed once (onnx_ir's common-subexpression
     pass; initializers already shared): each module of a layer builds the call's positions
     and RoPE rows, as do the layers that share RoPE parameters, and every layer its window
-    indices. A decode step of layers 0..2 at the released dims runs 171 nodes, not 278 (prefill 313, not 401)."""
+    indices. A decode step of layers 0..2 at the released dims runs 171 nodes, not 278
+    (prefill 313, not 401)."""
     ir.passes.common.CommonSubexpressionEliminationPass()(model)
     ir.passes.common.RemoveUnusedNodesPass()(model)
 
