@@ -139,7 +139,7 @@ def test_an_exported_stack_differs_only_where_a_body_cannot_serve(case1_exports)
                 (n.op_type == "SparseAttention" and len(n.input) == 5) or
                 (n.op_type == "IndexerScore" and any(a.name == "keys_format" for a in n.attribute))
                 for n in nodes)
-            packed_sources[portable] = (  # a cache (and, keys, the rows read) per unpack
+            packed_sources[portable] = (  # what one unpack reads: a cache (keys: and width)
                 {tuple(n.input[4:]) for n in nodes
                  if n.op_type == "SparseAttention" and len(n.input) == 5} |
                 {tuple(n.input[2:4]) for n in nodes if n.op_type == "IndexerScore"
