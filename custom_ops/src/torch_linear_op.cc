@@ -405,7 +405,60 @@ CSA_INLINE void store_rows(const Job& j, const TaskRows& tr, const float* buf) {
   }
 }
 
-template <bool kPairs, int MR, int NT, int PF>
+#ifdef CSA_X86
+// pair_tile on AVX2 with its registers spelled out: each 8-column vector of a pair row is
+// widened and at once multiplied into the rows' accumulators (GCC's vectorised pair_tile
+// widens the whole pair row first). The same fmafs in the same order: the same bits. Not
+// inlined: its caller's lambda is compiled for the default target (one call per chunk of
+// up to 512 pair rows).
+template <int MR, int NV, int PF>
+CSA_TARGET_AVX2 __attribute__((noinline)) void pair_tile_avx2(const float* x, int64_t ldx,
+                                                              const uint32_t* panel, int64_t k0,
+                                                              int64_t k1, float* out) {
+  __m256 acc[MR][NV];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NV; ++v) acc[m][v] = _mm256_setzero_ps();
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  int64_t k = k0;
+  for (; k + 1 < k1; k += 2) {
+    const uint32_t* wp = panel + (k / 2) * kPanel;
+    if constexpr (PF > 0)
+      for (int v = 0; v < NV; v += 2)  // 64-byte lines
+        _mm_prefetch(reinterpret_cast<const char*>(wp + PF * kPanel + 8 * v), _MM_HINT_T0);
+    __m256 x1[MR], x0[MR];
+    for (int m = 0; m < MR; ++m) {
+      x1[m] = _mm256_broadcast_ss(x + m * ldx + k + 1);
+      x0[m] = _mm256_broadcast_ss(x + m * ldx + k);
+    }
+    for (int v = 0; v < NV; ++v) {
+      const __m256i pair = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 8 * v));
+      const __m256 w1 = _mm256_castsi256_ps(_mm256_and_si256(pair, high));
+      const __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(pair, 16));
+      for (int m = 0; m < MR; ++m) {
+        acc[m][v] = _mm256_fmadd_ps(x1[m], w1, acc[m][v]);
+        acc[m][v] = _mm256_fmadd_ps(x0[m], w0, acc[m][v]);
+      }
+    }
+  }
+  if (k < k1) {
+    const uint32_t* wp = panel + (k / 2) * kPanel;
+    for (int v = 0; v < NV; ++v) {
+      const __m256i pair = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 8 * v));
+      const __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(pair, 16));
+      for (int m = 0; m < MR; ++m)
+        acc[m][v] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + m * ldx + k), w0, acc[m][v]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NV; ++v) {
+      float* o = out + m * kPanel + 8 * v;
+      _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), acc[m][v]));
+    }
+}
+#endif
+
+// kAvx2: bf16 pair tiles by pair_tile_avx2 (the caller's target must include AVX2).
+template <bool kPairs, int MR, int NT, int PF, bool kAvx2 = false>
 CSA_INLINE void seq_rows(const Job& j, const void* panel_data, const float* x0, int64_t rows,
                          float* buf) {
   const int64_t ldx = j.G * j.K;
@@ -415,6 +468,13 @@ CSA_INLINE void seq_rows(const Job& j, const void* panel_data, const float* x0, 
       auto tile = [&](auto mr, int64_t r) {
         constexpr int R = decltype(mr)::value;
         const float* x = x0 + r * ldx;
+#ifdef CSA_X86
+        if constexpr (kPairs && kAvx2) {
+          pair_tile_avx2<R, NT / 8, PF>(x, ldx, static_cast<const uint32_t*>(panel_data) + c, k0,
+                                        k1, buf + r * kPanel + c);
+          return;
+        }
+#endif
         if constexpr (kPairs)
           pair_tile<R, NT, PF>(x, ldx, static_cast<const uint32_t*>(panel_data) + c, k0, k1,
                            buf + r * kPanel + c);
@@ -429,7 +489,7 @@ CSA_INLINE void seq_rows(const Job& j, const void* panel_data, const float* x0, 
   }
 }
 
-template <int MR, int NT, int LANES_NT, int PF = 0>
+template <int MR, int NT, int LANES_NT, int PF = 0, bool kAvx2 = false>
 CSA_INLINE void run_task(const Job& j, size_t task, bool w_bf16) {
   const TaskRows tr = task_rows(j, task);
   alignas(64) float buf[kMaxRows * kPanel];
@@ -439,7 +499,8 @@ CSA_INLINE void run_task(const Job& j, size_t task, bool w_bf16) {
   const float* x = task_x(j, tr);
   if (w_bf16) {
     const int64_t offset = tr.panel * j.pairs * kPanel;
-    seq_rows<true, MR, NT, PF>(j, static_cast<const uint32_t*>(j.panels) + offset, x, tr.rows, buf);
+    const uint32_t* panel = static_cast<const uint32_t*>(j.panels) + offset;
+    seq_rows<true, MR, NT, PF, kAvx2>(j, panel, x, tr.rows, buf);
   } else if (j.plan.order == Order::kMklBlocked) {
     const int64_t offset = tr.panel * j.K * kPanel;
     seq_rows<false, MR, NT, 0>(j, static_cast<const float*>(j.panels) + offset, x, tr.rows, buf);
@@ -477,6 +538,12 @@ CSA_TARGET_AVX512 void task_avx512(const Job& j, size_t task, bool w_bf16) {
 // three runs in turns): 3 rows 67-74 -> 58-60 ms, 4 rows 82-90 -> 75.5-76.5; three rows a
 // tile with the fourth alone: 79-81; 4 rows x 16 columns (four passes over each pair row):
 // about 7x slower; more rows (prefill) in tiles of three: no gain, kept at two.
+// Two rows (decode at batch 2) take the 64 columns in one pass too, by pair_tile_avx2 (16
+// accumulators, some on the stack): 800 MiB in turns 48.1-53.4 -> 39.9-46.1 ms, where the
+// 32-column tiles ran the panel's two halves at 0.57-0.80 of the read probe though they
+// compute as fast from L1. pair_tile_avx2 for three or four rows (32 or 64 columns a
+// pass), or for prefill's many rows (1.26x the time at 256-1024 rows), was slower than
+// GCC's tiles.
 constexpr int kAvx2PrefetchPairs = 8, kAvx2PrefetchPairsOneRow = 4;
 CSA_TARGET_AVX2 void task_avx2(const Job& j, size_t task, bool w_bf16) {
   if (j.M == 1) {
@@ -485,6 +552,8 @@ CSA_TARGET_AVX2 void task_avx2(const Job& j, size_t task, bool w_bf16) {
     run_task<3, 32, 32, kAvx2PrefetchPairs>(j, task, w_bf16);
   } else if (j.M == 4) {
     run_task<4, 32, 32, kAvx2PrefetchPairs>(j, task, w_bf16);
+  } else if (j.M == 2) {
+    run_task<2, 64, 32, kAvx2PrefetchPairs, true>(j, task, w_bf16);
   } else {
     run_task<2, 32, 32, kAvx2PrefetchPairs>(j, task, w_bf16);
   }
