@@ -34,7 +34,7 @@ from csa2onnx.graphs.numerics import (
     round_bf16,
 )
 from csa2onnx.graphs.quant import fp4_e8m0
-from csa2onnx.graphs.rope import FreqsCis, RopeParams, apply_rotary_emb
+from csa2onnx.graphs.rope import FreqsCis, RopeParams, apply_rotary_emb, token_positions
 
 
 class KeyCacheChoice(Protocol):
@@ -211,7 +211,9 @@ class Indexer(nn.Module):
         s = op.Slice(op.Shape(qr), [1], [2])
         start = op.Constant(value_ints=[0]) if start_pos is None else scalar_i64(op, start_pos)
         end = op.Add(start, s)
-        positions = op.Range(op.Squeeze(start, [0]), op.Squeeze(end, [0]), one)
+        # built as the attention's queries build theirs, so that a decode step computes the
+        # positions and RoPE rows once for both (the exporter merges identical nodes)
+        positions = token_positions(op, x, start if start_pos is None else start_pos)
 
         # Queries [b, s, H, D], RoPE at start_pos.., fp4 with e8m0 scales.
         q = op.Reshape(self.wq_b(op, qr), [0, 0, self.n_heads, self.head_dim])
