@@ -213,13 +213,18 @@ def apply_rope(op: OpBuilder, x: ir.Value, cos: ir.Value, sin: ir.Value, rope_he
                               inverse=int(inverse))
 
 
-def torch_rms_norm(op: OpBuilder, x: ir.Value, w: ir.Value, eps: float) -> ir.Value:
+def torch_rms_norm(op: OpBuilder, x: ir.Value, w: ir.Value, eps: float, *,
+                   rounded: bool = False) -> ir.Value:
     """w * (x * rsqrt(mean(x^2) + eps)) over the last axis in float32, the mean summed in
     torch CPU's order (custom_ops/src/torch_rms_norm.h; the portable body spells out the
-    same order, bit for bit). No rounding inside: round to bf16 where the reference does."""
+    same order, bit for bit). `rounded`: y through bfloat16 as a Cast pair would (the
+    kernel fuses it; a portable graph gets the Casts)."""
     if not eps > 0:
         raise ValueError(f"RMSNorm eps must be > 0, got {eps}")
-    return _csa(op).TorchRMSNorm(x, w, epsilon=float(eps))
+    if rounded and is_portable(op):
+        return round_bf16(op, _csa(op).TorchRMSNorm(x, w, epsilon=float(eps)))
+    attributes = {"round_output": 1} if rounded else {}
+    return _csa(op).TorchRMSNorm(x, w, epsilon=float(eps), **attributes)
 
 
 def sparse_attention(op: OpBuilder, q: ir.Value, kv: ir.Value, sink: ir.Value, idx: ir.Value,

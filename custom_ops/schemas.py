@@ -278,7 +278,8 @@ SIGNATURES: tuple[OpSignature, ...] = (
         "TorchRMSNorm", "W * (X * rsqrt(mean(X^2) + epsilon)), the mean in torch CPU's order.",
         (Param("X", _FLOAT), Param("W", "TW")), (Param("Y", _FLOAT),),
         _infer_like_first(TensorProto.FLOAT), (("TW", _W_TYPES),),
-        (Attribute("epsilon", _Attr.FLOAT, required=True),)),
+        (Attribute("epsilon", _Attr.FLOAT, required=True),
+         Attribute("round_output", _Attr.INT, default=0))),
     OpSignature(
         "SparseAttention", "The reference's sparse_attn over the selected KV rows.",
         (Param("Q", _FLOAT), Param("KV", _FLOAT), Param("Sink", _FLOAT), Param("Idx", "TI"),

@@ -13,7 +13,8 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript import OpBuilder, nn
 
-from csa2onnx.custom_ops.ops import fp8_linear, round_bf16, torch_linear, torch_rms_norm
+from csa2onnx.custom_ops.ops import fp8_linear, torch_linear, torch_rms_norm
+from csa2onnx.custom_ops.ops import round_bf16 as round_bf16  # the graphs' one rounding helper
 from csa2onnx.custom_ops.weight_layout import (
     PAIRS16,
     PLAIN,
@@ -168,7 +169,7 @@ class RMSNorm(nn.Module):
         self.weight = weight(w, BFLOAT16)
 
     def forward(self, op: OpBuilder, x: ir.Value) -> ir.Value:
-        return round_bf16(op, torch_rms_norm(op, x, self.weight, self.eps))
+        return torch_rms_norm(op, x, self.weight, self.eps, rounded=True)
 
 
 def round_bf16_np(x: np.ndarray) -> np.ndarray:

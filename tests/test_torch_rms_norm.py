@@ -8,7 +8,7 @@ import ml_dtypes
 import numpy as np
 import onnxruntime as ort
 import pytest
-from helpers import custom_op_model, run_model
+from helpers import cast_pair, custom_op_model, run_model
 from onnx import TensorProto, helper
 
 from csa2onnx.custom_ops import make_session
@@ -97,9 +97,9 @@ def adversarial_rows(n: int, seed: int) -> np.ndarray:
     return np.asarray(rows, np.float32)
 
 
-def rms_node_model(w_type: int, *, portable: bool) -> bytes:
+def rms_node_model(w_type: int, *, portable: bool, **attributes: int) -> bytes:
     node = helper.make_node("TorchRMSNorm", ["X", "W"], ["Y"], domain="csa2onnx",
-                            epsilon=1e-6)
+                            epsilon=1e-6, **attributes)
     graph = helper.make_graph(
         [node], "rms", [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["r", "n"]),
                         helper.make_tensor_value_info("W", w_type, ["n"])],
@@ -203,10 +203,36 @@ def test_portable_body_at_a_deeper_cascade(rms_sessions) -> None:
                      rms_sessions["kernel"].run(None, feeds)[0], f"n={n}")
 
 
+@pytest.mark.parametrize("w_type", [TensorProto.FLOAT, TensorProto.BFLOAT16], ids=["f32", "bf16"])
+def test_round_output_is_the_cast_pair(w_type: int) -> None:
+    """round_output=1 rounds Y through bfloat16 as onnxruntime's Cast pair does (NaN, inf,
+    ties and values past bf16's range included), for float and bf16 weights."""
+    x = adversarial_rows(1536, seed=5)
+    x[1, :4] = [3e38, -3e38, 1.0, 1.0]  # Y past bf16's largest finite value
+    w = (np.random.default_rng(6).random(1536) + 0.5).astype(np.float32)
+    w_feed = (ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
+        w.astype(ml_dtypes.bfloat16).view(np.uint16), TensorProto.BFLOAT16)
+        if w_type == TensorProto.BFLOAT16 else ort.OrtValue.ortvalue_from_numpy(w))
+    feeds = {"X": ort.OrtValue.ortvalue_from_numpy(x), "W": w_feed}
+    plain, rounded = (make_session(rms_node_model(w_type, portable=False, round_output=r))
+                      for r in (0, 1))
+    unrounded = plain.run_with_ort_values(["Y"], feeds)[0].numpy()
+    got = rounded.run_with_ort_values(["Y"], feeds)[0].numpy()
+    assert not np.array_equal(np.nan_to_num(unrounded), np.nan_to_num(cast_pair(unrounded)))
+    assert_same_bits(got, cast_pair(unrounded), "round_output")
+
+
+def test_round_output_must_be_0_or_1() -> None:
+    with pytest.raises(Exception, match="TorchRMSNorm: round_output must be 0 or 1, got 2"):
+        make_session(rms_node_model(TensorProto.FLOAT, portable=False, round_output=2))
+
+
+@pytest.mark.parametrize("rounded", [False, True], ids=["unrounded", "rounded"])
 @pytest.mark.parametrize("portable", [False, True], ids=["kernel", "portable"])
-def test_wrapper_builds_the_op_node_either_way(portable: bool) -> None:
+def test_wrapper_builds_the_op_node_either_way(portable: bool, rounded: bool) -> None:
     """ops.torch_rms_norm emits the TorchRMSNorm node in every graph (one mechanism): a
-    portable model carries the body and runs it without the library, same bits."""
+    portable model carries the body and runs it without the library, same bits. Rounded,
+    the kernel rounds (round_output) where a portable graph has the Cast pair."""
     import onnx_ir as ir
 
     from csa2onnx.custom_ops.ops import torch_rms_norm
@@ -218,12 +244,14 @@ def test_wrapper_builds_the_op_node_either_way(portable: bool) -> None:
     w = (np.random.default_rng(4).random(n) + 0.5).astype(np.float32)
 
     def body(op, x):
-        return torch_rms_norm(op, x, op.Constant(value=ir.tensor(w)), 1e-6)
+        return torch_rms_norm(op, x, op.Constant(value=ir.tensor(w)), 1e-6, rounded=rounded)
 
     model = build_model("rms", [("x", FLOAT, ["r", n])], ["y"], body, portable=portable)
     assert [node.op_type for node in model.graph.node if node.domain == "csa2onnx"] == [
         "TorchRMSNorm"]
+    casts = sum(node.op_type == "Cast" for node in model.graph.node)
+    assert casts == (2 if rounded and portable else 0)
     got = run_model(model, {"x": x}, library=not portable)["y"]
     want = make_session(rms_node_model(TensorProto.FLOAT, portable=False)).run(
         None, {"X": x, "W": w})[0]
-    assert_same_bits(got, want, "wrapper")
+    assert_same_bits(got, cast_pair(want) if rounded else want, "wrapper")

@@ -1,7 +1,8 @@
 // TorchRMSNorm (domain csa2onnx): Y = W * (X * rsqrt(mean(X^2) + epsilon)) along the last
 // axis, float32, with the mean summed in torch's order (torch_rms_norm.h). Inputs X (float,
-// [..., n], rank >= 1) and W (float or bfloat16, [n]); attribute epsilon (float, > 0);
-// output Y (float, X's shape), not rounded (the graph rounds to bf16 as the reference does).
+// [..., n], rank >= 1) and W (float or bfloat16, [n]); attributes epsilon (float, > 0) and
+// round_output (int, default 0: 1 rounds Y through bfloat16 as the graph's Cast pair to
+// bf16 and back would, where the reference rounds); output Y (float, X's shape).
 #include "ort_api.h"
 
 #include <exception>
@@ -10,6 +11,7 @@
 
 #include "element_types.h"
 #include "kernel_support.h"
+#include "ort_cast.h"
 #include "torch_rms_norm.h"
 #include "torch_rms_norm_op.h"
 
@@ -21,11 +23,17 @@ constexpr const char* kOp = "TorchRMSNorm";
 template <typename WT>
 struct TorchRMSNormKernel {
   float epsilon = 0.0f;
+  bool round_output = false;
 
   TorchRMSNormKernel(const OrtApi*, const OrtKernelInfo* info) {
     require_node_io(info, kOp, 2, 1);
     epsilon = required_attribute<float>(info, kOp, "epsilon", "a float");
     if (!(epsilon > 0.0f)) fail(kOp, "epsilon must be > 0, got " + std::to_string(epsilon));
+    const int64_t round =
+        optional_attribute<int64_t>(info, kOp, "round_output", "an int").value_or(0);
+    if (round != 0 && round != 1)
+      fail(kOp, "round_output must be 0 or 1, got " + std::to_string(round));
+    round_output = round == 1;
   }
 
   Ort::Status Compute(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& x,
@@ -55,15 +63,19 @@ struct TorchRMSNormKernel {
       float* y;
       int64_t n;
       float eps;
+      bool round_output;
       bool out_of_memory = false;
-    } job{x.Data(), w.Data(), out, n, epsilon};
+    } job{x.Data(), w.Data(), out, n, epsilon, round_output};
     auto run_row = [](void* data, size_t row) {
       Job& j = *static_cast<Job*>(data);
       try {  // no exception may escape into onnxruntime's thread pool
         std::vector<float> squares(static_cast<size_t>(j.n));
         const int64_t offset = static_cast<int64_t>(row) * j.n;
+        float* y = j.y + offset;
         rms_norm_row(j.x + offset, j.n, [&j](int64_t i) { return to_float(j.w[i]); }, j.eps,
-                     squares.data(), j.y + offset);
+                     squares.data(), y);
+        if (j.round_output)
+          for (int64_t i = 0; i < j.n; ++i) y[i] = ort_cast::cast_bf16(y[i]);
       } catch (const std::bad_alloc&) {
         j.out_of_memory = true;
       }
