@@ -798,6 +798,11 @@ def rope_case(rng: np.random.Generator, index: int, omit_inputs: bool) -> Case:
     ok = w.shape == (n,)
     attributes["epsilon"] = 1e-6 if rng.random() < 0.95 else choose(rng, [0, -1])
     ok = ok and attributes["epsilon"] > 0
+    u = rng.random()
+    if u < 0.03:
+        attributes["round_output"], ok = choose(rng, [2, -1]), False
+    elif u < 0.5:
+        attributes["round_output"] = choose(rng, [0, 1])
     return Case(index, "rmsnorm", FLOAT, x, attributes, ["Y"], int(rng.integers(1, 3)),
                 expect_ok=ok, more={"W": (BFLOAT16, bf16_bits(w)) if bf16 else (FLOAT, w)})
 
@@ -831,8 +836,15 @@ def check_rope(case: Case, outputs: dict[str, np.ndarray]) -> str | None:
     mean_sq = np.mean(x * x, axis=-1, keepdims=True) if x.shape[-1] else np.ones(x.shape)
     finite = (np.isfinite(want) & (np.abs(want) > 1e-30) & (np.abs(want) < 1e37) &
               (mean_sq > 1e-30) & (mean_sq < 1e30))
-    if np.any(np.abs(got[finite] - want[finite]) > 1e-5 * np.abs(want[finite])):
-        return "Y is not within 1e-5 of a float64 evaluation"
+    rounded = case.attributes.get("round_output") == 1
+    tolerance = 1e-5 + (2.0 ** -8 if rounded else 0.0)  # bf16's rounding: half its spacing
+    if np.any(np.abs(got[finite] - want[finite]) > tolerance * np.abs(want[finite])):
+        return f"Y is not within {tolerance:g} of a float64 evaluation"
+    if rounded:
+        from csa2onnx.custom_ops.reference import round_bf16
+
+        if not same_floats(got, round_bf16(got)):
+            return "round_output: Y is not bf16-valued"
     return None
 
 
