@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
@@ -14,7 +15,7 @@ from csa2onnx.export.checkpoint import open_checkpoint
 from csa2onnx.export.config import AttentionConfig, ConfigError
 from csa2onnx.export.goldens import load_case
 from csa2onnx.export.plan import plan_stack
-from csa2onnx.export.runtime import AttentionRuntime, describe
+from csa2onnx.export.runtime import AttentionRuntime, RuntimeStateError, describe
 from csa2onnx.export.stack import export_stack
 from csa2onnx.export.weights import WeightsError, from_golden, from_safetensors
 
@@ -71,11 +72,36 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+RUN_INPUT = re.compile(r"(prefill|decode(\d+))\.L(\d+)\.x")
+
+
+def run_steps(names: list[str], layers: list[int]) -> list[str]:
+    """The steps of a `run` inputs file, prefill first, then decode0, decode1, ... in order.
+    Every array must be STEP.L{layer}.x for one of the artifacts' layers, and every step
+    must have all of them."""
+    steps: dict[str, set[int]] = {}
+    for name in names:
+        match = RUN_INPUT.fullmatch(name)
+        if match is None:
+            raise ValueError(f"inputs: array {name!r} is not named STEP.L{{layer}}.x (STEP "
+                             "'prefill' or 'decode0', 'decode1', ...)")
+        if int(match[3]) not in layers:
+            raise ValueError(f"inputs: array {name!r} is for layer {match[3]}; the artifacts "
+                             f"hold layers {layers}")
+        steps.setdefault(match[1], set()).add(int(match[3]))
+    if not steps:
+        raise ValueError("inputs: no arrays (expected STEP.L{layer}.x, e.g. prefill.L0.x)")
+    for step, present in steps.items():
+        if missing := sorted(set(layers) - present):
+            raise ValueError(f"inputs: step {step} has no array for layers {missing} "
+                             f"({step}.L{missing[0]}.x, ...)")
+    return sorted(steps, key=lambda s: -1 if s == "prefill" else int(s[6:]))
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     runtime = AttentionRuntime(args.artifacts, provider=args.provider)
     with np.load(args.inputs) as z:
-        steps = sorted({k.split(".")[0] for k in z.files},
-                       key=lambda s: (s != "prefill", int(s[6:] or 0) if s != "prefill" else 0))
+        steps = run_steps(z.files, runtime.layers)
         outputs = {}
         for step in steps:
             xs = {layer: z[f"{step}.L{layer}.x"] for layer in runtime.layers}
@@ -278,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (ConfigError, WeightsError, FileNotFoundError, ValueError) as error:
+    except (ConfigError, WeightsError, OSError, ValueError, RuntimeStateError) as error:
         print(f"csa2onnx {args.command}: error: {error}", file=sys.stderr)
         return 2
 

@@ -3,6 +3,7 @@ state chained between steps, and compared with every golden step and layer."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import ml_dtypes
@@ -170,6 +171,22 @@ def test_cli_export_inspect_run_and_verify(tmp_path: Path, capsys) -> None:
     assert cli(["run", str(out), str(inputs), "--output", str(tmp_path / "o.npz")]) == 0
     with np.load(tmp_path / "o.npz") as z:
         assert compare(z["decode0.L2.out"], g.step("decode0", 2, "out")).ok
+    capsys.readouterr()
+    x = g.step("prefill", 0, "x")
+    for arrays, message in [  # bad inputs files: one line naming the problem, exit 2
+            ({"x.L0": x}, "array 'x.L0' is not named STEP.L{layer}.x"),
+            ({f"prefill.L{layer}.x": x for layer in range(4)},
+             r"step prefill has no array for layers \[4\]"),
+            ({f"prefill.L{layer}.x": x for layer in range(6)},
+             r"'prefill.L5.x' is for layer 5; the artifacts hold layers \[0, 1, 2, 3, 4\]"),
+            ({}, "no arrays"),
+            ({f"decode0.L{layer}.x": x[:, :1] for layer in range(5)},
+             "decode called before any prefill")]:
+        np.savez(tmp_path / "bad.npz", **arrays)
+        assert cli(["run", str(out), str(tmp_path / "bad.npz"), "--output",
+                    str(tmp_path / "bad_out.npz")]) == 2
+        assert re.search(message, capsys.readouterr().err), message
+    assert not (tmp_path / "bad_out.npz").exists()
     assert cli(["export", str(case), "--weights", str(case), "--out", str(tmp_path / "sub"),
                 "--layers", "2-2"]) == 0
     with pytest.raises(RuntimeStateError, match="pass compress_kv, topk_idxs"):
