@@ -37,13 +37,15 @@ def _positive(text: str) -> int:
 def _layer_range(text: str | None, n_layers: int) -> tuple[int, int]:
     if not text:
         return 0, n_layers - 1
-    first, _, last = text.partition("-")
-    return int(first), int(last or first)
+    match = re.fullmatch(r"(\d+)(?:-(\d+))?", text)
+    if match is None:
+        raise ValueError(f"--layers: expected FIRST-LAST or one layer number, got {text!r}")
+    return int(match[1]), int(match[2] or match[1])
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     overrides = {k: v for k, v in (("max_seq_len", args.max_seq_len),
-                                   ("max_batch_size", args.max_batch_size)) if v}
+                                   ("max_batch_size", args.max_batch_size)) if v is not None}
     checkpoint = None
     if args.config.is_dir():  # a Hugging Face model folder: config and weights
         if args.weights:

@@ -193,6 +193,13 @@ def test_cli_export_inspect_run_and_verify(tmp_path: Path, capsys) -> None:
         AttentionRuntime(tmp_path / "sub").prefill({2: g.step("prefill", 2, "x")})
     assert cli(["export", str(case), "--out", str(out)]) == 2  # no weights: a clear error
     assert "--weights is required" in capsys.readouterr().err
+    for option, message in [(["--layers", "2-"], "--layers: expected FIRST-LAST"),
+                            (["--layers", "x"], "--layers: expected FIRST-LAST"),
+                            (["--max-seq-len", "0"], "max_seq_len: must be > 0, got 0"),
+                            (["--max-batch-size", "0"], "max_batch_size: must be > 0, got 0")]:
+        assert cli(["export", str(case), "--weights", str(case), "--out",
+                    str(tmp_path / "bad"), *option]) == 2, option
+        assert message in capsys.readouterr().err
 
 
 def _write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
