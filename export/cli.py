@@ -34,6 +34,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def _layer_range(text: str | None, n_layers: int) -> tuple[int, int]:
     if not text:
         return 0, n_layers - 1
@@ -246,7 +253,8 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("--index-keys", choices=["shared", "own"],
                    help="default: from the case's behaviour_patch")
     v.add_argument("--provider", choices=["cpu", "cuda"], default="cpu")
-    v.add_argument("--threads", type=int, default=0, help="intra-op threads (0: default)")
+    v.add_argument("--threads", type=_non_negative, default=0,
+                   help="intra-op threads (0: default)")
     v.add_argument("--rule", choices=["auto", "same-cpu", "cross-cpu"], default="auto",
                    help="comparison rule; auto: cross-cpu when the golden's `machine` is not "
                         "the class csa2onnx reproduces (README)")

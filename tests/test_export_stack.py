@@ -200,6 +200,9 @@ def test_cli_export_inspect_run_and_verify(tmp_path: Path, capsys) -> None:
         assert cli(["export", str(case), "--weights", str(case), "--out",
                     str(tmp_path / "bad"), *option]) == 2, option
         assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # argparse's usage error
+        cli(["verify", str(case), "--threads", "-2"])
+    assert "--threads: must be >= 0, got -2" in capsys.readouterr().err
 
 
 def _write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
