@@ -81,16 +81,16 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-RUN_INPUT = re.compile(r"(prefill|decode(\d+))\.L(\d+)\.x")
+_RUN_INPUT = re.compile(r"(prefill|decode(\d+))\.L(\d+)\.x")
 
 
-def run_steps(names: list[str], layers: list[int]) -> list[str]:
+def _run_steps(names: list[str], layers: list[int]) -> list[str]:
     """The steps of a `run` inputs file, prefill first, then decode0, decode1, ... in order.
     Every array must be STEP.L{layer}.x for one of the artifacts' layers, and every step
     must have all of them."""
     steps: dict[str, set[int]] = {}
     for name in names:
-        match = RUN_INPUT.fullmatch(name)
+        match = _RUN_INPUT.fullmatch(name)
         if match is None:
             raise ValueError(f"inputs: array {name!r} is not named STEP.L{{layer}}.x (STEP "
                              "'prefill' or 'decode0', 'decode1', ...)")
@@ -110,7 +110,7 @@ def run_steps(names: list[str], layers: list[int]) -> list[str]:
 def cmd_run(args: argparse.Namespace) -> int:
     runtime = AttentionRuntime(args.artifacts, provider=args.provider)
     with np.load(args.inputs) as z:
-        steps = run_steps(z.files, runtime.layers)
+        steps = _run_steps(z.files, runtime.layers)
         outputs = {}
         for step in steps:
             xs = {layer: z[f"{step}.L{layer}.x"] for layer in runtime.layers}
