@@ -196,6 +196,7 @@ def emulate(x: np.ndarray, w: np.ndarray, w_bf16: bool) -> np.ndarray:
 
 EMULATION_SHAPES = [  # (M, N, K): every order, chunk rule, tail and tile edge
     (1, 70, 1100), (2, 131, 1029), (3, 33, 1100), (4, 70, 1100), (7, 64, 701),  # oneDNN pairs
+    (3, 70, 513), (4, 131, 1029), (4, 9, 130),
     (13, 65, 130), (50, 20, 96),
     (1, 16, 256), (2, 8, 130), (3, 5, 77), (1, 3, 200), (4, 4, 64),  # torch dot (<= 4096)
     (4, 12, 200), (9, 100, 385), (6, 64, 500), (61, 17, 1000), (5, 13, 7),  # MKL chunks
