@@ -11,6 +11,7 @@ checkout or $CSA2ONNX_UPSTREAM) only when `--baseline upstream` asks for it.
 from __future__ import annotations
 
 import gc
+import importlib.util
 import json
 import os
 import platform
@@ -458,14 +459,24 @@ def _run_csa2onnx(runtime: AttentionRuntime, opts: BenchOptions, layers: list[in
                       read_bandwidths=bandwidths), outputs
 
 
-def load_upstream(path: Path | None) -> ModuleType:
-    """The upstream model module, loaded from its folder (reference material: never part of
-    the package; only the benchmark's baseline)."""
+def upstream_folder(path: Path | None) -> Path:
+    """The upstream reference's folder, checked (its load.py, and torch to run it): the
+    command line asks before the minutes of csa2onnx's side, not after them."""
     folder = Path(path or os.environ.get("CSA2ONNX_UPSTREAM") or ROOT.parent / "shared"
                   / "reference")
     if not (folder / "load.py").is_file():
         raise BenchError(f"--baseline upstream: no upstream reference at {folder} (load.py "
                          "missing); pass --upstream DIR")
+    if importlib.util.find_spec("torch") is None:
+        raise BenchError("--baseline upstream needs torch (pip install torch==2.13.0), which "
+                         "is not installed")
+    return folder
+
+
+def load_upstream(path: Path | None) -> ModuleType:
+    """The upstream model module, loaded from its folder (reference material: never part of
+    the package; only the benchmark's baseline)."""
+    folder = upstream_folder(path)
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
     try:

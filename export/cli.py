@@ -134,9 +134,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from csa2onnx.export.bench import BenchOptions, run_bench, to_json
+    from csa2onnx.export.bench import BenchOptions, run_bench, to_json, upstream_folder
     from csa2onnx.export.bench_matrix import run_matrix
     from csa2onnx.export.bench_sweep import run_sweep
+
+    if args.upstream is not None and args.baseline is None:
+        raise ValueError("--upstream names the baseline's folder: it needs --baseline upstream")
+    if args.baseline == "upstream":
+        upstream_folder(args.upstream)
 
     source = args.source
     config = AttentionConfig.load(source / "config.json" if source.is_dir() else source)
@@ -278,7 +283,7 @@ def parser() -> argparse.ArgumentParser:
                    help="tokens before decoding, reached by chunked prefill in calls of "
                         "--prefill tokens (default: --prefill); in a matrix, extra decode "
                         "scenarios at these contexts")
-    b.add_argument("--decode", type=int, default=16, help="decode steps (default 16)")
+    b.add_argument("--decode", type=_positive, default=16, help="decode steps (default 16)")
     b.add_argument("--batch", type=_lengths, default=[1], help="batch size(s)")
     b.add_argument("--max-seq-len", type=_lengths,
                    help="the config's max_seq_len, or several separated by commas: decode "

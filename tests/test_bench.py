@@ -103,6 +103,24 @@ def test_bench_sweep_rejects_bad_lengths(lengths: str, problem: str, capsys) -> 
     assert problem in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("decode", ["0", "-1"])
+def test_bench_rejects_fewer_than_one_decode_step(decode: str, capsys) -> None:
+    with pytest.raises(SystemExit):  # -1 had run the whole bench with no decode step
+        main(["bench", str(GOLDENS / "case1_r2_r1.json"), "--decode", decode])
+    assert f"--decode: must be >= 1, got {decode}" in capsys.readouterr().err
+
+
+def test_bench_checks_the_upstream_baseline_before_running(tmp_path: Path, capsys) -> None:
+    case = str(GOLDENS / "case1_r2_r1.json")
+    # a missing reference folder had surfaced only after csa2onnx's own run
+    assert main(["bench", case, "--baseline", "upstream", "--upstream", str(tmp_path)]) == 2
+    assert f"no upstream reference at {tmp_path} (load.py missing)" in capsys.readouterr().err
+    # --upstream alone had been ignored
+    assert main(["bench", case, "--upstream", str(tmp_path)]) == 2
+    assert "--upstream names the baseline's folder: it needs --baseline upstream" in (
+        capsys.readouterr().err)
+
+
 def test_bench_rejects_a_malformed_max_seq_len(capsys) -> None:
     with pytest.raises(SystemExit):
         main(["bench", str(GOLDENS / "case1_r2_r1.json"), "--max-seq-len", "8k"])
