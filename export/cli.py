@@ -27,15 +27,22 @@ def _progress(message: str) -> None:
     print(f"  {message}", file=sys.stderr, flush=True)
 
 
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
 def _positive(text: str) -> int:
-    value = int(text)
+    value = _integer(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
 
 
 def _non_negative(text: str) -> int:
-    value = int(text)
+    value = _integer(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
@@ -51,6 +58,8 @@ def _layer_range(text: str | None, n_layers: int) -> tuple[int, int]:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    if args.out.exists() and not args.out.is_dir():  # before the weights are read
+        raise ValueError(f"--out {args.out} is a file; give a folder (made if missing)")
     overrides = {k: v for k, v in (("max_seq_len", args.max_seq_len),
                                    ("max_batch_size", args.max_batch_size)) if v is not None}
     checkpoint = None

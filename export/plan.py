@@ -167,6 +167,9 @@ def plan_stack(config: AttentionConfig, first: int = 0, last: int | None = None,
                index_keys: IndexKeys = "shared") -> StackPlan:
     """The plan for layers first..last (inclusive) of `config`."""
     last = config.n_layers - 1 if last is None else last
+    if first > last:
+        raise ConfigError(f"layers: range {first}..{last} is empty (its first layer is after "
+                          "its last)")
     if not 0 <= first <= last < config.n_layers:
         raise ConfigError(f"layers: range {first}..{last} is outside 0..{config.n_layers - 1}")
     if index_keys not in ("shared", "own"):

@@ -195,14 +195,20 @@ def test_cli_export_inspect_run_and_verify(tmp_path: Path, capsys) -> None:
     assert "--weights is required" in capsys.readouterr().err
     for option, message in [(["--layers", "2-"], "--layers: expected FIRST-LAST"),
                             (["--layers", "x"], "--layers: expected FIRST-LAST"),
+                            (["--layers", "3-1"], "layers: range 3..1 is empty"),
                             (["--max-seq-len", "0"], "max_seq_len: must be > 0, got 0"),
                             (["--max-batch-size", "0"], "max_batch_size: must be > 0, got 0")]:
         assert cli(["export", str(case), "--weights", str(case), "--out",
                     str(tmp_path / "bad"), *option]) == 2, option
         assert message in capsys.readouterr().err
-    with pytest.raises(SystemExit):  # argparse's usage error
-        cli(["verify", str(case), "--threads", "-2"])
-    assert "--threads: must be >= 0, got -2" in capsys.readouterr().err
+    (tmp_path / "a_file").write_text("")  # found before the weights are read
+    assert cli(["export", str(case), "--weights", str(case), "--out",
+                str(tmp_path / "a_file")]) == 2
+    assert f"--out {tmp_path / 'a_file'} is a file; give a folder" in capsys.readouterr().err
+    for threads, message in [("-2", "must be >= 0, got -2"), ("x", "expected an integer, got 'x'")]:
+        with pytest.raises(SystemExit):  # argparse's usage error
+            cli(["verify", str(case), "--threads", threads])
+        assert f"--threads: {message}" in capsys.readouterr().err
 
 
 def _write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
