@@ -117,6 +117,18 @@ def split_groups(op: OpBuilder, x: ir.Value, groups: int, axis: int = -1) -> lis
     return list(op.Split(x, axis=axis, num_outputs=groups, _outputs=groups))
 
 
+def _with_rounding(op: OpBuilder, name: str, inputs: Sequence[ir.Value],
+                   attributes: dict[str, int | str | float], rounded: bool) -> ir.Value:
+    """The csa2onnx node `name`, its output through bfloat16 when `rounded`: fused by the
+    kernel (attribute round_output), or as the Cast pair in a portable graph, whose
+    standard-op bodies have no such attribute."""
+    portable = is_portable(op)
+    if rounded and not portable:
+        attributes = attributes | {"round_output": 1}
+    y = getattr(_csa(op), name)(*inputs, **attributes)
+    return round_bf16(op, y) if rounded and portable else y
+
+
 def torch_linear(op: OpBuilder, x: ir.Value, w: ir.Value, *,
                  panels: tuple[int, int] | None = None, rounded: bool = False,
                  groups: int = 1, numerics: Numerics | None = None) -> ir.Value:
@@ -147,15 +159,13 @@ def torch_linear(op: OpBuilder, x: ir.Value, w: ir.Value, *,
                         strict=True)
             y = op.Concat(*[_csa(op).TorchLinear(xg, wg) for xg, wg in parts], axis=-1)
         return round_bf16(op, y) if rounded else y
-    attributes: dict[str, int | str] = dict(_numerics_attribute(op, numerics))
-    if rounded:
-        attributes["round_output"] = 1
+    attributes: dict[str, int | str | float] = dict(_numerics_attribute(op, numerics))
     if groups != 1:
         attributes["groups"] = groups
     if panels is not None:
         n, k = panels
         attributes |= {"weight_layout": "panels64", "out_features": n, "in_features": k}
-    return _csa(op).TorchLinear(x, w, **attributes)
+    return _with_rounding(op, "TorchLinear", (x, w), attributes, rounded)
 
 
 def fp8_linear(op: OpBuilder, x: ir.Value, w: ir.Value, w_scale: ir.Value, *,
@@ -173,17 +183,13 @@ def fp8_linear(op: OpBuilder, x: ir.Value, w: ir.Value, w_scale: ir.Value, *,
 
     `pairs16`: W is stored as [N/16, K/32, 512] (custom_ops/weight_layout.py), which the
     kernel reads in place; not in a portable graph, whose body reads a plain W."""
-    attributes: dict[str, int | str] = dict(_numerics_attribute(op, numerics))
+    attributes: dict[str, int | str | float] = dict(_numerics_attribute(op, numerics))
     if pairs16:
         if is_portable(op):
             raise ValueError("a portable graph takes plain [N, K] Fp8Linear weights (its "
                              "standard-op body reads W so), not pairs16 ones")
         attributes["weight_layout"] = "pairs16"
-    if rounded and is_portable(op):
-        return round_bf16(op, _csa(op).Fp8Linear(x, w, w_scale, **attributes))
-    if rounded:
-        attributes["round_output"] = 1
-    return _csa(op).Fp8Linear(x, w, w_scale, **attributes)
+    return _with_rounding(op, "Fp8Linear", (x, w, w_scale), attributes, rounded)
 
 
 def rope_cos_sin(op: OpBuilder, positions: ir.Value, inverse_frequencies: Sequence[float],
@@ -221,10 +227,7 @@ def torch_rms_norm(op: OpBuilder, x: ir.Value, w: ir.Value, eps: float, *,
     kernel fuses it; a portable graph gets the Casts)."""
     if not eps > 0:
         raise ValueError(f"RMSNorm eps must be > 0, got {eps}")
-    if rounded and is_portable(op):
-        return round_bf16(op, _csa(op).TorchRMSNorm(x, w, epsilon=float(eps)))
-    attributes = {"round_output": 1} if rounded else {}
-    return _csa(op).TorchRMSNorm(x, w, epsilon=float(eps), **attributes)
+    return _with_rounding(op, "TorchRMSNorm", (x, w), {"epsilon": float(eps)}, rounded)
 
 
 def sparse_attention(op: OpBuilder, q: ir.Value, kv: ir.Value, sink: ir.Value, idx: ir.Value,
