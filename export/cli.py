@@ -117,6 +117,10 @@ def _run_steps(names: list[str], layers: list[int]) -> list[str]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    output = args.output  # np.savez adds .npz to a name without it
+    output = output if output.suffix == ".npz" else output.with_name(output.name + ".npz")
+    if not output.parent.is_dir():  # before the steps run, not after
+        raise ValueError(f"--output {args.output}: no folder {output.parent}")
     runtime = AttentionRuntime(args.artifacts, provider=args.provider)
     with np.load(args.inputs) as z:
         steps = _run_steps(z.files, runtime.layers)
@@ -125,8 +129,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             xs = {layer: z[f"{step}.L{layer}.x"] for layer in runtime.layers}
             result = runtime.prefill(xs) if step == "prefill" else runtime.decode(xs)
             outputs.update({f"{step}.L{layer}.out": v for layer, v in result.out.items()})
-    np.savez(args.output, **outputs)
-    print(f"ran {len(steps)} steps; wrote {len(outputs)} arrays to {args.output}")
+    np.savez(output, **outputs)
+    print(f"ran {len(steps)} steps; wrote {len(outputs)} arrays to {output}")
     return 0
 
 

@@ -172,6 +172,11 @@ def test_cli_export_inspect_run_and_verify(tmp_path: Path, capsys) -> None:
     with np.load(tmp_path / "o.npz") as z:
         assert compare(z["decode0.L2.out"], g.step("decode0", 2, "out")).ok
     capsys.readouterr()
+    # np.savez adds .npz: the message names the file written; a missing folder fails first
+    assert cli(["run", str(out), str(inputs), "--output", str(tmp_path / "o2")]) == 0
+    assert f"to {tmp_path / 'o2.npz'}" in capsys.readouterr().out
+    assert cli(["run", str(out), str(inputs), "--output", str(tmp_path / "no" / "o.npz")]) == 2
+    assert f"no folder {tmp_path / 'no'}" in capsys.readouterr().err
     x = g.step("prefill", 0, "x")
     for arrays, message in [  # bad inputs files: one line naming the problem, exit 2
             ({"x.L0": x}, "array 'x.L0' is not named STEP.L{layer}.x"),
