@@ -96,6 +96,7 @@ def base() -> AttentionConfig:
     ({"index_topk": 0}, "index_topk: must be > 0"),
     ({"index_head_dim": 48}, "index_head_dim: must be a multiple of 32"),
     ({"window_size": 0}, "window_size: must be > 0"),
+    ({"max_seq_len": 2**63}, "max_seq_len: must fit in int64"),  # had failed in the exporter
 ])
 def test_invalid_configs_name_the_field(change: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -115,6 +116,8 @@ def test_unknown_fields_are_errors() -> None:
 def test_layer_range_is_checked() -> None:
     with pytest.raises(ConfigError, match=r"outside 0\.\.5"):
         plan_stack(base(), 2, 6)
+    with pytest.raises(ConfigError, match=r"range 3\.\.1 is empty"):
+        plan_stack(base(), 3, 1)
 
 
 def test_golden_json_loads_as_config() -> None:
