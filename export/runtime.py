@@ -235,7 +235,15 @@ class AttentionRuntime:
                 rows = min(spec.rows, max(need, old_rows, MIN_CACHE_ROWS))
             else:
                 rows = min(spec.rows, max(need, 2 * old_rows))
-            array = np.zeros((batch, rows, spec.row_elements), np.dtype(spec.dtype))
+            try:
+                array = np.zeros((batch, rows, spec.row_elements), np.dtype(spec.dtype))
+            except MemoryError:
+                size = batch * rows * spec.row_elements * np.dtype(spec.dtype).itemsize
+                raise RuntimeStateError(
+                    f"state {spec.name}: {batch} x {rows} rows of {spec.row_elements} "
+                    f"{spec.dtype} ({size / 2**30:.1f} GiB) do not fit in memory"
+                    + ("" if self.grow_caches else "; caches made whole at max_seq_len "
+                       "rows (grow_caches=False) need it up front")) from None
             if value is not None:  # a batch change keeps the entries both have
                 keep_b, keep_r = min(batch, old_batch), min(rows, old_rows)
                 old = self._host.get(spec.name)

@@ -220,3 +220,23 @@ def test_capacity_grows_by_doubling_with_identical_outputs(tmp_path: Path,
         rows = growing.cache_rows()[name]
         np.testing.assert_array_equal(growing.state_array(name),
                                       full.state_array(name)[:, :rows])
+
+
+def test_state_that_does_not_fit_is_a_clear_error(tmp_path: Path) -> None:
+    """Caches made whole at max_seq_len rows (grow_caches=False) of a 2^50-token config ask
+    for more than the address space (so no overcommit setting lets it through): an error
+    naming the cache and its size, not numpy's MemoryError."""
+    from dataclasses import replace
+
+    from csa2onnx.export.runtime import RuntimeStateError
+
+    g = golden(CASE)
+    config = replace(AttentionConfig.from_model_args(g.model_args), max_seq_len=2**50)
+    plan = plan_stack(config)
+    export_stack(plan, from_golden(g.arrays, range(plan.layers[-1].layer + 1)), tmp_path)
+    runtime = AttentionRuntime(tmp_path, grow_caches=False)
+    xs = {p.layer: g.step("prefill", p.layer, "x") for p in plan.layers}
+    with pytest.raises(RuntimeStateError, match=r"state L\d+\.\w+: 1 x \d+ rows of \d+ \w+ "
+                                                r"\([\d.]+ GiB\) do not fit in memory; caches "
+                                                r"made whole at max_seq_len rows"):
+        runtime.prefill(xs)
