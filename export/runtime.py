@@ -102,6 +102,9 @@ class AttentionRuntime:
             providers.insert(0, "CUDAExecutionProvider")
         elif provider != "cpu":
             raise ValueError(f"provider must be 'cpu' or 'cuda', got {provider!r}")
+        if not isinstance(intra_op_num_threads, int) or intra_op_num_threads < 0:
+            raise ValueError("intra_op_num_threads must be an int >= 0 (0: onnxruntime's "
+                             f"default), got {intra_op_num_threads!r}")
         self.device = "cuda" if provider == "cuda" else "cpu"
         # One mapping of the weights file, its tensors handed to both sessions.
         self.weights = (SharedWeights(self.folder / self.manifest.weights_file)
