@@ -192,7 +192,7 @@ class AttentionConfig:
         for name in ("dim", "n_heads", "head_dim", "rope_head_dim", "q_lora_rank", "o_groups",
                      "o_lora_rank", "window_size", "n_layers", "max_seq_len", "max_batch_size"):
             need(int(getattr(self, name)) > 0, name, f"must be > 0, got {getattr(self, name)}")
-            need(int(getattr(self, name)) < 2**63, name,  # graph attributes and shapes are int64
+            need(int(getattr(self, name)) < 2**63, name,  # int64 attributes and shapes
                  f"must fit in int64, got {getattr(self, name)}")
         need(self.rope_head_dim % 2 == 0 and self.rope_head_dim <= self.head_dim,
              "rope_head_dim", f"must be even and <= head_dim ({self.head_dim}), "
@@ -220,8 +220,8 @@ class AttentionConfig:
         if compressed:
             for name in ("index_n_heads", "index_head_dim", "index_topk"):
                 need(int(getattr(self, name)) > 0, name, f"must be > 0, got {getattr(self, name)}")
-            need(int(getattr(self, name)) < 2**63, name,  # graph attributes and shapes are int64
-                 f"must fit in int64, got {getattr(self, name)}")
+                need(int(getattr(self, name)) < 2**63, name,  # int64 attributes and shapes
+                     f"must fit in int64, got {getattr(self, name)}")
             need(self.index_head_dim % 32 == 0, "index_head_dim",
                  f"must be a multiple of 32 (fp4 blocks), got {self.index_head_dim}")
             need(self.rope_head_dim <= self.index_head_dim, "index_head_dim",

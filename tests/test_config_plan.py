@@ -97,6 +97,7 @@ def base() -> AttentionConfig:
     ({"index_head_dim": 48}, "index_head_dim: must be a multiple of 32"),
     ({"window_size": 0}, "window_size: must be > 0"),
     ({"max_seq_len": 2**63}, "max_seq_len: must fit in int64"),  # had failed in the exporter
+    ({"index_topk": 2**63}, "index_topk: must fit in int64"),
 ])
 def test_invalid_configs_name_the_field(change: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
