@@ -240,7 +240,7 @@ class AttentionRuntime:
                 rows = min(spec.rows, max(need, 2 * old_rows))
             try:
                 array = np.zeros((batch, rows, spec.row_elements), np.dtype(spec.dtype))
-            except MemoryError:
+            except (MemoryError, ValueError):  # ValueError: past numpy's largest array
                 size = batch * rows * spec.row_elements * np.dtype(spec.dtype).itemsize
                 raise RuntimeStateError(
                     f"state {spec.name}: {batch} x {rows} rows of {spec.row_elements} "

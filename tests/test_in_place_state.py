@@ -223,20 +223,23 @@ def test_capacity_grows_by_doubling_with_identical_outputs(tmp_path: Path,
 
 
 def test_state_that_does_not_fit_is_a_clear_error(tmp_path: Path) -> None:
-    """Caches made whole at max_seq_len rows (grow_caches=False) of a 2^50-token config ask
-    for more than the address space (so no overcommit setting lets it through): an error
-    naming the cache and its size, not numpy's MemoryError."""
+    """Caches made whole at max_seq_len rows (grow_caches=False) ask for more memory than
+    exists: an error naming the cache and its size, not numpy's MemoryError (2^50 tokens:
+    past a 47-bit address space) or ValueError (2^62: past numpy's largest array), whatever
+    the overcommit setting."""
     from dataclasses import replace
 
     from csa2onnx.export.runtime import RuntimeStateError
 
     g = golden(CASE)
-    config = replace(AttentionConfig.from_model_args(g.model_args), max_seq_len=2**50)
-    plan = plan_stack(config)
-    export_stack(plan, from_golden(g.arrays, range(plan.layers[-1].layer + 1)), tmp_path)
-    runtime = AttentionRuntime(tmp_path, grow_caches=False)
-    xs = {p.layer: g.step("prefill", p.layer, "x") for p in plan.layers}
-    with pytest.raises(RuntimeStateError, match=r"state L\d+\.\w+: 1 x \d+ rows of \d+ \w+ "
-                                                r"\([\d.]+ GiB\) do not fit in memory; caches "
-                                                r"made whole at max_seq_len rows"):
-        runtime.prefill(xs)
+    for max_seq_len in (2**50, 2**62):
+        config = replace(AttentionConfig.from_model_args(g.model_args), max_seq_len=max_seq_len)
+        plan = plan_stack(config)
+        folder = tmp_path / str(max_seq_len)
+        export_stack(plan, from_golden(g.arrays, range(plan.layers[-1].layer + 1)), folder)
+        runtime = AttentionRuntime(folder, grow_caches=False)
+        xs = {p.layer: g.step("prefill", p.layer, "x") for p in plan.layers}
+        with pytest.raises(RuntimeStateError, match=r"state L\d+\.\w+: 1 x \d+ rows of \d+ \w+ "
+                                                    r"\([\d.]+ GiB\) do not fit in memory; "
+                                                    r"caches made whole at max_seq_len rows"):
+            runtime.prefill(xs)
