@@ -154,7 +154,12 @@ class AttentionConfig:
     @classmethod
     def load(cls, path: str | Path, **overrides: Any) -> AttentionConfig:
         """A config.json of either naming, or a golden case's JSON (its model_args)."""
-        data = json.loads(Path(path).read_text())
+        try:
+            data = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"{path}: not valid JSON ({error})") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: a config is a JSON object, got a {type(data).__name__}")
         if "model_args" in data:
             return cls.from_model_args(data["model_args"], **overrides)
         if "text_config" in data or "hidden_size" in data:

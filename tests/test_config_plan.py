@@ -104,6 +104,17 @@ def test_invalid_configs_name_the_field(change: dict, message: str) -> None:
         replace(base(), **change)
 
 
+@pytest.mark.parametrize(("text", "message"), [
+    ("{bad", r"not valid JSON \(Expecting property name"),  # had been json's bare message
+    ("[1, 2]", "a config is a JSON object, got a list"),
+])
+def test_config_file_that_is_not_a_json_object(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=f"{path}: {message}"):
+        AttentionConfig.load(path)
+
+
 def test_unknown_fields_are_errors() -> None:
     args = dict(golden("case1_r2_r1").model_args)
     with pytest.raises(ConfigError, match=r"unknown config field.*compress_ratio_typo"):
