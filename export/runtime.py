@@ -111,6 +111,8 @@ class AttentionRuntime:
                         if self.manifest.weights_file else None)
         self.sessions = {mode: self._session(mode, providers, intra_op_num_threads, spinning)
                          for mode in ("prefill", "decode")}
+        self._declared_inputs = {i.name: (i.type, i.shape)
+                                 for i in self.sessions["decode"].get_inputs()}
         self.state: dict[str, ort.OrtValue] = {}
         self._host: dict[str, np.ndarray] = {}  # CPU caches: the arrays their OrtValues share
         self.position = 0  # tokens seen so far (next start_pos)
@@ -269,9 +271,24 @@ class AttentionRuntime:
         if missing:
             raise RuntimeStateError(f"this sub-stack reads slots written outside it: pass "
                                     f"{', '.join(missing)} (see manifest external_slots)")
+        extra = sorted(set(slots) - set(self.manifest.external_slots))
+        if extra:
+            raise ValueError(f"slots {', '.join(extra)}: this sub-stack does not read them (it "
+                             f"reads {', '.join(self.manifest.external_slots) or 'none'})")
         feeds = {layer_input(layer): self._ortvalue(x) for layer, x in xs.items()}
-        feeds.update({slot_input(name): self._ortvalue(v) for name, v in slots.items()})
+        for name, value in slots.items():
+            feeds[slot_input(name)] = self._ortvalue(value)
+            self._check_slot(name, feeds[slot_input(name)])
         return feeds
+
+    def _check_slot(self, name: str, value: ort.OrtValue) -> None:
+        """A slot array of the type and rank the graph declares (onnxruntime's own error
+        does not name the slot)."""
+        want_type, want_shape = self._declared_inputs[slot_input(name)]
+        got_type, got_shape = value.data_type(), value.shape()
+        if got_type != want_type or len(got_shape) != len(want_shape):
+            raise ValueError(f"slot {name}: expected {want_type} of rank {len(want_shape)} "
+                             f"{want_shape}, got {got_type} {got_shape}")
 
     def _check_inputs(self, xs: dict[int, np.ndarray]) -> tuple[int, int]:
         if sorted(xs) != self.layers:

@@ -266,8 +266,16 @@ def test_large_models_keep_weights_as_external_data(tmp_path: Path, monkeypatch)
     runtime = AttentionRuntime(tmp_path)
     # Layer 3 (outside) also owns index keys; layer 1 publishes its own before reading here.
     no_keys = {"index_k": np.zeros((1, 0, 34), np.uint8)}  # no packed rows (64 values: 34 B)
-    out = runtime.prefill({layer: g.step("prefill", layer, "x") for layer in (0, 1)},
-                          slots=no_keys).out
+    xs = {layer: g.step("prefill", layer, "x") for layer in (0, 1)}
+    # a slot of another type or rank, or one the sub-stack does not read: named (onnxruntime's
+    # own error had named neither)
+    with pytest.raises(ValueError, match=r"slot index_k: expected tensor\(uint8\) of rank 3 "
+                                         r"\['batch', '\w+', 34\], got tensor\(float\) \[1, 34\]"):
+        runtime.prefill(xs, slots={"index_k": np.zeros((1, 34), np.float32)})
+    with pytest.raises(ValueError, match="slots compress_kv: this sub-stack does not read them "
+                                         r"\(it reads index_k\)"):
+        runtime.prefill(xs, slots={**no_keys, "compress_kv": np.zeros((1, 0, 72), np.uint8)})
+    out = runtime.prefill(xs, slots=no_keys).out
     assert compare(out[1], g.step("prefill", 1, "out")).ok
 
 
