@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from csa2onnx.export.config import AttentionConfig, ConfigError
+from csa2onnx.export.config import AttentionConfig
 from csa2onnx.export.safetensors_io import DTYPES, SafetensorsError, SafetensorsFile
 from csa2onnx.export.weights import LayerWeights, WeightsError, attention_name, check_layer
 
@@ -77,12 +77,7 @@ def open_checkpoint(model_dir: str | Path, **overrides: Any) -> Checkpoint:
         raise CheckpointError(f"{folder}: not a directory")
     if not (folder / CONFIG).is_file():
         raise CheckpointError(f"{folder}: no {CONFIG} (a Hugging Face model folder has one)")
-    try:
-        config = AttentionConfig.load(folder / CONFIG, **overrides)
-    except json.JSONDecodeError as error:
-        raise CheckpointError(f"{folder / CONFIG}: not valid JSON ({error})") from None
-    except ConfigError as error:
-        raise ConfigError(f"{folder / CONFIG}: {error}") from None
+    config = AttentionConfig.load(folder / CONFIG, **overrides)  # its errors name the file
     if (folder / INDEX).is_file():
         names = _index_names(folder)
     elif (folder / SINGLE).is_file():

@@ -153,18 +153,22 @@ class AttentionConfig:
 
     @classmethod
     def load(cls, path: str | Path, **overrides: Any) -> AttentionConfig:
-        """A config.json of either naming, or a golden case's JSON (its model_args)."""
+        """A config.json of either naming, or a golden case's JSON (its model_args); every
+        error names the file."""
         try:
             data = json.loads(Path(path).read_text())
         except json.JSONDecodeError as error:
             raise ConfigError(f"{path}: not valid JSON ({error})") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: a config is a JSON object, got a {type(data).__name__}")
-        if "model_args" in data:
-            return cls.from_model_args(data["model_args"], **overrides)
-        if "text_config" in data or "hidden_size" in data:
-            return cls.from_hf(data, **overrides)
-        return cls.from_model_args(data, **overrides)
+        try:
+            if "model_args" in data:
+                return cls.from_model_args(data["model_args"], **overrides)
+            if "text_config" in data or "hidden_size" in data:
+                return cls.from_hf(data, **overrides)
+            return cls.from_model_args(data, **overrides)
+        except ConfigError as error:
+            raise ConfigError(f"{path}: {error}") from None
 
     @classmethod
     def _build(cls, values: dict[str, Any]) -> AttentionConfig:

@@ -107,12 +107,19 @@ def test_invalid_configs_name_the_field(change: dict, message: str) -> None:
 @pytest.mark.parametrize(("text", "message"), [
     ("{bad", r"not valid JSON \(Expecting property name"),  # had been json's bare message
     ("[1, 2]", "a config is a JSON object, got a list"),
+    ('{"dim": 8}', "missing config field"),  # field errors name the file too (once)
 ])
-def test_config_file_that_is_not_a_json_object(tmp_path: Path, text: str, message: str) -> None:
+def test_config_file_errors_name_the_file_once(tmp_path: Path, text: str, message: str) -> None:
+    from csa2onnx.export.checkpoint import open_checkpoint
+
     path = tmp_path / "config.json"
     path.write_text(text)
-    with pytest.raises(ConfigError, match=f"{path}: {message}"):
+    with pytest.raises(ConfigError, match=f"{path}: {message}") as error:
         AttentionConfig.load(path)
+    assert str(error.value).count(str(path)) == 1
+    with pytest.raises(ConfigError) as error:  # a model folder's config: named once, not twice
+        open_checkpoint(tmp_path)
+    assert str(error.value).count(str(path)) == 1
 
 
 def test_unknown_fields_are_errors() -> None:
