@@ -268,8 +268,8 @@ def sparse_attention(op: OpBuilder, q: ir.Value, kv: ir.Value, sink: ir.Value, i
 
 
 def indexer_score(op: OpBuilder, q: ir.Value, w: ir.Value, keys: ir.Value, width: ir.Value,
-                  keys_format: PackedFormat | None = None,
-                  head_dim: int | None = None) -> ir.Value:
+                  keys_format: PackedFormat | None = None, head_dim: int | None = None,
+                  candidates: ir.Value | None = None) -> ir.Value:
     """The Indexer's scores (custom_ops/src/indexer_score.h): q [b,s,H,D] (D <= 128), w
     [b,s,H], the first `width` (int64 [1]) rows of keys -> float32 [b, s, width] =
     bf16(sum_h bf16(relu(bf16(q[b,s,h] . k[b,t])) * w[b,s,h])), bit for bit the standard ops
@@ -277,18 +277,26 @@ def indexer_score(op: OpBuilder, q: ir.Value, w: ir.Value, keys: ir.Value, width
 
     `keys` is float [b, R, D], or with `keys_format` the packed cache [b, R, row_bytes]
     (uint8), read in place. In a portable graph packed keys become UnpackQuantized(Slice)
-    (the head dim must then be known): the op's function body takes float rows only."""
-    if keys_format is None:
-        return _csa(op).IndexerScore(q, w, keys, width)
-    _check_packed_format(keys_format)
+    (the head dim must then be known): the op's function body takes float rows only.
+    `candidates` (bool [b, s, width]): the score is -inf where it is false, and the op
+    computes no dot there (a portable graph computes every score, then a Where)."""
+    if keys_format is not None:
+        _check_packed_format(keys_format)
     if is_portable(op):
-        d = head_dim or _static_last_dim(q)
-        if d is None:
-            raise ValueError("a portable IndexerScore over packed keys needs the head dim: "
-                             "pass head_dim, or give q a static last dimension")
-        rows = unpack_quantized(op, op.Slice(keys, [0], width, [1]), keys_format, d)
-        return _csa(op).IndexerScore(q, w, rows, width)
-    return _csa(op).IndexerScore(q, w, keys, width, keys_format=keys_format)
+        if keys_format is not None:
+            d = head_dim or _static_last_dim(q)
+            if d is None:
+                raise ValueError("a portable IndexerScore over packed keys needs the head dim: "
+                                 "pass head_dim, or give q a static last dimension")
+            keys = unpack_quantized(op, op.Slice(keys, [0], width, [1]), keys_format, d)
+        score = _csa(op).IndexerScore(q, w, keys, width)
+        if candidates is None:
+            return score
+        return op.Where(candidates, score, op.Constant(value_float=float("-inf")))
+    inputs = (q, w, keys, width) if candidates is None else (q, w, keys, width, candidates)
+    if keys_format is None:
+        return _csa(op).IndexerScore(*inputs)
+    return _csa(op).IndexerScore(*inputs, keys_format=keys_format)
 
 
 def _check_packed_format(fmt: str | None) -> None:

@@ -184,23 +184,30 @@ class Indexer(nn.Module):
         return apply_rotary_emb(op, x, cos, sin, self.rope_head_dim)
 
     def _score(self, op: OpBuilder, q: ir.Value, w: ir.Value,
-               index_k: ir.Value | KeyCacheChoice, width: ir.Value) -> ir.Value:
+               index_k: ir.Value | KeyCacheChoice, width: ir.Value,
+               candidates: ir.Value | None) -> ir.Value:
         """score[b,t,p] = bf16(sum_h bf16(relu(bf16(q[b,t,h] . k[p])) * w[b,t,h])) for the
-        first `width` rows of index_k (float rows, or the packed cache read in place): the
-        IndexerScore op (bit for bit the standard ops below as onnxruntime runs them, with no
-        [b, s, H, T] intermediate), or those standard ops where D is past the op's limit."""
+        first `width` rows of index_k (float rows, or the packed cache read in place), -inf
+        where `candidates` (if given) is false: the IndexerScore op (bit for bit the standard
+        ops below as onnxruntime runs them, with no [b, s, H, T] intermediate, and no dot
+        computed outside the candidates), or those standard ops where D is past the op's
+        limit."""
         if not isinstance(index_k, ir.Value):  # chosen at run time: scored where it lies
-            return index_k.apply(op, lambda o, cache: self._score(o, q, w, cache, width))
+            return index_k.apply(
+                op, lambda o, cache: self._score(o, q, w, cache, width, candidates))
         packed = index_k.dtype == ir.DataType.UINT8
         if self.head_dim <= INDEXER_SCORE_MAX_DIM:
-            return indexer_score(op, q, w, index_k, width,
-                                 INDEX_KEY_FORMAT if packed else None, self.head_dim)
+            return indexer_score(op, q, w, index_k, width, INDEX_KEY_FORMAT if packed else None,
+                                 self.head_dim, candidates)
         k = op.Slice(index_k, [0], width, [1])  # [b, T, D]
         if packed:
             k = unpack_quantized(op, k, INDEX_KEY_FORMAT, self.head_dim)
         dots = round_bf16(op, op.MatMul(q, op.Unsqueeze(op.Transpose(k, perm=[0, 2, 1]), [1])))
         weighted = round_bf16(op, op.Mul(op.Relu(dots), op.Unsqueeze(w, [-1])))  # [b,s,H,T]
-        return round_bf16(op, reduce_axis(op, "Sum", weighted, 2))
+        score = round_bf16(op, reduce_axis(op, "Sum", weighted, 2))
+        if candidates is None:
+            return score
+        return op.Where(candidates, score, op.Constant(value_float=NEG_INF))
 
     def forward(self, op: OpBuilder, x: ir.Value, qr: ir.Value,
                 index_k: ir.Value | KeyCacheChoice,
@@ -222,7 +229,9 @@ class Indexer(nn.Module):
         w = round_bf16(op, op.Mul(self.weights_proj(op, x), self.weights_scale))  # [b, s, H]
 
         width = op.Div(end, self.ratio)
-        score = self._score(op, q, w, index_k, width)  # [b, s, T]
+        # Level two (a later index source): non-candidates score -inf (and are not computed)
+        # but stay selectable (reference quirk 2).
+        score = self._score(op, q, w, index_k, width, candidates)  # [b, s, T]
 
         # Reachable compressed positions per query: prefill (pos+1)//r, decode end_pos//r.
         if mode == "prefill":
@@ -241,10 +250,6 @@ class Indexer(nn.Module):
             published = select_candidate_blocks(
                 op, score, lens, self.candidate_config.topk_blocks,
                 self.candidate_config.block_size).candidates
-        if candidates is not None:
-            # Level two: non-candidates drop to -inf but stay selectable (reference quirk 2).
-            score = op.Where(candidates, score, op.Constant(value_float=NEG_INF))
-
         k_sel = op.Min(width, op.Constant(value_ints=[self.index_topk]))
         _, raw = torch_topk(op, score, k_sel, largest=True, sorted=False)
         ascending, _ = op.TopK(raw, k_sel, axis=-1, largest=0, sorted=1, _outputs=2)

@@ -5,8 +5,8 @@ float keys and with the packed index-key cache read in place, on fp4-valued inpu
 adversarial ones built to make the summation orders show (dots that are not exact in float32,
 cancelling head sums, -0, the relu boundary, huge and tiny weights, NaN and inf keys), over
 shapes that take each of onnxruntime's orders (one GEMM row, T == 1, b == 1 folded or not,
-one query row), decode (s = 1) among them. Also: the portable function body, and the
-errors."""
+one query row), decode (s = 1) among them; with Candidates, -inf where they are false and
+those keys never read. Also: the portable function body, and the errors."""
 
 from __future__ import annotations
 
@@ -54,14 +54,18 @@ def float_inputs() -> list:
             for name in ("Q", "W", "K", "T")]
 
 
-def op_model(packed: bool, *, portable: bool = False, fmt: str | None = FORMAT) -> bytes:
+def op_model(packed: bool, *, portable: bool = False, fmt: str | None = FORMAT,
+             candidates: bool = False) -> bytes:
     inputs = float_inputs()
     attrs = {}
     if packed:
         inputs[2] = _vi("K", TensorProto.UINT8, None)
         attrs = {"keys_format": fmt} if fmt else {}
-    node = helper.make_node("IndexerScore", ["Q", "W", "K", "T"], ["S"], domain="csa2onnx",
-                            **attrs)
+    names = ["Q", "W", "K", "T"]
+    if candidates:
+        inputs.append(_vi("C", TensorProto.BOOL, None))
+        names.append("C")
+    node = helper.make_node("IndexerScore", names, ["S"], domain="csa2onnx", **attrs)
     graph = helper.make_graph([node], "indexer_score", inputs,
                               [_vi("S", TensorProto.FLOAT, ["b", "s", None])])
     return custom_op_model(graph, portable=portable)
@@ -116,25 +120,33 @@ def expected(q, w, keys, t: int) -> np.ndarray:
                                             "T": np.array([t], np.int64)})[0]
 
 
-def op_session(monkeypatch, packed: bool, isa: str, threads: int) -> ort.InferenceSession:
-    key = (packed, isa, threads)
+def op_session(monkeypatch, packed: bool, isa: str, threads: int,
+               candidates: bool = False) -> ort.InferenceSession:
+    key = (packed, isa, threads, candidates)
     if key not in _sessions:
         monkeypatch.delenv("CSA2ONNX_ISA", raising=False)
         monkeypatch.setenv("CSA_INDEXER_SCORE_ISA", isa)  # read when the kernel is created
         try:
-            _sessions[key] = make_session(op_model(packed), options=session_options(threads))
+            _sessions[key] = make_session(op_model(packed, candidates=candidates),
+                                          options=session_options(threads))
         finally:
             monkeypatch.delenv("CSA_INDEXER_SCORE_ISA")
     return _sessions[key]
 
 
-def check(monkeypatch, q, w, keys, packed, t: int, paths=PATHS, threads=(1, 2)) -> None:
+def check(monkeypatch, q, w, keys, packed, t: int, paths=PATHS, threads=(1, 2),
+          candidates: np.ndarray | None = None) -> None:
+    """The op's bits are the standard ops' (-inf where `candidates`, if given, is false)."""
     want = expected(q, w, keys, t)
+    feeds = {}
+    if candidates is not None:
+        want = np.where(candidates, want, np.float32(-np.inf))
+        feeds = {"C": candidates}
     for isa in paths:
         for n in threads:
             for is_packed, k in ((False, keys), (True, packed)):
-                got = op_session(monkeypatch, is_packed, isa, n).run(
-                    None, {"Q": q, "W": w, "K": k, "T": np.array([t], np.int64)})[0]
+                got = op_session(monkeypatch, is_packed, isa, n, candidates is not None).run(
+                    None, {"Q": q, "W": w, "K": k, "T": np.array([t], np.int64), **feeds})[0]
                 assert got.shape == want.shape
                 diff = np.flatnonzero(bits(got) != bits(want))
                 assert diff.size == 0, (
@@ -172,6 +184,55 @@ def test_matches_standard_ops(monkeypatch, shape, adversarial):
     b, s, h, d, r, t = shape
     q, w, keys, packed = case(sum(shape) + adversarial, b, s, h, d, r, adversarial=adversarial)
     check(monkeypatch, q, w, keys, packed, t)
+
+
+def candidate_mask(rng: np.random.Generator, b: int, s: int, t: int, kind: str) -> np.ndarray:
+    """Candidates [b, s, t]: whole blocks of 8 keys (as select_candidate_blocks publishes
+    them, a tenth of the blocks, each query row its own), single keys, none, or all."""
+    if kind == "blocks":
+        keep = rng.random((b, s, (t + 7) // 8)) < 0.1
+        keep[..., -1] = True  # the last, partial block: the tiles' tail
+        return np.repeat(keep, 8, axis=-1)[..., :t]
+    if kind == "keys":
+        return rng.random((b, s, t)) < 0.05
+    return np.full((b, s, t), kind == "all")
+
+
+@pytest.mark.parametrize("kind", ["blocks", "keys", "none", "all"])
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[1], SHAPES[2], SHAPES[4], SHAPES[6],
+                                   SHAPES[9], *DECODE_SHAPES[:3], DECODE_SHAPES[13],
+                                   DECODE_SHAPES[15]],
+                         ids=lambda s: "b{}s{}H{}D{}R{}T{}".format(*s))
+def test_candidates_mask_and_skip(monkeypatch, shape, kind):
+    """With Candidates (a later index source's level two) every kept key scores the bits it
+    has without them and every other key -inf, on every path and thread count, float and
+    packed keys: over the tiles (blocks of keys no query row of a task keeps are skipped,
+    blocks kept by some rows only), the one-GEMM-row and T == 1 shapes (row tasks), decode."""
+    b, s, h, d, r, t = shape
+    q, w, keys, packed = case(sum(shape), b, s, h, d, r, adversarial=False)
+    mask = candidate_mask(np.random.default_rng(sum(shape)), b, s, t, kind)
+    check(monkeypatch, q, w, keys, packed, t, candidates=mask)
+
+
+def test_candidates_skip_keys_not_kept():
+    """A key no query keeps is never read: NaN key rows outside the candidates leave every
+    score finite (the dots would be NaN), on the tiles and on the definition's row tasks."""
+    q, w, keys, packed = case(21, 1, 3, 32, 128, 300, adversarial=False)
+    mask = np.zeros((1, 3, 300), bool)
+    mask[..., 8:16] = mask[..., 200:208] = True
+    packed[0, 16:200, 128 // 2] = 0xFF  # scale byte 0xFF: NaN values in every other row
+    keys = unpack_quantized(packed, FORMAT, 128)
+    for isa in PATHS:
+        for is_packed, k in ((False, keys), (True, packed)):
+            with pytest.MonkeyPatch.context() as mp:
+                mp.delenv("CSA2ONNX_ISA", raising=False)
+                mp.setenv("CSA_INDEXER_SCORE_ISA", isa)
+                session = make_session(op_model(is_packed, candidates=True),
+                                       options=session_options(2))
+            got = session.run(None, {"Q": q, "W": w, "K": k, "T": np.array([300], np.int64),
+                                     "C": mask})[0]
+            assert np.isfinite(got[mask]).all(), (isa, is_packed)
+            assert (got[~mask] == -np.inf).all(), (isa, is_packed)
 
 
 def tie_case(s: int, b: int = 1) -> tuple:
@@ -322,3 +383,6 @@ def test_errors_name_the_problem():
         run_op(op_model(True, fmt="fp4"), packed_feeds)
     with pytest.raises(Exception, match="do not divide D = 48"):
         run_op(op_model(True), dict(packed_feeds, Q=q[..., :48]))
+    for shape in ((1, 2, 7), (1, 8), (2, 2, 8)):
+        with pytest.raises(Exception, match=r"Candidates must be \[b, s, Width\] = \[1, 2, 8\]"):
+            run_op(op_model(False, candidates=True), dict(feeds, C=np.ones(shape, bool)))

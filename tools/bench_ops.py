@@ -61,7 +61,9 @@ against what the layer ran before the op: UnpackQuantized(Slice(cache)) and the 
 (MatMul, Casts, Relu, Mul, ReduceSum), which materialise [b, s, H, T] float32 several times;
 the baseline is left out where one such intermediate would pass --indexer-baseline-max-gib
 (default 1.5). Outputs checked bit for bit; the two run interleaved; "scores/s" counts b*s*T
-outputs.
+outputs. Then "IndexerScore candidates": a later index source's level two (T = 64K..1M
+keys, 2048 candidate blocks of 8 per query row, as released), the op given Candidates against
+every score and a Where (the layer before the op took them).
 
 ApplyRope (--only rope): milliseconds per call on the released q and o ([1, s, 64, 512], rd 64;
 s = 1, 256, 1024) against the standard ops it replaced, which are its portable body
@@ -682,14 +684,40 @@ def bench_packed_format(args: argparse.Namespace, options: ort.SessionOptions, f
 
 INDEXER_SHAPES = [(1, 1, 8192), (4, 1, 8192), (1, 1, 32768), (1, 1024, 8192),
                   (1, 1024, 32768)]  # b, s, T (H 32, D 128)
+# A later index source's level two at long contexts (ratio 1: T = context): the released
+# candidate_topk_blocks 2048 of candidate_block_size 8 per query row.
+CANDIDATE_SHAPES = [(1, 1, 65536), (1, 1, 262144), (1, 1, 1048576), (1, 64, 65536)]
+CANDIDATE_BLOCKS, CANDIDATE_BLOCK_SIZE = 2048, 8
+
+
+def indexer_inputs(d: int) -> list:
+    vi = helper.make_tensor_value_info
+    return [vi("Q", TensorProto.FLOAT, ["b", "s", "h", d]),
+            vi("W", TensorProto.FLOAT, ["b", "s", "h"]),
+            vi("K", TensorProto.UINT8, ["b", "r", "w"]), vi("T", TensorProto.INT64, [1])]
+
+
+def indexer_candidate_models(d: int) -> tuple[bytes, bytes]:
+    """IndexerScore given the Candidates, and every score then a Where (the layer before
+    the op took Candidates)."""
+    vi = helper.make_tensor_value_info
+    inputs = [*indexer_inputs(d), vi("C", TensorProto.BOOL, ["b", "s", "t"])]
+    out = [vi("S", TensorProto.FLOAT, ["b", "s", "t"])]
+    given = [helper.make_node("IndexerScore", ["Q", "W", "K", "T", "C"], ["S"],
+                              domain="csa2onnx", keys_format="fp4_e8m0_32")]
+    where = [helper.make_node("IndexerScore", ["Q", "W", "K", "T"], ["all"], domain="csa2onnx",
+                              keys_format="fp4_e8m0_32"),
+             helper.make_node("Where", ["C", "all", "minus_inf"], ["S"])]
+    inits = [helper.make_tensor("minus_inf", TensorProto.FLOAT, [], [-np.inf])]
+    return tuple(helper.make_model(helper.make_graph(nodes, "indexer", inputs, out, inits),
+                                   opset_imports=OPSETS, ir_version=IR_VERSION).SerializeToString()
+                 for nodes in (given, where))
 
 
 def indexer_models(d: int) -> tuple[bytes, bytes]:
     """IndexerScore over the packed cache, and the layer's standard ops before it."""
     vi = helper.make_tensor_value_info
-    inputs = [vi("Q", TensorProto.FLOAT, ["b", "s", "h", d]),
-              vi("W", TensorProto.FLOAT, ["b", "s", "h"]),
-              vi("K", TensorProto.UINT8, ["b", "r", "w"]), vi("T", TensorProto.INT64, [1])]
+    inputs = indexer_inputs(d)
     out = [vi("S", TensorProto.FLOAT, ["b", "s", "t"])]
     op = helper.make_node("IndexerScore", ["Q", "W", "K", "T"], ["S"], domain="csa2onnx",
                           keys_format="fp4_e8m0_32")
@@ -746,6 +774,26 @@ def bench_indexer_score(args: argparse.Namespace, threads: int,
         repeat = args.repeat * 20 if s == 1 else args.repeat
         for impl, seconds in interleaved_medians(fns, repeat).items():
             rows.append(("IndexerScore H32 D128", f"b={b} s={s} T={t}", impl, seconds,
+                         b * s * t / seconds, "scores/s"))
+    given, where = (make_session(m, options=options) for m in indexer_candidate_models(d))
+    for b, s, t in CANDIDATE_SHAPES:
+        q = fp4_round_trip(rng.standard_normal((b, s, h, d)).astype(np.float32), 32, "e8m0")[0]
+        w = (rng.standard_normal((b, s, h)) * 0.02).astype(np.float32)
+        cache = pack_quantized(rng.standard_normal((b, t, d)).astype(np.float32), "fp4_e8m0_32")
+        blocks = t // CANDIDATE_BLOCK_SIZE
+        keep = np.zeros((b * s, blocks), bool)
+        for row in keep:
+            row[rng.choice(blocks, min(CANDIDATE_BLOCKS, blocks), replace=False)] = True
+        cand = np.repeat(keep, CANDIDATE_BLOCK_SIZE, axis=-1).reshape(b, s, t)
+        feeds = {"Q": q, "W": w, "K": cache, "T": np.array([t], np.int64), "C": cand}
+        if not same_bits(given.run(None, feeds)[0], where.run(None, feeds)[0]):
+            print(f"warning: IndexerScore with Candidates b={b} s={s} T={t} differs from "
+                  "every score and a Where", file=sys.stderr)
+        fns = {"onnxruntime kernel": lambda f=feeds: given.run(None, f),
+               "every score, Where": lambda f=feeds: where.run(None, f)}
+        repeat = args.repeat * 5 if s == 1 else args.repeat
+        for impl, seconds in interleaved_medians(fns, repeat).items():
+            rows.append(("IndexerScore candidates", f"b={b} s={s} T={t}", impl, seconds,
                          b * s * t / seconds, "scores/s"))
     return rows
 

@@ -38,6 +38,7 @@
 // CSA_INDEXER_SCORE_ISA=reference) run the scalar definition below.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -146,12 +147,19 @@ inline float sum_heads(SumOrder order, const float* x, int64_t h) {
   return c;
 }
 
+constexpr float kMasked = -__builtin_inff();  // the score of a key the candidates leave out
+
 // score[t] for query row i (q_row [H][D], w_row [H]) against key rows k [T][D]: the
 // definition, for any shape (the reference path and the shapes the tiles do not take).
+// cand (the row's candidates [T], or null for all): a key left out scores kMasked, unread.
 inline void score_row(const Problem& pr, int64_t i, const float* q_row, const float* w_row,
-                      const float* k, float* out, float* terms /* [H] */) {
+                      const float* k, const uint8_t* cand, float* out, float* terms /* [H] */) {
   const SumOrder order = pr.sum_order();
   for (int64_t t = 0; t < pr.t; ++t) {
+    if (cand != nullptr && cand[t] == 0) {
+      out[t] = kMasked;
+      continue;
+    }
     for (int64_t hh = 0; hh < pr.h; ++hh) {
       const float dq = cast_bf16(dot(pr, i, hh, q_row + hh * pr.d, k + t * pr.d));
       terms[hh] = cast_bf16(relu(dq) * w_row[hh]);
@@ -223,7 +231,15 @@ struct Tile {
   const float* const* blocks;  // per block of kKeys key rows: [kKeys][D]
   int64_t cols;                // key rows in the tile
   float* out;                  // score[block's first query][tile's first key]
+  const uint8_t* cand;         // candidates[block's first query][tile's first key], or null
 };
+
+// Whether any of the n bytes from p is nonzero (a row's candidates in a block of keys).
+inline bool any_byte(const uint8_t* p, int64_t n) {
+  for (int64_t i = 0; i < n; ++i)
+    if (p[i] != 0) return true;
+  return false;
+}
 
 // The dots of head vectors [v0, v0 + kHv) x kKeys keys, as the weighted terms into terms
 // [kKeys][hp]: bf16(relu(bf16(dot)) * w) lane by lane.
@@ -341,18 +357,27 @@ __attribute__((always_inline)) inline void tile_row(const Tile& tile, int64_t r,
   const Problem& pr = *tile.pr;
   const SumOrder order = pr.sum_order();
   float* out = tile.out + r * pr.t;
+  const uint8_t* cand = tile.cand != nullptr ? tile.cand + r * pr.t : nullptr;
   for (int64_t c = 0; c < tile.cols; c += kKeys) {
-    block(c, terms);
     const int64_t n = tile.cols - c < kKeys ? tile.cols - c : kKeys;
+    if (cand != nullptr && !any_byte(cand + c, n)) {  // none of the block's keys: not computed
+      std::fill(out + c, out + c + n, kMasked);
+      continue;
+    }
+    block(c, terms);
 #ifdef CSA_X86
     if constexpr (std::is_same_v<V, tv::VAvx512>) {
       static_assert(kKeys == 8, "one ymm of keys");
       sum_heads_8keys(order, terms, tile.hp, pr.h, n, out + c);
-      continue;
-    }
+    } else
 #endif
-    for (int64_t j = 0; j < n; ++j)
-      out[c + j] = cast_bf16(sum_heads(order, terms + j * tile.hp, pr.h));
+    {
+      for (int64_t j = 0; j < n; ++j)
+        out[c + j] = cast_bf16(sum_heads(order, terms + j * tile.hp, pr.h));
+    }
+    if (cand != nullptr)
+      for (int64_t j = 0; j < n; ++j)
+        if (cand[c + j] == 0) out[c + j] = kMasked;
   }
 }
 

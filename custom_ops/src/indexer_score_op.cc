@@ -5,7 +5,9 @@
 // Inputs Q (float [b, s, H, D], D <= 128), W (float [b, s, H]), Keys (float [b, R, D], or
 // uint8 [b, R, row_bytes]: the packed index-key cache read in place, in the format named by
 // the attribute keys_format, e.g. "fp4_e8m0_32"), Width (int64, one element: T, 0 <= T <= R,
-// the key rows scored); output Score (float [b, s, T], bf16 values).
+// the key rows scored), optional Candidates (bool [b, s, T]: where false the score is -inf,
+// and the dot is not computed: a later index source's level two, whose candidate blocks are
+// a few thousand of up to a million keys); output Score (float [b, s, T], bf16 values).
 // In parallel over (batch entry, block of 16 queries, tile of 64 key rows), heads in vector
 // lanes: each query row is transposed once per call, each task unpacks its key tile once
 // (row-major) for its queries (on the avx512bf16 path, packed fp4_e8m0_32 keys go straight
@@ -46,6 +48,7 @@ struct Job {
   const uint8_t* packed = nullptr;  // packed keys, or null
   packed::Format format = packed::Format::kFp4E8m0;
   int64_t row_bytes = 0;
+  const uint8_t* cand = nullptr;  // Candidates [b * s][T] (0 / 1 bytes), or null: all keys
   float* out = nullptr;
   int64_t s_blocks = 0, t_blocks = 0;
   // The tiles' query rows and weights, transposed once per call (see indexer_score::Tile).
@@ -70,6 +73,20 @@ inline TaskTile task_tile(const Job& j, size_t task) {
   const int64_t t0 = t % j.t_blocks * is::kTileT, s0 = t / j.t_blocks % j.s_blocks * is::kTileS;
   return {t / j.t_blocks / j.s_blocks, t0, s0, std::min(is::kTileT, j.pr.t - t0),
           std::min(is::kTileS, j.pr.s - s0)};
+}
+
+// A task's candidates (its first query row, its first key), or null: every key.
+inline const uint8_t* task_candidates(const Job& j, int64_t first_row, int64_t t0) {
+  return j.cand != nullptr ? j.cand + first_row * j.pr.t + t0 : nullptr;
+}
+
+// Whether any of a task's query rows has a candidate among its keys [c, c + n): only then is
+// the block of keys unpacked (indexer_score.h tile_row skips it per row).
+inline bool block_needed(const Job& j, const uint8_t* cand, int64_t rows, int64_t c, int64_t n) {
+  if (cand == nullptr) return true;
+  for (int64_t r = 0; r < rows; ++r)
+    if (is::any_byte(cand + r * j.pr.t + c, n)) return true;
+  return false;
 }
 
 // The n (<= kKeys) key rows from `first_key` as one block [kKeys][D]: float keys where they
@@ -107,13 +124,17 @@ __attribute__((always_inline)) inline void tiled_task(const Job& j, size_t task,
   if (scratch.size() < need) scratch.resize(need);
   float* unpacked = scratch.data();
   float* terms = unpacked + is::kTileT * pr.d;
-  const float* blocks[is::kTileT / kKeys];
-  for (int64_t c = 0; c < cols; c += kKeys)
-    blocks[c / kKeys] = key_block<V>(j, bi * j.r + t0 + c, std::min(kKeys, cols - c),
-                                     unpacked + c * pr.d);
   const int64_t first_row = bi * pr.s + s0;
+  const uint8_t* cand = task_candidates(j, first_row, t0);
+  const float* blocks[is::kTileT / kKeys];
+  for (int64_t c = 0; c < cols; c += kKeys) {
+    const int64_t n = std::min(kKeys, cols - c);
+    blocks[c / kKeys] = block_needed(j, cand, rows, c, n)
+                            ? key_block<V>(j, bi * j.r + t0 + c, n, unpacked + c * pr.d)
+                            : nullptr;
+  }
   const is::Tile tile{&pr, j.qt + first_row * pr.d * j.hp, j.wt + first_row * j.hp, j.hp,
-                      blocks, cols, j.out + first_row * pr.t + t0};
+                      blocks, cols, j.out + first_row * pr.t + t0, cand};
   for (int64_t r = 0; r < rows; ++r) is::tile_row<V>(tile, r, terms);
 }
 
@@ -150,12 +171,15 @@ CSA_TARGET_AVX512BF16 __attribute__((flatten)) void tiled_avx512bf16(const Job& 
   const float* blocks[kBlocks];
   is::pairs::Range range[kBlocks];
   const int64_t first_row = bi * pr.s + s0;
+  const uint8_t* cand = task_candidates(j, first_row, t0);
   // Packed fp4_e8m0_32 keys become pairs straight from their codes; floats are made only for
   // a block that a query row of the task cannot take on pairs (its fma chains read them) or
   // whose scales the direct path does not take.
   const bool direct = j.packed != nullptr && j.format == packed::Format::kFp4E8m0;
   for (int64_t c = 0; c < cols; c += kKeys) {
     const int64_t blk = c / kKeys, n = std::min(kKeys, cols - c);
+    blocks[blk] = nullptr;
+    if (!block_needed(j, cand, rows, c, n)) continue;  // no row reads it
     is::pairs::u32* k2 = keys2 + c * half;
     bool paired = direct;
     if (direct) {
@@ -171,7 +195,6 @@ CSA_TARGET_AVX512BF16 __attribute__((flatten)) void tiled_avx512bf16(const Job& 
     bool floats = !paired;
     for (int64_t r = 0; r < rows && !floats; ++r)
       floats = !is::pairs::chains_exact(j.q_range[first_row + r], range[blk], pr.d);
-    blocks[blk] = nullptr;
     if (!floats) continue;
     const float* keys = key_block<V>(j, bi * j.r + t0 + c, n, unpacked + c * pr.d);
     blocks[blk] = keys;
@@ -182,7 +205,7 @@ CSA_TARGET_AVX512BF16 __attribute__((flatten)) void tiled_avx512bf16(const Job& 
     range[blk] = scan.range();
   }
   const is::Tile tile{&pr, j.qt + first_row * pr.d * j.hp, j.wt + first_row * j.hp, j.hp,
-                      blocks, cols, j.out + first_row * pr.t + t0};
+                      blocks, cols, j.out + first_row * pr.t + t0, cand};
   uint64_t on_pairs = 0, on_fma = 0;
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t row = first_row + r;
@@ -237,15 +260,17 @@ void row_task(const Job& j, size_t task, std::vector<float>& scratch) {
   const size_t need = static_cast<size_t>(pr.h + (keys == nullptr ? pr.t * pr.d : 0));
   if (scratch.size() < need) scratch.resize(need);
   float* terms = scratch.data();
+  const uint8_t* cand = j.cand != nullptr ? j.cand + i * pr.t : nullptr;
   if (keys == nullptr) {
     float* unpacked = terms + pr.h;
     for (int64_t t = 0; t < pr.t; ++t)
-      packed::unpack_row_scalar(j.format, j.packed + (bi * j.r + t) * j.row_bytes, pr.d,
+      if (cand == nullptr || cand[t] != 0)
+        packed::unpack_row_scalar(j.format, j.packed + (bi * j.r + t) * j.row_bytes, pr.d,
                                 unpacked + t * pr.d);
     keys = unpacked;
   }
-  is::score_row(pr, i % pr.s, j.q + i * pr.h * pr.d, j.w + i * pr.h, keys, j.out + i * pr.t,
-                terms);
+  is::score_row(pr, i % pr.s, j.q + i * pr.h * pr.d, j.w + i * pr.h, keys, cand,
+                j.out + i * pr.t, terms);
 }
 
 template <typename K>
@@ -256,7 +281,7 @@ struct IndexerScoreKernel {
 
   IndexerScoreKernel(const OrtApi*, const OrtKernelInfo* info)
       : isa(select_isa("CSA_INDEXER_SCORE_ISA", /*has_reference=*/true, /*has_bf16=*/true)) {
-    require_node_io(info, kOp, 4, 1);
+    require_node_io(info, kOp, 4, 1);  // Candidates is optional
     const auto name = optional_attribute<std::string>(info, kOp, "keys_format", "a string");
     if (kPacked && !name.has_value())
       fail(kOp, std::string("uint8 Keys (packed rows) need the attribute keys_format (") +
@@ -270,13 +295,16 @@ struct IndexerScoreKernel {
   Ort::Status Compute(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& q,
                       const Ort::Custom::Tensor<float>& w, const Ort::Custom::Tensor<K>& keys,
                       const Ort::Custom::Tensor<int64_t>& width,
+                      std::optional<const Ort::Custom::Tensor<bool>*> candidates,
                       Ort::Custom::Tensor<float>& score) {
-    return status_of([&] { Run(ctx, q, w, keys, width, score); });
+    return status_of([&] { Run(ctx, q, w, keys, width, candidates, score); });
   }
 
   void Run(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& q,
            const Ort::Custom::Tensor<float>& w, const Ort::Custom::Tensor<K>& keys,
-           const Ort::Custom::Tensor<int64_t>& width, Ort::Custom::Tensor<float>& score) {
+           const Ort::Custom::Tensor<int64_t>& width,
+           std::optional<const Ort::Custom::Tensor<bool>*> candidates,
+           Ort::Custom::Tensor<float>& score) {
     const std::vector<int64_t> qs = q.Shape(), ws = w.Shape(), ks = keys.Shape();
     if (qs.size() != 4) fail(kOp, "Q must be [b, s, H, D], got " + shape_string(qs));
     const int64_t b = qs[0], s = qs[1], h = qs[2], d = qs[3];
@@ -310,6 +338,15 @@ struct IndexerScoreKernel {
     if (t < 0 || t > ks[1])
       fail(kOp, "Width " + std::to_string(t) + " must be in [0, R = " + std::to_string(ks[1]) +
                     "] (Keys " + shape_string(ks) + ")");
+    const uint8_t* cand = nullptr;
+    if (candidates.has_value() && *candidates != nullptr) {
+      const std::vector<int64_t> cs = (*candidates)->Shape();
+      if (cs.size() != 3 || cs[0] != b || cs[1] != s || cs[2] != t)
+        fail(kOp, "Candidates must be [b, s, Width] = [" + std::to_string(b) + ", " +
+                      std::to_string(s) + ", " + std::to_string(t) + "], got " + shape_string(cs));
+      static_assert(sizeof(bool) == 1, "bool tensors are read as bytes");
+      cand = reinterpret_cast<const uint8_t*>((*candidates)->Data());
+    }
     float* out = score.Allocate({b, s, t});
     if (b == 0 || s == 0 || t == 0) return;
 
@@ -325,6 +362,7 @@ struct IndexerScoreKernel {
     } else {
       job.keys = keys.Data();
     }
+    job.cand = cand;
     job.out = out;
     job.s_blocks = (s + is::kTileS - 1) / is::kTileS;
     job.t_blocks = (t + is::kTileT - 1) / is::kTileT;
