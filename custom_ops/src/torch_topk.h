@@ -323,32 +323,50 @@ CSA_HD void nth_element(E* first, E* nth, E* last, C comp) {
 
 }  // namespace libstdcxx
 
-// torch's selection on a filled queue q[0..n), 1 <= k <= n: afterwards q[0..k) is its
-// output, in order.
-template <typename C>
-CSA_HD void torch_topk_select(TopKPair* q, int64_t n, int64_t k, bool sorted, C comp) {
-  if (k * 64 <= n) {
-    libstdcxx::partial_sort(q, q + k, q + n, comp);  // sorted output even if !sorted
-  } else {
-    libstdcxx::nth_element(q, q + k - 1, q + n, comp);
-    // torch sorts only the first k-1: the k-th is already in place after nth_element.
-    if (sorted) libstdcxx::sort(q, q + k - 1, comp);
+// torch's partial_sort branch (k * 64 <= n) with a queue of k: std::partial_sort is
+// heap_select then sort_heap, and heap_select only moves a pair past k into the heap, when it
+// goes before the top (pop_heap: the top lands where that pair was, a place nothing reads
+// again). So the pairs past k are made one at a time, tested against the top and dropped:
+// the same heap moves as on the full queue, without writing n pairs.
+template <typename Fmt, typename C>
+CSA_HD void partial_sort_streamed(const typename Fmt::Storage* row, int64_t n, int64_t k,
+                                  TopKPair* heap, C comp) {
+  for (int64_t j = 0; j < k; ++j) heap[j] = TopKPair{Fmt::key(row[j]), j};
+  libstdcxx::make_heap(heap, heap + k, comp);
+  for (int64_t j = k; j < n; ++j) {
+    const TopKPair pair{Fmt::key(row[j]), j};
+    if (comp(pair, heap[0])) libstdcxx::adjust_heap(heap, int64_t{0}, k, pair, comp);
   }
+  libstdcxx::sort_heap(heap, heap + k, comp);
+}
+
+// torch's selection of row[0..n), 1 <= k <= n: afterwards q[0..k) is its output, in order
+// (q: n entries, of which the partial_sort branch uses k).
+template <typename Fmt, typename C>
+CSA_HD void torch_topk_select(const typename Fmt::Storage* row, int64_t n, int64_t k,
+                              bool sorted, TopKPair* q, C comp) {
+  if (k * 64 <= n) {
+    partial_sort_streamed<Fmt>(row, n, k, q, comp);  // sorted output even if !sorted
+    return;
+  }
+  for (int64_t j = 0; j < n; ++j) q[j] = TopKPair{Fmt::key(row[j]), j};
+  libstdcxx::nth_element(q, q + k - 1, q + n, comp);
+  // torch sorts only the first k-1: the k-th is already in place after nth_element.
+  if (sorted) libstdcxx::sort(q, q + k - 1, comp);
 }
 
 // torch.topk of one row of n values along its only axis; 0 <= k <= n (not checked).
-// scratch: n entries. Writes k values and k int64 indices, as torch's CPU kernel does.
+// scratch: n entries (k where k * 64 <= n). Writes k values and k int64 indices, as torch's CPU kernel does.
 // Fmt: TopKF32 (row is float*), TopKBF16 or TopKF16 (row is raw uint16_t bits).
 template <typename Fmt>
 CSA_HD void torch_topk_row(const typename Fmt::Storage* row, int64_t n, int64_t k, bool largest,
                            bool sorted, TopKPair* scratch, typename Fmt::Storage* out_values,
                            int64_t* out_indices) {
   if (k <= 0) return;
-  for (int64_t j = 0; j < n; ++j) scratch[j] = TopKPair{Fmt::key(row[j]), j};
   if (largest)
-    torch_topk_select(scratch, n, k, sorted, TopKLargestFirst{});
+    torch_topk_select<Fmt>(row, n, k, sorted, scratch, TopKLargestFirst{});
   else
-    torch_topk_select(scratch, n, k, sorted, TopKSmallestFirst{});
+    torch_topk_select<Fmt>(row, n, k, sorted, scratch, TopKSmallestFirst{});
   for (int64_t j = 0; j < k; ++j) {
     out_indices[j] = scratch[j].index;
     out_values[j] = Fmt::output(row[scratch[j].index]);

@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <exception>
+#include <memory>
 #include <new>
 #include <string>
 #include <vector>
@@ -93,8 +94,11 @@ struct TorchTopKKernel {
       const int64_t begin = static_cast<int64_t>(task) * j.rows_per_task;
       const int64_t end = begin + j.rows_per_task < j.rows ? begin + j.rows_per_task : j.rows;
       try {  // no exception may escape into onnxruntime's thread pool
-        std::vector<TopKPair> scratch(static_cast<size_t>(j.n));
-        torch_topk_rows<Fmt>(j.x, begin, end, j.n, j.k, j.largest, j.sorted, scratch.data(),
+        // the partial_sort branch (k * 64 <= n) keeps k pairs, the other all n; left
+        // uninitialised (a std::vector would zero n pairs first: 16 MiB for a 1M row)
+        const int64_t queue = j.k * 64 <= j.n ? j.k : j.n;
+        const std::unique_ptr<TopKPair[]> scratch(new TopKPair[static_cast<size_t>(queue)]);
+        torch_topk_rows<Fmt>(j.x, begin, end, j.n, j.k, j.largest, j.sorted, scratch.get(),
                              j.values, j.indices);
       } catch (const std::bad_alloc&) {
         j.out_of_memory = true;
