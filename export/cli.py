@@ -79,6 +79,11 @@ def cmd_export(args: argparse.Namespace) -> int:
     elif args.weights and args.weights[0].suffix == ".json":  # a golden case
         weights = from_golden(load_case(args.weights[0]).arrays, layers)
     elif args.weights:
+        named = str(args.weights[0])
+        if named in ("random-bf16", "random-fp8") and not args.weights[0].exists():
+            raise WeightsError(f"--weights {named} is a bench option (csa2onnx bench "
+                               f"--weights {named}); export reads safetensors files or a "
+                               "golden case JSON")
         weights = from_safetensors(args.weights, layers)
     else:
         raise WeightsError("--weights is required with a config file (safetensors files or a "

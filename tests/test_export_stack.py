@@ -201,6 +201,8 @@ def test_cli_export_inspect_run_and_verify(tmp_path: Path, capsys) -> None:
         AttentionRuntime(tmp_path / "sub").prefill({2: g.step("prefill", 2, "x")})
     assert cli(["export", str(case), "--out", str(out)]) == 2  # no weights: a clear error
     assert "--weights is required" in capsys.readouterr().err
+    assert cli(["export", str(case), "--weights", "random-fp8", "--out", str(out)]) == 2
+    assert "random-fp8 is a bench option" in capsys.readouterr().err
     for option, message in [(["--layers", "2-"], "--layers: expected FIRST-LAST"),
                             (["--layers", "x"], "--layers: expected FIRST-LAST"),
                             (["--layers", "3-1"], "layers: range 3..1 is empty"),
