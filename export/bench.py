@@ -66,6 +66,8 @@ class BenchOptions:
     share_weights: bool = True
     prefill_arena: bool = False  # keep onnxruntime's CPU arena in the prefill session
     numerics: str = "exact"  # exact | fast: the export's (custom_ops/ops.py)
+    # reach the context by one prefill and zeros (AttentionRuntime.skip_to), as upstream does
+    zero_context: bool = False
 
 
 @dataclass
@@ -134,10 +136,14 @@ class BenchResult:
 
     def table(self) -> str:
         o, u = self.ours, self.upstream
-        chunked = self.context > self.options["prefill"]
+        zeros = self.options.get("zero_context", False) and self.context > self.options["prefill"]
+        chunked = self.context > self.options["prefill"] and not zeros
         tokens = self.context * self.options["batch"]
         prefill = (f"context {self.context} by chunked prefill of {self.options['prefill']}"
                    if chunked else f"prefill {self.options['prefill']}")
+        if zeros:
+            prefill += f", then decode at context {self.context} (zero state between)"
+            tokens = self.options["prefill"] * self.options["batch"]
         lines = [f"csa2onnx bench: layers {self.layers[0]}..{self.layers[-1]}, "
                  f"{self.weight_format} weights, batch {self.options['batch']}, "
                  f"{prefill}, {self.options['decode']} decode steps, "
@@ -161,7 +167,7 @@ class BenchResult:
                 text += f"{theirs:>12{fmt}}{ratio:>8.2f}"
             return text
 
-        same_prefill = u is not None and not chunked
+        same_prefill = u is not None and not chunked  # (zero_context: both one prefill)
         lines.append(row("prefill s" + (" (all chunks)" if chunked else ""), o.prefill_s,
                          u.prefill_s if same_prefill else None, ".3f"))
         lines.append(row("prefill tokens/s", tokens / o.prefill_s,
@@ -192,6 +198,11 @@ class BenchResult:
                          f"is {self.options['prefill']} tokens at once, and it decodes at "
                          f"start_pos {self.context} with its caches past that zero (a decode "
                          "step's cost does not depend on what they hold)")
+        if zeros:
+            lines.append(f"--zero-context: both sides prefill {self.options['prefill']} tokens "
+                         f"and decode at start_pos {self.context} with the state past the "
+                         "prefill zero: a decode step's cost at that context, outputs not "
+                         "compared")
         if u:
             lines.append("ratio > 1: csa2onnx is faster (or smaller). memory held: resident "
                          "memory a side added from its setup to the end of its run; peak RSS "
@@ -436,7 +447,8 @@ def _run_csa2onnx(runtime: AttentionRuntime, opts: BenchOptions, layers: list[in
     rng = np.random.default_rng(opts.seed + 2)  # the timed inputs, as upstream gets them
     context = opts.context or opts.prefill
     prefill_s, outputs = 0.0, {}
-    for start in range(0, context, opts.prefill):
+    # zero_context: one prefill, then the positions up to the context left zero state
+    for start in range(0, opts.prefill if opts.zero_context else context, opts.prefill):
         xs = bench_inputs(rng, layers, opts.batch, min(opts.prefill, context - start), dim)
         say(f"prefill {start}/{context}" if context > opts.prefill else "prefill")
         t0 = time.perf_counter()
@@ -444,6 +456,8 @@ def _run_csa2onnx(runtime: AttentionRuntime, opts: BenchOptions, layers: list[in
         prefill_s += time.perf_counter() - t0
         if start == 0:  # the call upstream makes too
             outputs = {f"prefill.L{k}": v for k, v in out.items()}
+    if opts.zero_context:
+        runtime.skip_to(context)
     decode_ms, bandwidths = [], []
     for step in range(opts.decode):
         xs = bench_inputs(rng, layers, opts.batch, 1, dim)

@@ -3,7 +3,8 @@ scenario in one run and one table, on one set of weights.
 
 Scenarios: each prefill length with each batch and thread count (decoding right after it),
 then each --context longer than every prefill length, reached by chunked prefill in calls of
-the largest one (a decode step at a long context). Each scenario is one `run_bench`: a fresh
+the largest one, or with --zero-context by one such call and zero state (a decode step at a
+long context). Each scenario is one `run_bench`: a fresh
 export and session, and, with --baseline upstream, upstream's layers on the same weights and
 inputs in the same process, run right after ours.
 """
@@ -35,11 +36,23 @@ class Scenario:
     prefill: int  # tokens per prefill call
     context: int  # tokens before decoding
     numerics: str = "exact"
+    zeros: bool = False  # the context reached by one prefill and zero state (--zero-context)
+
+    @property
+    def how(self) -> str:
+        """How the context was reached, if not by one prefill: ' (N calls)' or ' (zeros)'."""
+        if self.context == self.prefill:
+            return ""
+        return " (zeros)" if self.zeros else f" ({-(-self.context // self.prefill)} calls)"
+
+    @property
+    def one_prefill(self) -> bool:
+        """Whether its prefill is one call (upstream's, which the table compares)."""
+        return self.context == self.prefill or self.zeros
 
     @property
     def label(self) -> str:
-        calls = -(-self.context // self.prefill)
-        chunked = f" ({calls} calls)" if self.context > self.prefill else ""
+        chunked = self.how
         return f"{self.threads:>7}{self.batch:>6}{self.context:>8}{chunked:<13}{self.numerics:>9}"
 
     @property
@@ -49,7 +62,8 @@ class Scenario:
 
 
 def scenarios(prefills: list[int], batches: list[int], threads: list[int],
-              contexts: list[int], numerics: list[str] | None = None) -> list[Scenario]:
+              contexts: list[int], numerics: list[str] | None = None,
+              zeros: bool = False) -> list[Scenario]:
     longest = max(prefills)
     for c in contexts:
         if c <= longest:
@@ -57,7 +71,7 @@ def scenarios(prefills: list[int], batches: list[int], threads: list[int],
                              f"--prefill (the largest is {longest}), got {c}")
     kinds = sorted(numerics or ["exact"], key=lambda n: n != "exact")  # exact first
     out = [Scenario(t, b, p, p, n) for t, b, p, n in product(threads, batches, prefills, kinds)]
-    out += [Scenario(t, b, longest, c, n)
+    out += [Scenario(t, b, longest, c, n, zeros)
             for t, b, c, n in product(threads, batches, contexts, kinds)]
     return out
 
@@ -108,7 +122,7 @@ class MatrixResult:
             line = s.label + f"{o.prefill_s:>10.3f}"
             if u is not None:  # upstream prefills one call (the first chunk) of a context
                 line += (f"{u.prefill_s:>10.3f}{o.prefill_s / u.prefill_s:>7.2f}"
-                         if s.context == s.prefill else f"{'':>10}{'':>7}")
+                         if s.one_prefill else f"{'':>10}{'':>7}")
             line += vs_exact(o.prefill_s, base.ours.prefill_s if base else None)
             decode = o.decode_median_ms
             line += f"{decode:>10.1f}"
@@ -129,7 +143,8 @@ class MatrixResult:
                      + ("" if first.separate_peaks else "; not reset between sides here")
                      + "); "
                      "a chunked context's prefill s is all its calls (upstream's column then "
-                     "blank: it prefills one call and decodes past it)"
+                     "blank: it prefills one call and decodes past it); (zeros): one prefill "
+                     "call, then decode at the context with zero state between, both sides"
                      + ("; x exact: a fast row's time / the exact row's (upstream runs once "
                         "per scenario, beside both)" if both else ""))
         return "\n".join(lines)
@@ -148,10 +163,8 @@ def scenario_summary(s: Scenario, r: BenchResult) -> str:
     def up(ours: float, theirs: float | None, digits: int) -> str:
         return f" (upstream {theirs:.{digits}f}, x up {ours / theirs:.2f})" if theirs else ""
 
-    prefill_up = u.prefill_s if u is not None and s.context == s.prefill else None
-    calls = -(-s.context // s.prefill)
-    return (f"threads {s.threads}, batch {s.batch}, context {s.context}"
-            + (f" ({calls} calls)" if calls > 1 else "") + f", {s.numerics}: "
+    prefill_up = u.prefill_s if u is not None and s.one_prefill else None
+    return (f"threads {s.threads}, batch {s.batch}, context {s.context}{s.how}, {s.numerics}: "
             f"prefill {o.prefill_s:.3f} s{up(o.prefill_s, prefill_up, 3)}, "
             f"decode {o.decode_median_ms:.1f} ms"
             f"{up(o.decode_median_ms, u.decode_median_ms if u else None, 1)}, "
@@ -166,7 +179,7 @@ def run_matrix(opts: BenchOptions, prefills: list[int], batches: list[int],
     """Every scenario; `progress` hears each stage, `finished` each scenario's summary
     line as it ends."""
     say = progress or (lambda text: None)
-    todo = scenarios(prefills, batches, threads, contexts, numerics)
+    todo = scenarios(prefills, batches, threads, contexts, numerics, opts.zero_context)
     config = bench_config(opts)
     first, last = opts.layers or (0, config.n_layers - 1)
     say("weights")

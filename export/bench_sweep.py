@@ -59,7 +59,10 @@ class SweepResult:
         limit = self.weight_bytes / self.read_bandwidth * 1e3
         lines = [f"csa2onnx bench, decode vs max_seq_len: layers {self.layers[0]}.."
                  f"{self.layers[-1]}, {self.weight_format} weights, batch {o['batch']}, "
-                 f"context {context}, {o['decode']} decode steps per max_seq_len taken in "
+                 f"context {context}"
+                 + (" (one prefill, then zero state)" if o.get("zero_context") and
+                    context > o["prefill"] else "")
+                 + f", {o['decode']} decode steps per max_seq_len taken in "
                  f"turn, {o['threads']} threads",
                  f"machine: {self.machine['cpu']} ({', '.join(self.machine['isa'])}); "
                  f"onnxruntime {self.machine['onnxruntime']}",
@@ -115,12 +118,15 @@ def run_sweep(opts: BenchOptions, lengths: list[int],
                                              config.dim), slots[n])
             runtimes[n].decode(bench_inputs(rng, layers, opts.batch, 1, config.dim), slots[n])
         rng = np.random.default_rng(opts.seed + 2)
-        for start in range(0, context, opts.prefill):
+        for start in range(0, opts.prefill if opts.zero_context else context, opts.prefill):
             say(f"prefill {start}/{context}")
             xs = bench_inputs(rng, layers, opts.batch, min(opts.prefill, context - start),
                               config.dim)
             for n in lengths:
                 runtimes[n].prefill(xs, slots[n], start_pos=start)
+        if opts.zero_context:  # the rest of the context: zero state (bench --zero-context)
+            for n in lengths:
+                runtimes[n].skip_to(context)
         decode_ms: dict[int, list[float]] = {n: [] for n in lengths}
         for step in range(opts.decode):
             say(f"decode {step + 1}/{opts.decode}")

@@ -182,7 +182,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                         threads=args.threads[0],
                         seed=args.seed, baseline=args.baseline, upstream=args.upstream,
                         state=args.state, share_weights=not args.separate_weights,
-                        prefill_arena=args.prefill_arena, numerics=args.numerics[0])
+                        prefill_arena=args.prefill_arena, numerics=args.numerics[0],
+                        zero_context=args.zero_context)
     live = sys.stderr.isatty() and not args.json
 
     def progress(stage: str) -> None:
@@ -301,6 +302,10 @@ def parser() -> argparse.ArgumentParser:
                    help="tokens before decoding, reached by chunked prefill in calls of "
                         "--prefill tokens (default: --prefill); in a matrix, extra decode "
                         "scenarios at these contexts")
+    b.add_argument("--zero-context", action="store_true",
+                   help="reach --context by one prefill and zero state up to it instead of "
+                        "chunked prefill (as upstream's decode there): a decode step's cost "
+                        "at long contexts without prefilling them")
     b.add_argument("--decode", type=_positive, default=16, help="decode steps (default 16)")
     b.add_argument("--batch", type=_lengths, default=[1], help="batch size(s)")
     b.add_argument("--max-seq-len", type=_lengths,

@@ -184,6 +184,22 @@ class AttentionRuntime:
         self.position += 1
         return result
 
+    def skip_to(self, position: int) -> None:
+        """For benchmarks at long contexts: go on at `position` as if the tokens between had
+        left zero state (the caches grow to hold their rows, which stay zero, as upstream's
+        fresh caches; the window and compressor state stay as they are). What a decode step
+        then costs is what it costs at that context; what it outputs is no model's."""
+        if not self.started:
+            raise RuntimeStateError("skip_to needs a prefill first")
+        if not isinstance(position, int) or position < self.position:
+            raise RuntimeStateError(f"skip_to goes forward only: position {position!r} is "
+                                    f"before the sequence's next position {self.position}")
+        if position >= self.manifest.max_seq_len:
+            raise RuntimeStateError(f"position {position} is past max_seq_len "
+                                    f"{self.manifest.max_seq_len}")
+        self._ensure_caches(self.batch, position)
+        self.position = position
+
     def state_bytes(self) -> int:
         """Bytes of the state held between calls."""
         return sum(int(np.prod(v.shape())) * _ELEMENT_BYTES[v.data_type()]

@@ -77,6 +77,31 @@ def test_bench_reaches_a_context_by_chunked_prefill() -> None:
     assert len(result.ours.decode_ms) == 2 and result.ours.prefill_s > 0
 
 
+def test_bench_reaches_a_context_by_zeros() -> None:
+    """--zero-context: one prefill, then decode at the context past zero state (as upstream
+    decodes there); the table says so, and the prefill is the one call."""
+    opts = BenchOptions(source=GOLDENS / "case1_r2_r1.json", layers=(0, 3), prefill=8,
+                        context=200, decode=2, threads=1, zero_context=True)
+    result = run_bench(opts)
+    table = result.table()
+    assert "prefill 8, then decode at context 200 (zero state between)" in table
+    assert "chunked" not in table and "--zero-context: both sides prefill 8 tokens" in table
+    assert len(result.ours.decode_ms) == 2 and result.ours.prefill_s > 0
+
+
+def test_bench_matrix_and_sweep_take_zero_context(capsys) -> None:
+    assert main(["bench", str(GOLDENS / "case1_r2_r1.json"), "--layers", "0-3", "--prefill",
+                 "8", "--batch", "1,2", "--threads", "1", "--context", "100",
+                 "--decode", "1", "--zero-context"]) == 0
+    captured = capsys.readouterr()
+    assert "100 (zeros)" in captured.out and "calls)" not in captured.out
+    assert "batch 2, context 100 (zeros), exact: prefill " in captured.err
+    assert main(["bench", str(GOLDENS / "case1_r2_r1.json"), "--layers", "0-3", "--prefill",
+                 "8", "--context", "100", "--decode", "1", "--threads", "1",
+                 "--max-seq-len", "2048,8192", "--zero-context"]) == 0
+    assert "context 100 (one prefill, then zero state)" in capsys.readouterr().out
+
+
 def test_bench_rejects_a_context_below_the_prefill() -> None:
     with pytest.raises(BenchError, match="context >= prefill"):
         run_bench(BenchOptions(source=GOLDENS / "case1_r2_r1.json", layers=(0, 3), prefill=8,

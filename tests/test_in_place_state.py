@@ -243,3 +243,38 @@ def test_state_that_does_not_fit_is_a_clear_error(tmp_path: Path) -> None:
                                                     r"\([\d.]+ GiB\) do not fit in memory; "
                                                     r"caches made whole at max_seq_len rows"):
             runtime.prefill(xs)
+
+
+def test_skip_to_goes_on_past_zero_state(tmp_path: Path) -> None:
+    """skip_to (bench --zero-context): after a prefill the sequence goes on at a later
+    position, the caches grown to hold its rows, those past the prefill zero; a decode step
+    then runs there. It goes forward only, after a prefill, before max_seq_len."""
+    from csa2onnx.export.runtime import RuntimeStateError
+
+    g, plan, weights, n = _plan_and_weights()
+    export_stack(plan, weights, tmp_path)
+    runtime = AttentionRuntime(tmp_path)
+    xs = {layer: g.step("prefill", layer, "x") for layer in range(n)}
+    with pytest.raises(RuntimeStateError, match="skip_to needs a prefill first"):
+        runtime.skip_to(10)
+    runtime.prefill(xs)
+    prefilled = runtime.position
+    before = {name: runtime.state_array(name) for name in runtime.caches}
+    target = runtime.manifest.max_seq_len - 2
+    runtime.skip_to(target)
+    assert runtime.position == target
+    for name, rows in runtime.cache_rows().items():
+        spec = runtime.caches[name]
+        assert rows >= spec.rows_for(target)
+        held = runtime.state_array(name)
+        old = before[name].shape[1]
+        np.testing.assert_array_equal(held[:, :old], before[name])  # the prefill's rows kept
+        assert not held[:, max(old, spec.rows_for(prefilled)):].any()  # the rest zero
+    step = {layer: g.step("decode0", layer, "x") for layer in range(n)}
+    out = runtime.decode(step).out
+    assert all(np.isfinite(out[layer]).all() for layer in range(n))
+    assert runtime.position == target + 1
+    for bad, message in [(target, "goes forward only"), (runtime.manifest.max_seq_len,
+                                                          "past max_seq_len")]:
+        with pytest.raises(RuntimeStateError, match=message):
+            runtime.skip_to(bad)
