@@ -181,6 +181,10 @@ def run_matrix(opts: BenchOptions, prefills: list[int], batches: list[int],
     say = progress or (lambda text: None)
     todo = scenarios(prefills, batches, threads, contexts, numerics, opts.zero_context)
     config = bench_config(opts)
+    longest = max(s.context for s in todo)  # checked before any runs, not when it comes
+    if longest + opts.decode > config.max_seq_len:
+        raise BenchError(f"context {longest} + {opts.decode} decode steps is past "
+                         f"max_seq_len {config.max_seq_len}")
     first, last = opts.layers or (0, config.n_layers - 1)
     say("weights")
     weights = bench_weights(opts, config, plan_stack(config, first, last))  # no batch in them

@@ -183,6 +183,12 @@ def test_bench_matrix_json_and_errors(capsys) -> None:
     assert main(["bench", str(GOLDENS / "case1_r2_r1.json"), "--batch", "1,2",
                  "--max-seq-len", "64,128"]) == 2
     assert "not both" in capsys.readouterr().err
+    # a context past max_seq_len: an error before the first scenario runs, not at its own
+    assert main(["bench", str(GOLDENS / "case1_r2_r1.json"), "--prefill", "8", "--batch",
+                 "1,2", "--context", "64", "--max-seq-len", "66", "--decode", "3"]) == 2
+    captured = capsys.readouterr()
+    assert "context 64 + 3 decode steps is past max_seq_len 66" in captured.err
+    assert "scenario 1/" not in captured.err
 
 
 def test_decode_side_by_side_times_both_formats_in_turns(capsys, tmp_path: Path) -> None:
