@@ -188,7 +188,9 @@ class AttentionRuntime:
         """For benchmarks at long contexts: go on at `position` as if the tokens between had
         left zero state (the caches grow to hold their rows, which stay zero, as upstream's
         fresh caches; the window and compressor state stay as they are). What a decode step
-        then costs is what it costs at that context; what it outputs is no model's."""
+        then costs is what it costs at that context; what it outputs is no model's. The
+        caches double on the way, as a sequence growing to `position` would have them, so
+        the next decode step finds the capacity it would find there (not a growth copy)."""
         if not self.started:
             raise RuntimeStateError("skip_to needs a prefill first")
         if not isinstance(position, int) or position < self.position:
@@ -197,7 +199,10 @@ class AttentionRuntime:
         if position >= self.manifest.max_seq_len:
             raise RuntimeStateError(f"position {position} is past max_seq_len "
                                     f"{self.manifest.max_seq_len}")
-        self._ensure_caches(self.batch, position)
+        end = max(self.position, 1)
+        while end < position + 1:  # through the sizes a growing sequence passes
+            end = min(2 * end, position + 1)
+            self._ensure_caches(self.batch, end)
         self.position = position
 
     def state_bytes(self) -> int:

@@ -245,14 +245,17 @@ def test_state_that_does_not_fit_is_a_clear_error(tmp_path: Path) -> None:
             runtime.prefill(xs)
 
 
-def test_skip_to_goes_on_past_zero_state(tmp_path: Path) -> None:
+def test_skip_to_goes_on_past_zero_state(tmp_path: Path, monkeypatch) -> None:
     """skip_to (bench --zero-context): after a prefill the sequence goes on at a later
     position, the caches grown to hold its rows, those past the prefill zero; a decode step
-    then runs there. It goes forward only, after a prefill, before max_seq_len."""
+    then runs there without growing them. It goes forward only, after a prefill, before
+    max_seq_len."""
+    import csa2onnx.export.runtime as runtime_module
     from csa2onnx.export.runtime import RuntimeStateError
 
     g, plan, weights, n = _plan_and_weights()
     export_stack(plan, weights, tmp_path)
+    monkeypatch.setattr(runtime_module, "MIN_CACHE_ROWS", 4)  # caches that grow here
     runtime = AttentionRuntime(tmp_path)
     xs = {layer: g.step("prefill", layer, "x") for layer in range(n)}
     with pytest.raises(RuntimeStateError, match="skip_to needs a prefill first"):
@@ -271,7 +274,9 @@ def test_skip_to_goes_on_past_zero_state(tmp_path: Path) -> None:
         np.testing.assert_array_equal(held[:, :old], before[name])  # the prefill's rows kept
         assert not held[:, max(old, spec.rows_for(prefilled)):].any()  # the rest zero
     step = {layer: g.step("decode0", layer, "x") for layer in range(n)}
+    capacity = runtime.cache_rows()
     out = runtime.decode(step).out
+    assert runtime.cache_rows() == capacity  # the step after finds its rows: no growth copy
     assert all(np.isfinite(out[layer]).all() for layer in range(n))
     assert runtime.position == target + 1
     for bad, message in [(target, "goes forward only"), (runtime.manifest.max_seq_len,
