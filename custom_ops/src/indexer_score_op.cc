@@ -266,7 +266,7 @@ void row_task(const Job& j, size_t task, std::vector<float>& scratch) {
     for (int64_t t = 0; t < pr.t; ++t)
       if (cand == nullptr || cand[t] != 0)
         packed::unpack_row_scalar(j.format, j.packed + (bi * j.r + t) * j.row_bytes, pr.d,
-                                unpacked + t * pr.d);
+                                  unpacked + t * pr.d);
     keys = unpacked;
   }
   is::score_row(pr, i % pr.s, j.q + i * pr.h * pr.d, j.w + i * pr.h, keys, cand,
