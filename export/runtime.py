@@ -21,6 +21,7 @@ keeps the arena.
 from __future__ import annotations
 
 import ctypes
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -193,7 +194,10 @@ class AttentionRuntime:
         the next decode step finds the capacity it would find there (not a growth copy)."""
         if not self.started:
             raise RuntimeStateError("skip_to needs a prefill first")
-        if not isinstance(position, int) or position < self.position:
+        if isinstance(position, bool) or not isinstance(position, numbers.Integral):
+            raise RuntimeStateError(f"skip_to takes an integer position, got {position!r}")
+        position = int(position)
+        if position < self.position:
             raise RuntimeStateError(f"skip_to goes forward only: position {position!r} is "
                                     f"before the sequence's next position {self.position}")
         if position >= self.manifest.max_seq_len:

@@ -264,8 +264,8 @@ def test_skip_to_goes_on_past_zero_state(tmp_path: Path, monkeypatch) -> None:
     prefilled = runtime.position
     before = {name: runtime.state_array(name) for name in runtime.caches}
     target = runtime.manifest.max_seq_len - 2
-    runtime.skip_to(target)
-    assert runtime.position == target
+    runtime.skip_to(np.int64(target))  # any integer type
+    assert runtime.position == target and type(runtime.position) is int
     for name, rows in runtime.cache_rows().items():
         spec = runtime.caches[name]
         assert rows >= spec.rows_for(target)
@@ -280,6 +280,8 @@ def test_skip_to_goes_on_past_zero_state(tmp_path: Path, monkeypatch) -> None:
     assert all(np.isfinite(out[layer]).all() for layer in range(n))
     assert runtime.position == target + 1
     for bad, message in [(target, "goes forward only"), (runtime.manifest.max_seq_len,
-                                                          "past max_seq_len")]:
+                                                          "past max_seq_len"),
+                         (target + 0.5, "takes an integer position"),
+                         (True, "takes an integer position")]:
         with pytest.raises(RuntimeStateError, match=message):
             runtime.skip_to(bad)
