@@ -269,7 +269,8 @@ def sparse_attention(op: OpBuilder, q: ir.Value, kv: ir.Value, sink: ir.Value, i
 
 def indexer_score(op: OpBuilder, q: ir.Value, w: ir.Value, keys: ir.Value, width: ir.Value,
                   keys_format: PackedFormat | None = None, head_dim: int | None = None,
-                  candidates: ir.Value | None = None) -> ir.Value:
+                  candidates: ir.Value | None = None,
+                  lengths: ir.Value | None = None) -> ir.Value:
     """The Indexer's scores (custom_ops/src/indexer_score.h): q [b,s,H,D] (D <= 128), w
     [b,s,H], the first `width` (int64 [1]) rows of keys -> float32 [b, s, width] =
     bf16(sum_h bf16(relu(bf16(q[b,s,h] . k[b,t])) * w[b,s,h])), bit for bit the standard ops
@@ -279,7 +280,8 @@ def indexer_score(op: OpBuilder, q: ir.Value, w: ir.Value, keys: ir.Value, width
     (uint8), read in place. In a portable graph packed keys become UnpackQuantized(Slice)
     (the head dim must then be known): the op's function body takes float rows only.
     `candidates` (bool [b, s, width]): the score is -inf where it is false, and the op
-    computes no dot there (a portable graph computes every score, then a Where)."""
+    computes no dot there; `lengths` (int64 [s]): query q's keys from lengths[q] on too (a
+    portable graph computes every score, then Wheres)."""
     if keys_format is not None:
         _check_packed_format(keys_format)
     if is_portable(op):
@@ -289,14 +291,30 @@ def indexer_score(op: OpBuilder, q: ir.Value, w: ir.Value, keys: ir.Value, width
                 raise ValueError("a portable IndexerScore over packed keys needs the head dim: "
                                  "pass head_dim, or give q a static last dimension")
             keys = unpack_quantized(op, op.Slice(keys, [0], width, [1]), keys_format, d)
-        score = _csa(op).IndexerScore(q, w, keys, width)
-        if candidates is None:
-            return score
-        return op.Where(candidates, score, op.Constant(value_float=float("-inf")))
-    inputs = (q, w, keys, width) if candidates is None else (q, w, keys, width, candidates)
+        return mask_scores(op, _csa(op).IndexerScore(q, w, keys, width), width, candidates,
+                           lengths)
+    if candidates is not None and lengths is None:  # the op takes Candidates after Lengths
+        lengths = op.Expand(width, op.Slice(op.Shape(q), [1], [2]))  # every key reachable
+    inputs = [q, w, keys, width, lengths, candidates]
+    while inputs[-1] is None:  # optional inputs left out at the end
+        inputs.pop()
     if keys_format is None:
         return _csa(op).IndexerScore(*inputs)
     return _csa(op).IndexerScore(*inputs, keys_format=keys_format)
+
+
+def mask_scores(op: OpBuilder, score: ir.Value, width: ir.Value, candidates: ir.Value | None,
+                lengths: ir.Value | None) -> ir.Value:
+    """score [b, s, width] with -inf where `candidates` is false and at keys t >= lengths[q]
+    (IndexerScore's masks, as standard ops after every score)."""
+    minus_inf = op.Constant(value_float=float("-inf"))
+    if lengths is not None:
+        keys = op.Range(op.Constant(value_int=0), op.Squeeze(width, [0]),
+                        op.Constant(value_int=1))
+        score = op.Where(op.GreaterOrEqual(keys, op.Unsqueeze(lengths, [-1])), minus_inf, score)
+    if candidates is not None:
+        score = op.Where(candidates, score, minus_inf)
+    return score
 
 
 def _check_packed_format(fmt: str | None) -> None:

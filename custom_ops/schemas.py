@@ -290,9 +290,10 @@ SIGNATURES: tuple[OpSignature, ...] = (
          Attribute("numerics", _Attr.STRING, default="exact"))),
     OpSignature(
         "IndexerScore", "The Indexer's scores bf16(sum_h bf16(relu(bf16(q.k)) * w)) of keys "
-        "0..Width-1, in onnxruntime's orders for the standard ops; -inf, not computed, where "
-        "Candidates is false.",
+        "0..Width-1, in onnxruntime's orders for the standard ops; -inf, not computed, past a "
+        "query's Lengths or where Candidates (given with Lengths) is false.",
         (Param("Q", _FLOAT), Param("W", _FLOAT), Param("Keys", "TK"), Param("Width", _INT64),
+         Param("Lengths", _INT64, optional=True),
          Param("Candidates", "tensor(bool)", optional=True)),
         (Param("Score", _FLOAT),), _infer_indexer_score, (("TK", (_FLOAT, _UINT8)),),
         (Attribute("keys_format", _Attr.STRING),)),

@@ -20,9 +20,15 @@ import onnx_ir as ir
 from onnxscript import OpBuilder, nn
 
 from csa2onnx.custom_ops.constants import INDEXER_SCORE_MAX_DIM
-from csa2onnx.custom_ops.ops import indexer_score, pack_quantized, torch_topk, unpack_quantized
+from csa2onnx.custom_ops.ops import (
+    indexer_score,
+    mask_scores,
+    pack_quantized,
+    torch_topk,
+    unpack_quantized,
+)
 from csa2onnx.graphs.candidates import select_candidate_blocks
-from csa2onnx.graphs.common import NEG_INF, Mode, scalar_i64
+from csa2onnx.graphs.common import Mode, scalar_i64
 from csa2onnx.graphs.kv_cache import INDEX_KEY_FORMAT
 from csa2onnx.graphs.numerics import (
     Linear,
@@ -185,36 +191,33 @@ class Indexer(nn.Module):
 
     def _score(self, op: OpBuilder, q: ir.Value, w: ir.Value,
                index_k: ir.Value | KeyCacheChoice, width: ir.Value,
-               candidates: ir.Value | None) -> ir.Value:
+               candidates: ir.Value | None, lengths: ir.Value | None) -> ir.Value:
         """score[b,t,p] = bf16(sum_h bf16(relu(bf16(q[b,t,h] . k[p])) * w[b,t,h])) for the
         first `width` rows of index_k (float rows, or the packed cache read in place), -inf
-        where `candidates` (if given) is false: the IndexerScore op (bit for bit the standard
-        ops below as onnxruntime runs them, with no [b, s, H, T] intermediate, and no dot
-        computed outside the candidates), or those standard ops where D is past the op's
-        limit."""
+        where `candidates` (if given) is false or p >= lengths[t] (if given): the
+        IndexerScore op (bit for bit the standard ops below as onnxruntime runs them, with
+        no [b, s, H, T] intermediate, and no dot computed where the score is -inf), or those
+        standard ops where D is past the op's limit."""
         if not isinstance(index_k, ir.Value):  # chosen at run time: scored where it lies
             return index_k.apply(
-                op, lambda o, cache: self._score(o, q, w, cache, width, candidates))
+                op, lambda o, cache: self._score(o, q, w, cache, width, candidates, lengths))
         packed = index_k.dtype == ir.DataType.UINT8
         if self.head_dim <= INDEXER_SCORE_MAX_DIM:
             return indexer_score(op, q, w, index_k, width, INDEX_KEY_FORMAT if packed else None,
-                                 self.head_dim, candidates)
+                                 self.head_dim, candidates, lengths)
         k = op.Slice(index_k, [0], width, [1])  # [b, T, D]
         if packed:
             k = unpack_quantized(op, k, INDEX_KEY_FORMAT, self.head_dim)
         dots = round_bf16(op, op.MatMul(q, op.Unsqueeze(op.Transpose(k, perm=[0, 2, 1]), [1])))
         weighted = round_bf16(op, op.Mul(op.Relu(dots), op.Unsqueeze(w, [-1])))  # [b,s,H,T]
         score = round_bf16(op, reduce_axis(op, "Sum", weighted, 2))
-        if candidates is None:
-            return score
-        return op.Where(candidates, score, op.Constant(value_float=NEG_INF))
+        return mask_scores(op, score, width, candidates, lengths)
 
     def forward(self, op: OpBuilder, x: ir.Value, qr: ir.Value,
                 index_k: ir.Value | KeyCacheChoice,
                 start_pos: ir.Value | None, candidates: ir.Value | None,
                 window_rows: ir.Value | None, *, mode: Mode) -> IndexerOutput:
         """select(): called through __call__, so the parameters are realised in scope."""
-        one = op.Constant(value_int=1)
         s = op.Slice(op.Shape(qr), [1], [2])
         start = op.Constant(value_ints=[0]) if start_pos is None else scalar_i64(op, start_pos)
         end = op.Add(start, s)
@@ -229,20 +232,18 @@ class Indexer(nn.Module):
         w = round_bf16(op, op.Mul(self.weights_proj(op, x), self.weights_scale))  # [b, s, H]
 
         width = op.Div(end, self.ratio)
-        # Level two (a later index source): non-candidates score -inf (and are not computed)
-        # but stay selectable (reference quirk 2).
-        score = self._score(op, q, w, index_k, width, candidates)  # [b, s, T]
-
-        # Reachable compressed positions per query: prefill (pos+1)//r, decode end_pos//r.
+        # Reachable compressed positions per query: prefill (pos+1)//r (those past it score
+        # -inf), decode end_pos//r (all).
         if mode == "prefill":
             lens = op.Div(op.Add(positions, 1), self.ratio)  # [s]
-            columns = op.Range(op.Constant(value_int=0), op.Squeeze(width, [0]), one)
-            unreachable = op.GreaterOrEqual(columns, op.Unsqueeze(lens, [-1]))  # [s, T]
-            score = op.Where(unreachable, op.Constant(value_float=NEG_INF), score)
             offset: ir.Value | int = s if window_rows is None else window_rows
         else:
             lens = width  # [1]
             offset = self.window_size if window_rows is None else window_rows
+        # Level two (a later index source): non-candidates score -inf too (none of these
+        # is computed) but stay selectable (reference quirk 2).
+        score = self._score(op, q, w, index_k, width, candidates,
+                            lens if mode == "prefill" else None)  # [b, s, T]
 
         published = None
         if self.candidate_config is not None:

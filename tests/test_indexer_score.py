@@ -6,7 +6,8 @@ adversarial ones built to make the summation orders show (dots that are not exac
 cancelling head sums, -0, the relu boundary, huge and tiny weights, NaN and inf keys), over
 shapes that take each of onnxruntime's orders (one GEMM row, T == 1, b == 1 folded or not,
 one query row), decode (s = 1) among them; with Candidates, -inf where they are false and
-those keys never read. Also: the portable function body, and the errors."""
+those keys never read, and -inf past each query's Lengths. Also: the portable function
+body, and the errors."""
 
 from __future__ import annotations
 
@@ -55,14 +56,20 @@ def float_inputs() -> list:
 
 
 def op_model(packed: bool, *, portable: bool = False, fmt: str | None = FORMAT,
-             candidates: bool = False) -> bytes:
+             masks: str = "") -> bytes:
+    """masks: the optional inputs given, "L" (Lengths), "LC" (and Candidates), or "C"
+    (Candidates with Lengths left out: an error)."""
     inputs = float_inputs()
     attrs = {}
     if packed:
         inputs[2] = _vi("K", TensorProto.UINT8, None)
         attrs = {"keys_format": fmt} if fmt else {}
     names = ["Q", "W", "K", "T"]
-    if candidates:
+    if masks:
+        names.append("L" if "L" in masks else "")
+        if "L" in masks:
+            inputs.append(_vi("L", TensorProto.INT64, None))
+    if "C" in masks:
         inputs.append(_vi("C", TensorProto.BOOL, None))
         names.append("C")
     node = helper.make_node("IndexerScore", names, ["S"], domain="csa2onnx", **attrs)
@@ -121,13 +128,13 @@ def expected(q, w, keys, t: int) -> np.ndarray:
 
 
 def op_session(monkeypatch, packed: bool, isa: str, threads: int,
-               candidates: bool = False) -> ort.InferenceSession:
-    key = (packed, isa, threads, candidates)
+               masks: str = "") -> ort.InferenceSession:
+    key = (packed, isa, threads, masks)
     if key not in _sessions:
         monkeypatch.delenv("CSA2ONNX_ISA", raising=False)
         monkeypatch.setenv("CSA_INDEXER_SCORE_ISA", isa)  # read when the kernel is created
         try:
-            _sessions[key] = make_session(op_model(packed, candidates=candidates),
+            _sessions[key] = make_session(op_model(packed, masks=masks),
                                           options=session_options(threads))
         finally:
             monkeypatch.delenv("CSA_INDEXER_SCORE_ISA")
@@ -135,17 +142,21 @@ def op_session(monkeypatch, packed: bool, isa: str, threads: int,
 
 
 def check(monkeypatch, q, w, keys, packed, t: int, paths=PATHS, threads=(1, 2),
-          candidates: np.ndarray | None = None) -> None:
-    """The op's bits are the standard ops' (-inf where `candidates`, if given, is false)."""
+          lengths: np.ndarray | None = None, candidates: np.ndarray | None = None) -> None:
+    """The op's bits are the standard ops' (-inf at keys past `lengths` and where
+    `candidates` is false, where given; candidates come with lengths)."""
     want = expected(q, w, keys, t)
-    feeds = {}
+    feeds, masks = {}, ""
+    if lengths is not None:
+        want = np.where(np.arange(t) >= lengths[:, None], np.float32(-np.inf), want)
+        feeds, masks = {"L": lengths}, "L"
     if candidates is not None:
         want = np.where(candidates, want, np.float32(-np.inf))
-        feeds = {"C": candidates}
+        feeds, masks = feeds | {"C": candidates}, masks + "C"
     for isa in paths:
         for n in threads:
             for is_packed, k in ((False, keys), (True, packed)):
-                got = op_session(monkeypatch, is_packed, isa, n, candidates is not None).run(
+                got = op_session(monkeypatch, is_packed, isa, n, masks).run(
                     None, {"Q": q, "W": w, "K": k, "T": np.array([t], np.int64), **feeds})[0]
                 assert got.shape == want.shape
                 diff = np.flatnonzero(bits(got) != bits(want))
@@ -198,20 +209,34 @@ def candidate_mask(rng: np.random.Generator, b: int, s: int, t: int, kind: str) 
     return np.full((b, s, t), kind == "all")
 
 
-@pytest.mark.parametrize("kind", ["blocks", "keys", "none", "all"])
-@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[1], SHAPES[2], SHAPES[4], SHAPES[6],
-                                   SHAPES[9], *DECODE_SHAPES[:3], DECODE_SHAPES[13],
-                                   DECODE_SHAPES[15]],
-                         ids=lambda s: "b{}s{}H{}D{}R{}T{}".format(*s))
-def test_candidates_mask_and_skip(monkeypatch, shape, kind):
-    """With Candidates (a later index source's level two) every kept key scores the bits it
-    has without them and every other key -inf, on every path and thread count, float and
-    packed keys: over the tiles (blocks of keys no query row of a task keeps are skipped,
-    blocks kept by some rows only), the one-GEMM-row and T == 1 shapes (row tasks), decode."""
+def reach(rng: np.random.Generator, s: int, t: int, kind: str) -> np.ndarray:
+    """Lengths [s]: a prefill's (q + 1) // 2 and the like, out of range ones, or all T."""
+    if kind == "causal":
+        return (np.arange(s, dtype=np.int64) + 1) * t // max(s, 1)
+    if kind == "random":
+        return rng.integers(-3, t + 4, s).astype(np.int64)  # past both ends too
+    return np.full(s, t, np.int64)
+
+
+MASK_SHAPES = [SHAPES[0], SHAPES[1], SHAPES[2], SHAPES[4], SHAPES[6], SHAPES[9],
+               *DECODE_SHAPES[:3], DECODE_SHAPES[13], DECODE_SHAPES[15]]
+
+
+@pytest.mark.parametrize("kind", ["blocks", "keys", "none", "all", None])
+@pytest.mark.parametrize("reachable", ["causal", "random", "all"])
+@pytest.mark.parametrize("shape", MASK_SHAPES, ids=lambda s: "b{}s{}H{}D{}R{}T{}".format(*s))
+def test_lengths_and_candidates_mask_and_skip(monkeypatch, shape, reachable, kind):
+    """With Lengths (a prefill's reachable keys) and Candidates (a later index source's
+    level two) every key a row keeps scores the bits it has without them and every other
+    key -inf, on every path and thread count, float and packed keys: over the tiles (blocks
+    of keys no query row of a task keeps are skipped, blocks kept by some rows only), the
+    one-GEMM-row and T == 1 shapes (row tasks), decode; Lengths past either end clamp."""
     b, s, h, d, r, t = shape
     q, w, keys, packed = case(sum(shape), b, s, h, d, r, adversarial=False)
-    mask = candidate_mask(np.random.default_rng(sum(shape)), b, s, t, kind)
-    check(monkeypatch, q, w, keys, packed, t, candidates=mask)
+    rng = np.random.default_rng(sum(shape))
+    mask = None if kind is None else candidate_mask(rng, b, s, t, kind)
+    check(monkeypatch, q, w, keys, packed, t, lengths=reach(rng, s, t, reachable),
+          candidates=mask)
 
 
 def test_candidates_skip_keys_not_kept():
@@ -219,7 +244,9 @@ def test_candidates_skip_keys_not_kept():
     score finite (the dots would be NaN), on the tiles and on the definition's row tasks."""
     q, w, keys, packed = case(21, 1, 3, 32, 128, 300, adversarial=False)
     mask = np.zeros((1, 3, 300), bool)
-    mask[..., 8:16] = mask[..., 200:208] = True
+    mask[..., 8:16] = mask[..., 200:208] = mask[..., 260:270] = True
+    lengths = np.array([250, 300, 250], np.int64)  # rows 0 and 2 do not reach 260..269
+    kept = mask & (np.arange(300) < lengths[:, None])
     packed[0, 16:200, 128 // 2] = 0xFF  # scale byte 0xFF: NaN values in every other row
     keys = unpack_quantized(packed, FORMAT, 128)
     for isa in PATHS:
@@ -227,12 +254,12 @@ def test_candidates_skip_keys_not_kept():
             with pytest.MonkeyPatch.context() as mp:
                 mp.delenv("CSA2ONNX_ISA", raising=False)
                 mp.setenv("CSA_INDEXER_SCORE_ISA", isa)
-                session = make_session(op_model(is_packed, candidates=True),
+                session = make_session(op_model(is_packed, masks="LC"),
                                        options=session_options(2))
             got = session.run(None, {"Q": q, "W": w, "K": k, "T": np.array([300], np.int64),
-                                     "C": mask})[0]
-            assert np.isfinite(got[mask]).all(), (isa, is_packed)
-            assert (got[~mask] == -np.inf).all(), (isa, is_packed)
+                                     "L": lengths, "C": mask})[0]
+            assert np.isfinite(got[kept]).all(), (isa, is_packed)
+            assert (got[~kept] == -np.inf).all(), (isa, is_packed)
 
 
 def tie_case(s: int, b: int = 1) -> tuple:
@@ -383,6 +410,12 @@ def test_errors_name_the_problem():
         run_op(op_model(True, fmt="fp4"), packed_feeds)
     with pytest.raises(Exception, match="do not divide D = 48"):
         run_op(op_model(True), dict(packed_feeds, Q=q[..., :48]))
+    lengths = np.array([3, 8], np.int64)
     for shape in ((1, 2, 7), (1, 8), (2, 2, 8)):
         with pytest.raises(Exception, match=r"Candidates must be \[b, s, Width\] = \[1, 2, 8\]"):
-            run_op(op_model(False, candidates=True), dict(feeds, C=np.ones(shape, bool)))
+            run_op(op_model(False, masks="LC"), dict(feeds, L=lengths, C=np.ones(shape, bool)))
+    for shape in ((1,), (1, 2), (3,)):
+        with pytest.raises(Exception, match=r"Lengths must be \[s\] = \[2\]"):
+            run_op(op_model(False, masks="L"), dict(feeds, L=np.zeros(shape, np.int64)))
+    with pytest.raises(Exception, match=r"Candidates \(input 5\) need Lengths \(input 4\)"):
+        run_op(op_model(False, masks="C"), dict(feeds, C=np.ones((1, 2, 8), bool)))

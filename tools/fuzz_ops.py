@@ -17,15 +17,15 @@ for SparseAttention indices in and out of range (-1 included, int64 and int32), 
 compressed caches of each format (random bytes included); for the row ops RowStart anywhere,
 float and uint8 caches, every format, d and dim; for TorchLinear float and bf16 W, plain and
 panels64, constant or fed, 1-3 groups; for IndexerScore float and packed keys, Width
-anywhere, Candidates or none; for ApplyRope, RopeCosSin and TorchRMSNorm every layout they
-take; and each forced instruction-set path the CPU has (SparseAttention, TorchLinear,
-IndexerScore and ApplyRope checked against their own definition paths; the others against
-the NumPy definitions of custom_ops/reference.py, the C library's cosf/sinf, or a float64
-evaluation for TorchRMSNorm). A case must either return outputs of the right shape (checked
-against an oracle where the input is valid) or raise an onnxruntime error. Findings: a
-crash, a sanitizer report, a hang, a wrong shape or value, a valid input rejected or an
-invalid one accepted. A crashed worker is restarted after the case that killed it, so one
-run reports them all.
+anywhere, Lengths and Candidates or none; for ApplyRope, RopeCosSin and TorchRMSNorm every
+layout they take; and each forced instruction-set path the CPU has (SparseAttention,
+TorchLinear, IndexerScore and ApplyRope checked against their own definition paths; the
+others against the NumPy definitions of custom_ops/reference.py, the C library's cosf/sinf,
+or a float64 evaluation for TorchRMSNorm). A case must either return outputs of the right
+shape (checked against an oracle where the input is valid) or raise an onnxruntime error.
+Findings: a crash, a sanitizer report, a hang, a wrong shape or value, a valid input
+rejected or an invalid one accepted. A crashed worker is restarted after the case that
+killed it, so one run reports them all.
 Case i of seed S is reproducible alone: `--seed S --start i --cases 1 -v`.
 
 Exit status: 0 no findings, 1 findings, 2 could not run (no sanitizer runtime, no library).
@@ -741,6 +741,11 @@ def indexer_case(rng: np.random.Generator, index: int, omit_inputs: bool) -> Cas
     ok = ok and 0 <= width <= r
     more = {"W": (FLOAT, w), "Keys": (keys_type, np.ascontiguousarray(keys)),
             "Width": (INT64, np.array([width], np.int64))}
+    lengths = rng.random() < 0.4
+    if lengths:  # [s] reachable keys, past both ends too; sometimes another shape
+        shape = (s,) if rng.random() < 0.9 else ((s + 1,), (1, s))[int(rng.integers(0, 2))]
+        ok = ok and shape == (s,)
+        more["Lengths"] = (INT64, rng.integers(-2, max(width, 0) + 3, shape).astype(np.int64))
     candidates = rng.random() < 0.4
     if candidates:  # [b, s, Width], sometimes another width; blocks of keys or single keys
         t = max(width, 0) if rng.random() < 0.9 else choose(rng, [max(width, 0) + 1, 0, 3])
@@ -749,10 +754,12 @@ def indexer_case(rng: np.random.Generator, index: int, omit_inputs: bool) -> Cas
         if rng.random() < 0.5:  # whole blocks of 8, as select_candidate_blocks publishes
             keep = np.repeat(keep[..., ::8], 8, axis=-1)[..., :t]
         more["Candidates"] = (BOOL, np.ascontiguousarray(keep))
+        ok = ok and lengths  # Candidates come with Lengths
     return Case(index, "indexer", FLOAT, q, attributes, ["Score"], int(rng.integers(1, 3)),
                 expect_ok=ok, isa=forced_isa(rng, ("scalar", "avx2", "avx512", "avx512bf16")),
                 more=more,
-                notes=[f"R={r} T={width} packed={packed} candidates={candidates}"])
+                notes=[f"R={r} T={width} packed={packed} lengths={lengths} "
+                       f"candidates={candidates}"])
 
 
 def rope_case(rng: np.random.Generator, index: int, omit_inputs: bool) -> Case:
@@ -1071,7 +1078,9 @@ class Runner:
             op_type, out_types, node_inputs = {
                 "linear": ("TorchLinear", {"Y": FLOAT}, ["X", "W"]),
                 "indexer": ("IndexerScore", {"Score": FLOAT}, ["Q", "W", "Keys", "Width", *(
-                    ["Candidates"] if "Candidates" in case.more else [])])}[case.op]
+                    ["Lengths" if "Lengths" in case.more else "", "Candidates"]
+                    if "Candidates" in case.more
+                    else ["Lengths"] if "Lengths" in case.more else [])])}[case.op]
         elif case.op == "sa":
             op_type, out_types = "SparseAttention", {"O": FLOAT}
             node_inputs = case.inputs or ["Q", "KV", "Sink", "Idx", *(

@@ -149,14 +149,42 @@ inline float sum_heads(SumOrder order, const float* x, int64_t h) {
 
 constexpr float kMasked = -__builtin_inff();  // the score of a key the candidates leave out
 
+// Whether any of the n bytes from p is nonzero (a row's candidates in a block of keys).
+inline bool any_byte(const uint8_t* p, int64_t n) {
+  for (int64_t i = 0; i < n; ++i)
+    if (p[i] != 0) return true;
+  return false;
+}
+
+// The keys a query row scores, from some first key on: those before `reach` (its reachable
+// length, past that key) that `cand` keeps (the row's candidates from that key, or null for
+// all). The others score kMasked and are never computed or read.
+struct RowKeys {
+  const uint8_t* cand;
+  int64_t reach;
+  bool keeps(int64_t c) const { return c < reach && (cand == nullptr || cand[c] != 0); }
+  // Whether it keeps any of the keys [c, c + n).
+  bool any(int64_t c, int64_t n) const {
+    const int64_t m = reach - c < n ? reach - c : n;
+    return m > 0 && (cand == nullptr || any_byte(cand + c, m));
+  }
+};
+
+// Query row q's reachable length (Lengths[q], or every key without them) past key t0,
+// clamped to [0, t - t0].
+inline int64_t reach_from(const int64_t* lengths, int64_t q, int64_t t0, int64_t t) {
+  const int64_t n = lengths != nullptr ? lengths[q] : t;
+  return n <= t0 ? 0 : (n >= t ? t - t0 : n - t0);
+}
+
 // score[t] for query row i (q_row [H][D], w_row [H]) against key rows k [T][D]: the
 // definition, for any shape (the reference path and the shapes the tiles do not take).
-// cand (the row's candidates [T], or null for all): a key left out scores kMasked, unread.
+// keys: the keys the row scores (the others score kMasked, unread).
 inline void score_row(const Problem& pr, int64_t i, const float* q_row, const float* w_row,
-                      const float* k, const uint8_t* cand, float* out, float* terms /* [H] */) {
+                      const float* k, RowKeys keys, float* out, float* terms /* [H] */) {
   const SumOrder order = pr.sum_order();
   for (int64_t t = 0; t < pr.t; ++t) {
-    if (cand != nullptr && cand[t] == 0) {
+    if (!keys.keeps(t)) {
       out[t] = kMasked;
       continue;
     }
@@ -232,14 +260,15 @@ struct Tile {
   int64_t cols;                // key rows in the tile
   float* out;                  // score[block's first query][tile's first key]
   const uint8_t* cand;         // candidates[block's first query][tile's first key], or null
-};
+  const int64_t* lengths;      // Lengths[block's first query] (reachable keys), or null
+  int64_t t0;                  // the tile's first key
 
-// Whether any of the n bytes from p is nonzero (a row's candidates in a block of keys).
-inline bool any_byte(const uint8_t* p, int64_t n) {
-  for (int64_t i = 0; i < n; ++i)
-    if (p[i] != 0) return true;
-  return false;
-}
+  // The keys of the tile that query row r of the block scores.
+  RowKeys row_keys(int64_t r) const {
+    return {cand != nullptr ? cand + r * pr->t : nullptr,
+            reach_from(lengths, r, t0, pr->t)};
+  }
+};
 
 // The dots of head vectors [v0, v0 + kHv) x kKeys keys, as the weighted terms into terms
 // [kKeys][hp]: bf16(relu(bf16(dot)) * w) lane by lane.
@@ -357,10 +386,11 @@ __attribute__((always_inline)) inline void tile_row(const Tile& tile, int64_t r,
   const Problem& pr = *tile.pr;
   const SumOrder order = pr.sum_order();
   float* out = tile.out + r * pr.t;
-  const uint8_t* cand = tile.cand != nullptr ? tile.cand + r * pr.t : nullptr;
+  const RowKeys keys = tile.row_keys(r);
+  const bool every = tile.cand == nullptr && tile.lengths == nullptr;
   for (int64_t c = 0; c < tile.cols; c += kKeys) {
     const int64_t n = tile.cols - c < kKeys ? tile.cols - c : kKeys;
-    if (cand != nullptr && !any_byte(cand + c, n)) {  // none of the block's keys: not computed
+    if (!every && !keys.any(c, n)) {  // none of the block's keys: not computed
       std::fill(out + c, out + c + n, kMasked);
       continue;
     }
@@ -375,9 +405,9 @@ __attribute__((always_inline)) inline void tile_row(const Tile& tile, int64_t r,
       for (int64_t j = 0; j < n; ++j)
         out[c + j] = cast_bf16(sum_heads(order, terms + j * tile.hp, pr.h));
     }
-    if (cand != nullptr)
+    if (!every)
       for (int64_t j = 0; j < n; ++j)
-        if (cand[c + j] == 0) out[c + j] = kMasked;
+        if (!keys.keeps(c + j)) out[c + j] = kMasked;
   }
 }
 

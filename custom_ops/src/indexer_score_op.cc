@@ -5,9 +5,11 @@
 // Inputs Q (float [b, s, H, D], D <= 128), W (float [b, s, H]), Keys (float [b, R, D], or
 // uint8 [b, R, row_bytes]: the packed index-key cache read in place, in the format named by
 // the attribute keys_format, e.g. "fp4_e8m0_32"), Width (int64, one element: T, 0 <= T <= R,
-// the key rows scored), optional Candidates (bool [b, s, T]: where false the score is -inf,
-// and the dot is not computed: a later index source's level two, whose candidate blocks are
-// a few thousand of up to a million keys); output Score (float [b, s, T], bf16 values).
+// the key rows scored), optional Lengths (int64 [s]: query q's keys from Lengths[q] on score
+// -inf and are not computed: a prefill's unreachable compressed positions), optional
+// Candidates (bool [b, s, T], given only with Lengths: where false the score is -inf, not
+// computed either: a later index source's level two, whose candidate blocks are a few
+// thousand of up to a million keys); output Score (float [b, s, T], bf16 values).
 // In parallel over (batch entry, block of 16 queries, tile of 64 key rows), heads in vector
 // lanes: each query row is transposed once per call, each task unpacks its key tile once
 // (row-major) for its queries (on the avx512bf16 path, packed fp4_e8m0_32 keys go straight
@@ -49,6 +51,7 @@ struct Job {
   packed::Format format = packed::Format::kFp4E8m0;
   int64_t row_bytes = 0;
   const uint8_t* cand = nullptr;  // Candidates [b * s][T] (0 / 1 bytes), or null: all keys
+  const int64_t* lengths = nullptr;  // Lengths [s], or null: every key reachable
   float* out = nullptr;
   int64_t s_blocks = 0, t_blocks = 0;
   // The tiles' query rows and weights, transposed once per call (see indexer_score::Tile).
@@ -75,17 +78,22 @@ inline TaskTile task_tile(const Job& j, size_t task) {
           std::min(is::kTileS, j.pr.s - s0)};
 }
 
-// A task's candidates (its first query row, its first key), or null: every key.
-inline const uint8_t* task_candidates(const Job& j, int64_t first_row, int64_t t0) {
-  return j.cand != nullptr ? j.cand + first_row * j.pr.t + t0 : nullptr;
+// A task's tile (its block of query rows against its key tile), with the keys each row
+// scores (indexer_score.h Tile::row_keys).
+inline is::Tile task_view(const Job& j, const TaskTile& tt, const float* const* blocks) {
+  const int64_t first_row = tt.bi * j.pr.s + tt.s0;
+  return {&j.pr, j.qt + first_row * j.pr.d * j.hp, j.wt + first_row * j.hp, j.hp, blocks,
+          tt.cols, j.out + first_row * j.pr.t + tt.t0,
+          j.cand != nullptr ? j.cand + first_row * j.pr.t + tt.t0 : nullptr,
+          j.lengths != nullptr ? j.lengths + tt.s0 : nullptr, tt.t0};
 }
 
-// Whether any of a task's query rows has a candidate among its keys [c, c + n): only then is
-// the block of keys unpacked (indexer_score.h tile_row skips it per row).
-inline bool block_needed(const Job& j, const uint8_t* cand, int64_t rows, int64_t c, int64_t n) {
-  if (cand == nullptr) return true;
+// Whether any of a task's query rows scores a key among [c, c + n): only then is the block
+// of keys unpacked (tile_row skips it per row).
+inline bool block_needed(const is::Tile& tile, int64_t rows, int64_t c, int64_t n) {
+  if (tile.cand == nullptr && tile.lengths == nullptr) return true;
   for (int64_t r = 0; r < rows; ++r)
-    if (is::any_byte(cand + r * j.pr.t + c, n)) return true;
+    if (tile.row_keys(r).any(c, n)) return true;
   return false;
 }
 
@@ -119,22 +127,19 @@ __attribute__((always_inline)) inline void tiled_task(const Job& j, size_t task,
   static_assert(is::kTileT % kKeys == 0, "a tile is whole key blocks");
   const is::Problem& pr = j.pr;
   const TaskTile tt = task_tile(j, task);
-  const int64_t bi = tt.bi, t0 = tt.t0, s0 = tt.s0, cols = tt.cols, rows = tt.rows;
+  const int64_t bi = tt.bi, t0 = tt.t0, cols = tt.cols, rows = tt.rows;
   const size_t need = static_cast<size_t>(is::kTileT * pr.d + kKeys * j.hp);
   if (scratch.size() < need) scratch.resize(need);
   float* unpacked = scratch.data();
   float* terms = unpacked + is::kTileT * pr.d;
-  const int64_t first_row = bi * pr.s + s0;
-  const uint8_t* cand = task_candidates(j, first_row, t0);
   const float* blocks[is::kTileT / kKeys];
+  const is::Tile tile = task_view(j, tt, blocks);
   for (int64_t c = 0; c < cols; c += kKeys) {
     const int64_t n = std::min(kKeys, cols - c);
-    blocks[c / kKeys] = block_needed(j, cand, rows, c, n)
+    blocks[c / kKeys] = block_needed(tile, rows, c, n)
                             ? key_block<V>(j, bi * j.r + t0 + c, n, unpacked + c * pr.d)
                             : nullptr;
   }
-  const is::Tile tile{&pr, j.qt + first_row * pr.d * j.hp, j.wt + first_row * j.hp, j.hp,
-                      blocks, cols, j.out + first_row * pr.t + t0, cand};
   for (int64_t r = 0; r < rows; ++r) is::tile_row<V>(tile, r, terms);
 }
 
@@ -171,7 +176,7 @@ CSA_TARGET_AVX512BF16 __attribute__((flatten)) void tiled_avx512bf16(const Job& 
   const float* blocks[kBlocks];
   is::pairs::Range range[kBlocks];
   const int64_t first_row = bi * pr.s + s0;
-  const uint8_t* cand = task_candidates(j, first_row, t0);
+  const is::Tile tile = task_view(j, tt, blocks);
   // Packed fp4_e8m0_32 keys become pairs straight from their codes; floats are made only for
   // a block that a query row of the task cannot take on pairs (its fma chains read them) or
   // whose scales the direct path does not take.
@@ -179,7 +184,7 @@ CSA_TARGET_AVX512BF16 __attribute__((flatten)) void tiled_avx512bf16(const Job& 
   for (int64_t c = 0; c < cols; c += kKeys) {
     const int64_t blk = c / kKeys, n = std::min(kKeys, cols - c);
     blocks[blk] = nullptr;
-    if (!block_needed(j, cand, rows, c, n)) continue;  // no row reads it
+    if (!block_needed(tile, rows, c, n)) continue;  // no row reads it
     is::pairs::u32* k2 = keys2 + c * half;
     bool paired = direct;
     if (direct) {
@@ -204,8 +209,6 @@ CSA_TARGET_AVX512BF16 __attribute__((flatten)) void tiled_avx512bf16(const Job& 
       is::pairs::swap_row(keys + k * pr.d, pr.d, k2 + k * half, scan);
     range[blk] = scan.range();
   }
-  const is::Tile tile{&pr, j.qt + first_row * pr.d * j.hp, j.wt + first_row * j.hp, j.hp,
-                      blocks, cols, j.out + first_row * pr.t + t0, cand};
   uint64_t on_pairs = 0, on_fma = 0;
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t row = first_row + r;
@@ -260,16 +263,17 @@ void row_task(const Job& j, size_t task, std::vector<float>& scratch) {
   const size_t need = static_cast<size_t>(pr.h + (keys == nullptr ? pr.t * pr.d : 0));
   if (scratch.size() < need) scratch.resize(need);
   float* terms = scratch.data();
-  const uint8_t* cand = j.cand != nullptr ? j.cand + i * pr.t : nullptr;
+  const is::RowKeys scored{j.cand != nullptr ? j.cand + i * pr.t : nullptr,
+                          is::reach_from(j.lengths, i % pr.s, 0, pr.t)};
   if (keys == nullptr) {
     float* unpacked = terms + pr.h;
     for (int64_t t = 0; t < pr.t; ++t)
-      if (cand == nullptr || cand[t] != 0)
+      if (scored.keeps(t))
         packed::unpack_row_scalar(j.format, j.packed + (bi * j.r + t) * j.row_bytes, pr.d,
                                   unpacked + t * pr.d);
     keys = unpacked;
   }
-  is::score_row(pr, i % pr.s, j.q + i * pr.h * pr.d, j.w + i * pr.h, keys, cand,
+  is::score_row(pr, i % pr.s, j.q + i * pr.h * pr.d, j.w + i * pr.h, keys, scored,
                 j.out + i * pr.t, terms);
 }
 
@@ -281,7 +285,13 @@ struct IndexerScoreKernel {
 
   IndexerScoreKernel(const OrtApi*, const OrtKernelInfo* info)
       : isa(select_isa("CSA_INDEXER_SCORE_ISA", /*has_reference=*/true, /*has_bf16=*/true)) {
-    require_node_io(info, kOp, 4, 1);  // Candidates is optional
+    require_node_io(info, kOp, 4, 1);  // Lengths and Candidates are optional
+    // onnxruntime's lite API cannot take an optional input left out before a given one (it
+    // reads the missing value): Candidates come with Lengths
+    const Ort::ConstKernelInfo ki(info);
+    if (ki.GetInputCount() > 5 && ki.GetInputName(4).empty() && !ki.GetInputName(5).empty())
+      fail(kOp, "Candidates (input 5) need Lengths (input 4): give each query row's reachable "
+                "keys (Width for all of them)");
     const auto name = optional_attribute<std::string>(info, kOp, "keys_format", "a string");
     if (kPacked && !name.has_value())
       fail(kOp, std::string("uint8 Keys (packed rows) need the attribute keys_format (") +
@@ -295,14 +305,16 @@ struct IndexerScoreKernel {
   Ort::Status Compute(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& q,
                       const Ort::Custom::Tensor<float>& w, const Ort::Custom::Tensor<K>& keys,
                       const Ort::Custom::Tensor<int64_t>& width,
+                      std::optional<const Ort::Custom::Tensor<int64_t>*> lengths,
                       std::optional<const Ort::Custom::Tensor<bool>*> candidates,
                       Ort::Custom::Tensor<float>& score) {
-    return status_of([&] { Run(ctx, q, w, keys, width, candidates, score); });
+    return status_of([&] { Run(ctx, q, w, keys, width, lengths, candidates, score); });
   }
 
   void Run(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& q,
            const Ort::Custom::Tensor<float>& w, const Ort::Custom::Tensor<K>& keys,
            const Ort::Custom::Tensor<int64_t>& width,
+           std::optional<const Ort::Custom::Tensor<int64_t>*> lengths,
            std::optional<const Ort::Custom::Tensor<bool>*> candidates,
            Ort::Custom::Tensor<float>& score) {
     const std::vector<int64_t> qs = q.Shape(), ws = w.Shape(), ks = keys.Shape();
@@ -347,6 +359,13 @@ struct IndexerScoreKernel {
       static_assert(sizeof(bool) == 1, "bool tensors are read as bytes");
       cand = reinterpret_cast<const uint8_t*>((*candidates)->Data());
     }
+    const int64_t* reachable = nullptr;
+    if (lengths.has_value() && *lengths != nullptr) {
+      const std::vector<int64_t> ls = (*lengths)->Shape();
+      if (ls.size() != 1 || ls[0] != s)
+        fail(kOp, "Lengths must be [s] = [" + std::to_string(s) + "], got " + shape_string(ls));
+      reachable = (*lengths)->Data();
+    }
     float* out = score.Allocate({b, s, t});
     if (b == 0 || s == 0 || t == 0) return;
 
@@ -363,6 +382,7 @@ struct IndexerScoreKernel {
       job.keys = keys.Data();
     }
     job.cand = cand;
+    job.lengths = reachable;
     job.out = out;
     job.s_blocks = (s + is::kTileS - 1) / is::kTileS;
     job.t_blocks = (t + is::kTileT - 1) / is::kTileT;
