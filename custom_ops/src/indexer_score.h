@@ -147,7 +147,7 @@ inline float sum_heads(SumOrder order, const float* x, int64_t h) {
   return c;
 }
 
-constexpr float kMasked = -__builtin_inff();  // the score of a key the candidates leave out
+constexpr float kMasked = -__builtin_inff();  // the score of a key not scored (Lengths, Candidates)
 
 // Whether any of the n bytes from p is nonzero (a row's candidates in a block of keys).
 inline bool any_byte(const uint8_t* p, int64_t n) {
