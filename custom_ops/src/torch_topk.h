@@ -356,8 +356,8 @@ CSA_HD void torch_topk_select(const typename Fmt::Storage* row, int64_t n, int64
 }
 
 // torch.topk of one row of n values along its only axis; 0 <= k <= n (not checked).
-// scratch: n entries (k where k * 64 <= n). Writes k values and k int64 indices, as torch's CPU kernel does.
-// Fmt: TopKF32 (row is float*), TopKBF16 or TopKF16 (row is raw uint16_t bits).
+// scratch: n entries (k where k * 64 <= n). Writes k values and k int64 indices, as torch's
+// CPU kernel does. Fmt: TopKF32 (row is float*), TopKBF16 or TopKF16 (row is raw uint16_t bits).
 template <typename Fmt>
 CSA_HD void torch_topk_row(const typename Fmt::Storage* row, int64_t n, int64_t k, bool largest,
                            bool sorted, TopKPair* scratch, typename Fmt::Storage* out_values,
