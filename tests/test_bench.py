@@ -271,3 +271,25 @@ def test_decode_stream_tool_times_fp8_weights(capsys) -> None:
     with pytest.raises(SystemExit):  # argparse's error: N must be a multiple of 16
         tool.main(["--weights", "fp8", "--n", "70"])
     assert "--fp8-layout pairs16 needs --n a multiple of 16" in capsys.readouterr().err
+
+
+def test_bench_ops_candidate_models_score_alike() -> None:
+    """tools/bench_ops.py's level-two pair (the op given Lengths and Candidates, and every
+    score then a Where) runs and gives the same bits, so its timings compare like with like."""
+    from csa2onnx.custom_ops import make_session, session_options
+    from csa2onnx.custom_ops.reference import pack_quantized
+
+    tool = load_module(ROOT / "tools" / "bench_ops.py", "bench_ops")
+    given, where = (make_session(m, options=session_options(1))
+                    for m in tool.indexer_candidate_models(64))
+    rng = np.random.default_rng(0)
+    s, t = 3, 40
+    feeds = {"Q": rng.standard_normal((1, s, 4, 64)).astype(np.float32),
+             "W": rng.standard_normal((1, s, 4)).astype(np.float32),
+             "K": pack_quantized(rng.standard_normal((1, t, 64)).astype(np.float32),
+                                 "fp4_e8m0_32"),
+             "T": np.array([t], np.int64), "L": np.full(s, t, np.int64),
+             "C": rng.random((1, s, t)) < 0.3}
+    a, b = given.run(None, feeds)[0], where.run(None, feeds)[0]
+    assert np.isinf(a).any() and np.isfinite(a).any()
+    np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))

@@ -698,12 +698,14 @@ def indexer_inputs(d: int) -> list:
 
 
 def indexer_candidate_models(d: int) -> tuple[bytes, bytes]:
-    """IndexerScore given the Candidates, and every score then a Where (the layer before
-    the op took Candidates)."""
+    """IndexerScore given the Candidates (and Lengths, which they come with: every key
+    reachable, as in decode), and every score then a Where (the layer before the op took
+    Candidates)."""
     vi = helper.make_tensor_value_info
-    inputs = [*indexer_inputs(d), vi("C", TensorProto.BOOL, ["b", "s", "t"])]
+    inputs = [*indexer_inputs(d), vi("L", TensorProto.INT64, ["s"]),
+              vi("C", TensorProto.BOOL, ["b", "s", "t"])]
     out = [vi("S", TensorProto.FLOAT, ["b", "s", "t"])]
-    given = [helper.make_node("IndexerScore", ["Q", "W", "K", "T", "C"], ["S"],
+    given = [helper.make_node("IndexerScore", ["Q", "W", "K", "T", "L", "C"], ["S"],
                               domain="csa2onnx", keys_format="fp4_e8m0_32")]
     where = [helper.make_node("IndexerScore", ["Q", "W", "K", "T"], ["all"], domain="csa2onnx",
                               keys_format="fp4_e8m0_32"),
@@ -785,7 +787,8 @@ def bench_indexer_score(args: argparse.Namespace, threads: int,
         for row in keep:
             row[rng.choice(blocks, min(CANDIDATE_BLOCKS, blocks), replace=False)] = True
         cand = np.repeat(keep, CANDIDATE_BLOCK_SIZE, axis=-1).reshape(b, s, t)
-        feeds = {"Q": q, "W": w, "K": cache, "T": np.array([t], np.int64), "C": cand}
+        feeds = {"Q": q, "W": w, "K": cache, "T": np.array([t], np.int64),
+                 "L": np.full(s, t, np.int64), "C": cand}
         if not same_bits(given.run(None, feeds)[0], where.run(None, feeds)[0]):
             print(f"warning: IndexerScore with Candidates b={b} s={s} T={t} differs from "
                   "every score and a Where", file=sys.stderr)
