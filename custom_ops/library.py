@@ -127,14 +127,16 @@ def sparse_attention_pair_counts() -> dict[str, int]:
 
 
 def indexer_score_pair_counts() -> dict[str, int]:
-    """IndexerScore's avx512bf16 path in this process, in key blocks (8 rows) per query row:
-    on vdpbf16ps ("pairs"), on fma ("fmaf": the row or the block not fit for it)."""
+    """IndexerScore's paths with exact shortcuts in this process, in key blocks per query row:
+    the avx512bf16 path's on vdpbf16ps ("pairs", blocks of 8 rows) and on fma ("fmaf": the
+    row or the block not fit for them); the AVX2 path's (packed keys) on integer dots
+    ("int8", blocks of 4 rows) and on fma ("int8_fmaf")."""
     fn = ctypes.CDLL(str(library_path())).csa2onnx_indexer_score_pair_counts
     fn.restype = None
     fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_uint64]
-    out = (ctypes.c_uint64 * 2)()
-    fn(out, 2)
-    return {"pairs": int(out[0]), "fmaf": int(out[1])}
+    out = (ctypes.c_uint64 * 4)()
+    fn(out, 4)
+    return dict(zip(("pairs", "fmaf", "int8", "int8_fmaf"), (int(v) for v in out), strict=True))
 
 
 FP8_LINEAR_COUNTS = ("calls", "small_tasks", "lane_sums", "row_sums", "wide_sums",

@@ -305,6 +305,46 @@ def test_avx512bf16_takes_vdpbf16ps_where_exact(monkeypatch):
     assert after["fmaf"] - before["fmaf"] == 2 * (1 + 38 + 38)  # float and packed keys
 
 
+@pytest.mark.skipif("avx2" not in PATHS, reason="needs a CPU with AVX2")
+def test_avx2_takes_integer_dots_where_exact(monkeypatch):
+    """With packed keys, the AVX2 path sums fp4-valued dots in integers where no partial sum
+    of their fma chains can round (counted): the model's values, a dot at the largest
+    exponent spread the path takes (blocks 2^5 .. 2^-4 apart: a query head's 2^3 .. 2^-2
+    plus a key's 2^2 .. 2^-2), a dot that cancels to exactly +0, zero blocks; the standard
+    ops' bits. A key with blocks 2^10 apart, a query row with a value that is not n * 2^u,
+    and one whose dots could near overflow run the fma chains (counted), the same bits."""
+    b, h, d, t = 4, 32, 128, 300
+    rng = np.random.default_rng(21)
+    q = fp4_values(rng, (b, 1, h, d), (-3, 1), zero_blocks=0.1)
+    keys = fp4_values(rng, (b, t, d), (-2, 1), zero_blocks=0.1)
+    odd = np.tile(np.float32([0.5, 1.5, 6.0, -1.5]), 24)  # e2m1 values, amax 6
+    q[0, 0, 0] = np.concatenate([np.full(32, 6.0 * 2**4), odd * 2.0**-1])  # u 3, -2
+    keys[0, 5] = np.concatenate([np.full(32, 6.0 * 2**3), odd[::-1] * 2.0**-1])  # u 2, -2
+    q[0, 0, 1] = 0.0
+    q[0, 0, 1, :32] = 1.5
+    keys[0, 7, :32] = np.tile(np.float32([2.0, -2.0]), 16)  # head 1 . key 7 = +0
+    w = round_bf16(rng.standard_normal((b, 1, h)) * 0.1).astype(np.float32)
+    packed = pack_quantized(keys, FORMAT)
+    keys = unpack_quantized(packed, FORMAT, d)
+    blocks = b * -(-t // 4)  # blocks of 4 key rows, one query row per batch entry
+    before = indexer_score_pair_counts()
+    check(monkeypatch, q, w, keys, packed, t, paths=["avx2"], threads=(1,))
+    after = indexer_score_pair_counts()
+    assert after["int8"] - before["int8"] == blocks and after["int8_fmaf"] == before["int8_fmaf"]
+    keys[1, 17, :32] *= np.float32(2.0**8)  # batch entry 1: key 17's blocks >= 2^10 apart
+    keys[1, 17, 32:] *= np.float32(2.0**-4)
+    q[2, 0, 3, 9:11] = [1.25, 6.0]  # batch entry 2: 1.25 among values with amax 6
+    q[3, 0, 5] *= np.float32(2.0**110)  # batch entry 3: dots near 2^110
+    packed = pack_quantized(keys, FORMAT)
+    keys = unpack_quantized(packed, FORMAT, d)
+    before = indexer_score_pair_counts()
+    check(monkeypatch, q, w, keys, packed, t, paths=["avx2"], threads=(1,))
+    after = indexer_score_pair_counts()
+    per_row = blocks // b
+    assert after["int8_fmaf"] - before["int8_fmaf"] == 1 + 2 * per_row
+    assert after["int8"] - before["int8"] == blocks - 1 - 2 * per_row
+
+
 def test_packed_keys_at_every_scale_byte(monkeypatch):
     """Packed keys whose e8m0 scale bytes sit at and past the ends of the range the
     avx512bf16 path turns into pairs straight from the codes (2..252: every value normal and
@@ -314,7 +354,7 @@ def test_packed_keys_at_every_scale_byte(monkeypatch):
     on every path."""
     q, w, keys, packed = case(13, 2, 1, 32, 128, 200, adversarial=False)
     code_bytes = 128 // 2
-    edges = [0, 1, 2, 3, 126, 127, 251, 252, 253, 254, 255]
+    edges = [0, 1, 2, 3, 126, 127, 228, 229, 251, 252, 253, 254, 255]
     for i, byte in enumerate(edges):
         packed[i % 2, 9 * i + 1, code_bytes + i % 4] = byte  # one block of the row
     packed[1, 150, code_bytes:] = 252  # a whole row at the top edge, next to ordinary rows

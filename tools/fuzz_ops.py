@@ -708,7 +708,7 @@ def indexer_case(rng: np.random.Generator, index: int, omit_inputs: bool) -> Cas
     """IndexerScore: float or packed keys (each format, random bytes too), Width anywhere;
     checked against the op's reference path."""
     from csa2onnx.custom_ops.constants import PACKED_FORMATS, packed_row_bytes
-    from csa2onnx.custom_ops.reference import pack_quantized
+    from csa2onnx.custom_ops.reference import fp4_round_trip, pack_quantized
 
     ok: bool | None = True
     packed = rng.random() < 0.4
@@ -720,6 +720,9 @@ def indexer_case(rng: np.random.Generator, index: int, omit_inputs: bool) -> Cas
         heads = max(heads // 2, 1) if s == 1 else heads
     ok = d <= 128
     q, w = model_values(rng, (b, s, heads, d)), model_values(rng, (b, s, heads))
+    if d % 32 == 0 and rng.random() < 0.5:  # fp4 values, as the model's: AVX2's integer dots
+        with np.errstate(all="ignore"):
+            q = fp4_round_trip(q, 32, "e8m0")[0]
     attributes: dict[str, Any] = {}
     if packed:
         fmt = str(rng.choice(list(PACKED_FORMATS)))

@@ -379,6 +379,45 @@ CSA_TARGET_AVX512 inline void sum_heads_8keys(SumOrder order, const float* terms
 }
 #endif
 
+#ifdef CSA_X86
+// sum_heads_8keys for the n <= 4 keys of an AVX2 block, in the lanes of one xmm (a 4 x 4
+// transpose per 4 heads).
+CSA_TARGET_AVX2 inline void sum_heads_4keys(SumOrder order, const float* terms, int64_t hp,
+                                            int64_t h, int64_t n, float* out) {
+  __m128 c = _mm_setzero_ps();
+  __m128 pending[3];  // kGroups4: the current group's first terms
+  int64_t in_group = 0;
+  for (int64_t i0 = 0; i0 < h; i0 += 4) {
+    __m128 head[4];  // head[k], lane j: terms[j][i0 + k]
+    for (int j = 0; j < 4; ++j) head[j] = _mm_loadu_ps(terms + j * hp + i0);
+    _MM_TRANSPOSE4_PS(head[0], head[1], head[2], head[3]);
+    const int64_t heads = h - i0 < 4 ? h - i0 : 4;
+    for (int64_t k = 0; k < heads; ++k) {
+      if (order == SumOrder::kInOrder) {
+        c = _mm_add_ps(c, head[k]);
+        continue;
+      }
+      if (in_group < 3) {
+        pending[in_group++] = head[k];
+        continue;
+      }
+      const __m128 g = _mm_add_ps(_mm_add_ps(pending[0], pending[1]), pending[2]);
+      c = _mm_add_ps(_mm_add_ps(g, head[k]), c);
+      in_group = 0;
+    }
+  }
+  if (in_group >= 2) {
+    c = _mm_add_ps(_mm_add_ps(pending[0], pending[1]), c);
+    if (in_group == 3) c = _mm_add_ps(pending[2], c);
+  } else if (in_group == 1) {
+    c = _mm_add_ps(pending[0], c);
+  }
+  alignas(16) float sums[4];
+  _mm_store_ps(sums, c);
+  for (int64_t j = 0; j < n; ++j) out[j] = cast_bf16(sums[j]);
+}
+#endif
+
 template <typename V, typename Block>
 __attribute__((always_inline)) inline void tile_row(const Tile& tile, int64_t r, float* terms,
                                                     Block&& block) {
@@ -399,6 +438,9 @@ __attribute__((always_inline)) inline void tile_row(const Tile& tile, int64_t r,
     if constexpr (std::is_same_v<V, tv::VAvx512>) {
       static_assert(kKeys == 8, "one ymm of keys");
       sum_heads_8keys(order, terms, tile.hp, pr.h, n, out + c);
+    } else if constexpr (std::is_same_v<V, tv::VAvx2>) {
+      static_assert(kKeys == 4, "one xmm of keys");
+      sum_heads_4keys(order, terms, tile.hp, pr.h, n, out + c);
     } else
 #endif
     {
@@ -533,6 +575,228 @@ CSA_TARGET_AVX512BF16 inline void tile_row_pairs(const Tile& tile, const PairRow
   });
 }
 #endif
+
+#ifdef CSA_X86
+// ---------------------------------------------------------------- integer tiles (AVX2)
+// On AVX2 the dots of fp4-valued rows run on vpmaddubsw, 32 products an instruction (fma
+// takes 8). Where no partial sum of a dot's fma chain rounds, every order gives the chain's
+// bits, the exact dot, and integer sums give it too. A query head's block of 32 values that
+// are all n * 2^u (n an integer, |n| <= 15, one u per block; the model's fp4 e8m0 values have
+// |n| <= 12) and a key's block of fp4_e8m0_32 codes (n = 2 * e2m1, u = scale byte - 128) make
+// every product an integer times 2^(uq + uk): a block's 32 add up to at most 32 * 15 * 15 =
+// 7200 of its units, four blocks to 4 * 7200 units of the smallest when their exponents lie
+// within 9 of each other (28800 * 2^9 < 2^24), so every partial sum of the chain, in any
+// order, is a float32 (the units >= 2^-149 and nothing near overflow: int8::exact). The tiles
+// sum each block in int16 (keys offset by 15, unsigned for vpmaddubsw, the accumulator
+// starting at -15 times the query block's sum) and add the blocks as floats, exactly. Any
+// other query row or key block runs fma_block's chains on the keys' floats.
+namespace int8 {
+constexpr int64_t kBlock = 32;   // values per scale (fp4_e8m0_32)
+constexpr int kOffset = 15;      // added to the key values: vpmaddubsw's unsigned operand
+constexpr int kMaxN = 15;        // |n| of a query value: 2 * 30 * 15 per pair fits int16
+constexpr int kMaxSpan = 9;      // exponents of one dot's blocks within 9: 28800 * 2^9 < 2^24
+constexpr int64_t kHeads = 16;   // heads per int16 vector
+
+// The exponents u of the nonzero blocks: per query head (or key row) their spread, over the
+// row's heads (the block's keys) its largest, and the smallest and largest u.
+struct Range {
+  bool fine = true;  // every value n * 2^u as above
+  bool any = false;  // a nonzero block
+  int lo = 0, hi = 0, span = 0;
+  void add(int row_lo, int row_hi) {
+    lo = any ? std::min(lo, row_lo) : row_lo;
+    hi = any ? std::max(hi, row_hi) : row_hi;
+    span = std::max(span, row_hi - row_lo);
+    any = true;
+  }
+};
+
+// Whether every dot of a query row and a key block is exact in float32 (see above).
+inline bool exact(const Range& q, const Range& k) {
+  if (!q.fine || !k.fine) return false;
+  if (!q.any || !k.any) return true;  // every product +-0: every dot +0
+  return q.span + k.span <= kMaxSpan && q.lo + k.lo >= -149 && q.hi + k.hi <= 100;
+}
+
+// A query row as the tiles read it: q [D/2][hp][2] (the values n pair by pair, zeros past H),
+// base [D/32][hp] (-kOffset * the block's sum of n), scale [D/32][hp] (2^u, 0 for a zero
+// block), and its range.
+struct Row {
+  const int8_t* q;
+  const int16_t* base;
+  const float* scale;
+  Range range;
+};
+
+// Query row [H][D] (D a multiple of 32) into row's arrays (q zeroed by the caller).
+inline Range make_row(const float* x, int64_t h, int64_t d, int64_t hp, int8_t* q,
+                      int16_t* base, float* scale) {
+  Range range;
+  for (int64_t hh = 0; hh < h; ++hh) {
+    int lo = 0, hi = 0;
+    bool any = false;
+    for (int64_t b = 0; b < d / kBlock; ++b) {
+      const float* v = x + hh * d + b * kBlock;
+      float amax = 0.0f;
+      for (int64_t i = 0; i < kBlock; ++i) {
+        if (!std::isfinite(v[i])) return Range{false};
+        amax = std::max(amax, std::fabs(v[i]));
+      }
+      base[b * hp + hh] = 0;
+      scale[b * hp + hh] = 0.0f;
+      if (amax == 0.0f) continue;  // +-0 values: n = 0
+      int e = 0;
+      std::frexp(amax, &e);  // amax < 2^e
+      const int u = e - 4;   // |v| / 2^u < 16
+      if (u < -149 || u > 100) return Range{false};
+      int sum = 0;
+      for (int64_t i = 0; i < kBlock; ++i) {
+        const float n = std::ldexp(v[i], -u);
+        if (n != std::nearbyint(n) || std::fabs(n) > kMaxN) return Range{false};
+        const int k = static_cast<int>(n);
+        q[((b * kBlock + i) / 2 * hp + hh) * 2 + i % 2] = static_cast<int8_t>(k);
+        sum += k;
+      }
+      base[b * hp + hh] = static_cast<int16_t>(-kOffset * sum);
+      scale[b * hp + hh] = std::ldexp(1.0f, u);
+      lo = any ? std::min(lo, u) : u;
+      hi = any ? std::max(hi, u) : u;
+      any = true;
+    }
+    if (any) range.add(lo, hi);
+  }
+  return range;
+}
+
+// Key value + kOffset per fp4 code (n = 2 * e2m1, sign bit 8).
+alignas(16) constexpr int8_t kOffsetCodes[16] = {15, 16, 17, 18, 19, 21, 23, 27,
+                                                 15, 14, 13, 12, 11, 9, 7, 3};
+
+// n <= kKeys packed fp4_e8m0_32 rows from p (row_bytes apart) as the tiles read them: pairs
+// [kKeys][D/2] (a dword per pair of values: their two offset bytes, twice, for vpbroadcastd),
+// scale [kKeys][D/32] (2^(byte - 128), 0 for a block of +-0 codes); rows past n zero.
+// Returns their range; not fine where a block of nonzero codes has a scale byte outside
+// 2..228 (values denormal, near overflow or inf) or any block the byte 255 (NaN values).
+template <int kKeys>
+CSA_TARGET_AVX2 inline Range make_keys(const uint8_t* p, int64_t row_bytes, int64_t n, int64_t d,
+                                       uint32_t* pairs, float* scale) {
+  const int64_t nb = d / kBlock, half = d / 2;
+  const __m128i table = _mm_load_si128(reinterpret_cast<const __m128i*>(kOffsetCodes));
+  const __m128i nibble = _mm_set1_epi8(0x0F), magnitude = _mm_set1_epi8(0x77);
+  Range range;
+  for (int64_t k = 0; k < n; ++k) {
+    const uint8_t* row = p + k * row_bytes;
+    const uint8_t* bytes = row + half;  // fp4 codes: d/2 bytes, then a scale byte per block
+    int lo = 0, hi = 0;
+    bool any = false;
+    for (int64_t b = 0; b < nb; ++b) {
+      const int byte = bytes[b];
+      if (byte == 255) return Range{false};  // NaN values, zero codes too
+      // byte i: value 2i in bits 0-3, 2i + 1 in bits 4-7
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * kBlock / 2));
+      const __m128i even = _mm_shuffle_epi8(table, _mm_and_si128(c, nibble));
+      const __m128i odd = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(c, 4), nibble));
+      const __m128i w0 = _mm_unpacklo_epi8(even, odd), w1 = _mm_unpackhi_epi8(even, odd);
+      __m128i* out = reinterpret_cast<__m128i*>(pairs + k * half + b * kBlock / 2);
+      _mm_storeu_si128(out, _mm_unpacklo_epi16(w0, w0));
+      _mm_storeu_si128(out + 1, _mm_unpackhi_epi16(w0, w0));
+      _mm_storeu_si128(out + 2, _mm_unpacklo_epi16(w1, w1));
+      _mm_storeu_si128(out + 3, _mm_unpackhi_epi16(w1, w1));
+      scale[k * nb + b] = 0.0f;
+      if (_mm_testz_si128(c, magnitude)) continue;  // +-0 codes: +-0 values, n = 0
+      if (byte < 2 || byte > 228) return Range{false};
+      scale[k * nb + b] = bits_float(static_cast<uint32_t>(byte - 1) << 23);  // 2^(byte - 128)
+      const int u = byte - 128;
+      lo = any ? std::min(lo, u) : u;
+      hi = any ? std::max(hi, u) : u;
+      any = true;
+    }
+    if (any) range.add(lo, hi);
+  }
+  std::fill(pairs + n * half, pairs + kKeys * half, 0u);
+  std::fill(scale + n * nb, scale + kKeys * nb, 0.0f);
+  return range;
+}
+
+// The dots of head vectors [v0, v0 + kHv) (kHeads heads each) of query row r x kKeys keys
+// (pairs [kKeys][D/2], scale [kKeys][D/32]), as tile_heads' weighted terms into terms.
+template <int kHv, int kKeys>
+CSA_TARGET_AVX2 inline void tile_heads(const Tile& tile, const Row& row, int64_t r, int64_t v0,
+                                       const uint32_t* pairs, const float* scale, float* terms) {
+  using V = tv::VAvx2;
+  const int64_t d = tile.pr->d, half = d / 2, nb = d / kBlock, hp = tile.hp;
+  __m256 acc[2 * kHv][kKeys];  // 8 heads each: vectors 2 v and 2 v + 1 are v's halves
+  for (int v = 0; v < 2 * kHv; ++v)
+    for (int j = 0; j < kKeys; ++j) acc[v][j] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i sum[kHv][kKeys];
+    for (int v = 0; v < kHv; ++v) {
+      const __m256i base = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(row.base + b * hp + (v0 + v) * kHeads));
+      for (int j = 0; j < kKeys; ++j) sum[v][j] = base;
+    }
+    const int8_t* qp = row.q + (b * kBlock / 2 * hp + v0 * kHeads) * 2;
+    const uint32_t* kp = pairs + b * kBlock / 2;
+    for (int64_t i = 0; i < kBlock / 2; ++i, qp += 2 * hp) {
+      __m256i qv[kHv];
+      for (int v = 0; v < kHv; ++v)
+        qv[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qp + v * 2 * kHeads));
+      for (int j = 0; j < kKeys; ++j) {
+        const __m256i kb = _mm256_set1_epi32(static_cast<int>(kp[j * half + i]));
+        for (int v = 0; v < kHv; ++v)
+          sum[v][j] = _mm256_add_epi16(sum[v][j], _mm256_maddubs_epi16(kb, qv[v]));
+      }
+    }
+    // the block's exact dots, n * 2^uq * 2^uk, added as floats (exact)
+    const float* qs = row.scale + b * hp + v0 * kHeads;
+    for (int v = 0; v < kHv; ++v) {
+      const __m256 qs0 = _mm256_loadu_ps(qs + v * kHeads), qs1 = _mm256_loadu_ps(qs + v * kHeads + 8);
+      for (int j = 0; j < kKeys; ++j) {
+        const __m256 ks = _mm256_set1_ps(scale[j * nb + b]);
+        const __m256 n0 = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(sum[v][j])));
+        const __m256 n1 = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(sum[v][j], 1)));
+        acc[2 * v][j] = _mm256_add_ps(acc[2 * v][j], _mm256_mul_ps(_mm256_mul_ps(n0, qs0), ks));
+        acc[2 * v + 1][j] = _mm256_add_ps(acc[2 * v + 1][j], _mm256_mul_ps(_mm256_mul_ps(n1, qs1), ks));
+      }
+    }
+  }
+  store_terms<V, 2 * kHv, kKeys>(tile, r, 2 * v0, acc, terms);
+}
+}  // namespace int8
+
+// tile_row with each key block on integer dots where the row and the block allow it: pairs
+// [blocks][kKeys][D/2], scale [blocks][kKeys][D/32], range per block. Counts the blocks of
+// each kind.
+CSA_TARGET_AVX2 inline void tile_row_int8(const Tile& tile, const int8::Row& row, int64_t r,
+                                          const uint32_t* pairs, const float* scale,
+                                          const int8::Range* range, float* terms,
+                                          uint64_t* on_int8, uint64_t* on_fma) {
+  using V = tv::VAvx2;
+  constexpr int kKeys = Cfg<V>::kKeys;
+  constexpr int kHv = 2, kPair = 2;  // 2 x 16 heads x 2 keys: 4 int16 sums, 8 float sums
+  const int64_t vecs = tile.hp / int8::kHeads, half = tile.pr->d / 2, nb = tile.pr->d / int8::kBlock;
+  tile_row<V>(tile, r, terms, [&](int64_t c, float* t) __attribute__((always_inline)) {
+    const int64_t blk = c / kKeys;
+    if (!int8::exact(row.range, range[blk])) {
+      fma_block<V>(tile, r, c, t);
+      ++*on_fma;
+      return;
+    }
+    for (int j = 0; j < kKeys; j += kPair) {
+      const uint32_t* kp = pairs + (c + j) * half;
+      const float* ks = scale + (c + j) * nb;
+      float* tj = t + j * tile.hp;
+      int64_t v0 = 0;
+      for (; v0 + kHv <= vecs; v0 += kHv) int8::tile_heads<kHv, kPair>(tile, row, r, v0, kp, ks, tj);
+      for (; v0 < vecs; ++v0) int8::tile_heads<1, kPair>(tile, row, r, v0, kp, ks, tj);
+    }
+    ++*on_int8;
+  });
+}
+#endif
+
+// Key blocks by path on the integer tiles (AVX2), over the process (tests read them).
+inline tv::PairCounts int8_counts;
 
 // Key blocks by path, over the process (tests read them): on vdpbf16ps, on fma (a query
 // row or the block not fit for it). Counted only on the avx512bf16 path.

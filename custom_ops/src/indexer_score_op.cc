@@ -16,7 +16,8 @@
 // from their codes to the pairs vdpbf16ps reads: indexer_score.h swap_packed_fp4_e8m0).
 // CSA_INDEXER_SCORE_ISA (or CSA2ONNX_ISA; read when a session creates the kernel) forces a
 // path: "avx512bf16" (the tiles with vdpbf16ps where exact: indexer_score.h; the default on
-// a CPU with AVX512-BF16), "avx512", "avx2", "scalar" (the tiles without SIMD) or
+// a CPU with AVX512-BF16), "avx512", "avx2" (with packed fp4_e8m0_32 keys, integer dots on
+// vpmaddubsw where exact: indexer_score.h int8), "scalar" (the tiles without SIMD) or
 // "reference" (the scalar definition, one query row per task); all give the same bits.
 // Compiled with -ffp-contract=off: the orders keep multiplies and adds apart.
 #include "ort_api.h"
@@ -63,6 +64,12 @@ struct Job {
   // each row's values (pairs::chains_exact).
   const is::pairs::u32* q2 = nullptr;
   const is::pairs::Range* q_range = nullptr;
+  // The AVX2 path with packed fp4_e8m0_32 keys: the query rows as the integer tiles read
+  // them (indexer_score.h int8::Row), [rows][D/2][hp][2], [rows][D/32][hp] twice, [rows].
+  const int8_t* q8 = nullptr;
+  const int16_t* q8_base = nullptr;
+  const float* q8_scale = nullptr;
+  const is::int8::Range* q8_range = nullptr;
 #endif
   std::atomic<bool> out_of_memory{false};
 };
@@ -218,6 +225,69 @@ CSA_TARGET_AVX512BF16 __attribute__((flatten)) void tiled_avx512bf16(const Job& 
   is::pair_counts.pairs.fetch_add(on_pairs, std::memory_order_relaxed);
   is::pair_counts.fmaf.fetch_add(on_fma, std::memory_order_relaxed);
 }
+
+// tiled_task on the AVX2 path with packed fp4_e8m0_32 keys: the tile's key blocks also as
+// the integer tiles' pairs (with their range), each query row against each block on integer
+// dots where both allow it; a block's floats are unpacked only for a row that cannot.
+CSA_TARGET_AVX2 __attribute__((flatten)) void tiled_avx2_int8(const Job& j, size_t task,
+                                                              std::vector<float>& scratch) {
+  using V = is::tv::VAvx2;
+  constexpr int64_t kKeys = is::Cfg<V>::kKeys, kBlocks = is::kTileT / kKeys;
+  const is::Problem& pr = j.pr;
+  const int64_t half = pr.d / 2, nb = pr.d / is::int8::kBlock;
+  const TaskTile tt = task_tile(j, task);
+  const int64_t bi = tt.bi, t0 = tt.t0, s0 = tt.s0, cols = tt.cols, rows = tt.rows;
+  const size_t need =
+      static_cast<size_t>(is::kTileT * pr.d + kKeys * j.hp + is::kTileT * (half + nb));
+  if (scratch.size() < need) scratch.resize(need);
+  float* unpacked = scratch.data();
+  float* terms = unpacked + is::kTileT * pr.d;
+  uint32_t* pairs = reinterpret_cast<uint32_t*>(terms + kKeys * j.hp);
+  float* key_scale = reinterpret_cast<float*>(pairs + is::kTileT * half);
+  const float* blocks[kBlocks];
+  is::int8::Range range[kBlocks];
+  const int64_t first_row = bi * pr.s + s0;
+  const is::Tile tile = task_view(j, tt, blocks);
+  for (int64_t c = 0; c < cols; c += kKeys) {
+    const int64_t blk = c / kKeys, n = std::min(kKeys, cols - c);
+    blocks[blk] = nullptr;
+    if (!block_needed(tile, rows, c, n)) continue;  // no row reads it
+    const int64_t first_key = bi * j.r + t0 + c;
+    range[blk] = is::int8::make_keys<kKeys>(j.packed + first_key * j.row_bytes, j.row_bytes, n,
+                                            pr.d, pairs + c * half, key_scale + c * nb);
+    bool floats = false;
+    for (int64_t r = 0; r < rows && !floats; ++r)
+      floats = !is::int8::exact(j.q8_range[first_row + r], range[blk]);
+    if (floats) blocks[blk] = key_block<V>(j, first_key, n, unpacked + c * pr.d);
+  }
+  uint64_t on_int8 = 0, on_fma = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t row = first_row + r;
+    const is::int8::Row int8_row{j.q8 + row * pr.d * j.hp, j.q8_base + row * nb * j.hp,
+                                 j.q8_scale + row * nb * j.hp, j.q8_range[row]};
+    is::tile_row_int8(tile, int8_row, r, pairs, key_scale, range, terms, &on_int8, &on_fma);
+  }
+  is::int8_counts.pairs.fetch_add(on_int8, std::memory_order_relaxed);
+  is::int8_counts.fmaf.fetch_add(on_fma, std::memory_order_relaxed);
+}
+
+// The query rows as the integer tiles read them (indexer_score.h int8::Row).
+struct Int8Queries {
+  std::vector<int8_t> q;
+  std::vector<int16_t> base;
+  std::vector<float> scale;
+  std::vector<is::int8::Range> range;
+  Int8Queries(const float* x, int64_t rows, int64_t h, int64_t d, int64_t hp)
+      : q(static_cast<size_t>(rows * d * hp), 0),
+        base(static_cast<size_t>(rows * d / is::int8::kBlock * hp), 0),
+        scale(base.size(), 0.0f),
+        range(static_cast<size_t>(rows)) {
+    const int64_t nb = d / is::int8::kBlock;
+    for (int64_t i = 0; i < rows; ++i)
+      range[i] = is::int8::make_row(x + i * h * d, h, d, hp, q.data() + i * d * hp,
+                                    base.data() + i * nb * hp, scale.data() + i * nb * hp);
+  }
+};
 
 // The query rows as the avx512bf16 tiles read them: q2 [rows][D/2][hp] (qt's pairs, swapped),
 // and the range of each row's values.
@@ -394,6 +464,7 @@ struct IndexerScoreKernel {
 #ifdef CSA_X86
     std::vector<uint32_t> q2;
     std::vector<is::pairs::Range> q_range;
+    std::optional<Int8Queries> q8;
 #endif
     if (isa != Isa::kReference && job.pr.tiled()) {
       fn = tiled_scalar;
@@ -413,8 +484,23 @@ struct IndexerScoreKernel {
         fn = tiled_avx2;
         width = is::tv::VAvx2::W;
       }
+      // integer dots: packed fp4_e8m0_32 keys, whole blocks of 32, heads 16 to an int16 vector
+      const bool integer_dots = isa == Isa::kAvx2 && kPacked && format == packed::Format::kFp4E8m0;
+      if (integer_dots) {
+        fn = tiled_avx2_int8;
+        width = is::int8::kHeads;
+      }
 #endif
       job.hp = (h + width - 1) / width * width;
+#ifdef CSA_X86
+      if (integer_dots) {
+        q8.emplace(job.q, b * s, h, d, job.hp);
+        job.q8 = q8->q.data();
+        job.q8_base = q8->base.data();
+        job.q8_scale = q8->scale.data();
+        job.q8_range = q8->range.data();
+      }
+#endif
       transpose_queries(job.q, job.w, b * s, h, d, job.hp, qt, wt);
       job.qt = qt.data();
       job.wt = wt.data();
@@ -428,13 +514,17 @@ struct IndexerScoreKernel {
 
 }  // namespace
 
-// The avx512bf16 path's key blocks (indexer_score.h pair_counts): out[0] on vdpbf16ps,
-// out[1] on fma (the tests check that a case built for a path took it).
+// The key blocks of the paths with exact shortcuts (indexer_score.h pair_counts,
+// int8_counts): out[0] on vdpbf16ps, out[1] on fma (the avx512bf16 path); out[2] on integer
+// dots, out[3] on fma (the AVX2 path with packed keys). The tests check that a case built
+// for a path took it.
 extern "C" __attribute__((visibility("default"))) void csa2onnx_indexer_score_pair_counts(
     uint64_t* out, uint64_t n) {
-  const uint64_t counts[2] = {is::pair_counts.pairs.load(std::memory_order_relaxed),
-                              is::pair_counts.fmaf.load(std::memory_order_relaxed)};
-  for (uint64_t i = 0; i < n && i < 2; ++i) out[i] = counts[i];
+  const uint64_t counts[4] = {is::pair_counts.pairs.load(std::memory_order_relaxed),
+                              is::pair_counts.fmaf.load(std::memory_order_relaxed),
+                              is::int8_counts.pairs.load(std::memory_order_relaxed),
+                              is::int8_counts.fmaf.load(std::memory_order_relaxed)};
+  for (uint64_t i = 0; i < n && i < 4; ++i) out[i] = counts[i];
 }
 
 void AppendIndexerScoreOps(std::vector<std::unique_ptr<Ort::Custom::OrtLiteCustomOp>>& ops) {
