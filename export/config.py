@@ -196,13 +196,16 @@ class AttentionConfig:
             if not condition:
                 raise ConfigError(f"{field_name}: {message}")
 
+        def need_size(field_name: str) -> None:  # a size: an int64 attribute and shape
+            value = int(getattr(self, field_name))
+            need(value > 0, field_name, f"must be > 0, got {value}")
+            need(value < 2**63, field_name, f"must fit in int64, got {value}")
+
         need(self.weight_format in ("bf16", "fp8"), "weight_format",
              f"must be 'bf16' or 'fp8', got {self.weight_format!r}")
         for name in ("dim", "n_heads", "head_dim", "rope_head_dim", "q_lora_rank", "o_groups",
                      "o_lora_rank", "window_size", "n_layers", "max_seq_len", "max_batch_size"):
-            need(int(getattr(self, name)) > 0, name, f"must be > 0, got {getattr(self, name)}")
-            need(int(getattr(self, name)) < 2**63, name,  # int64 attributes and shapes
-                 f"must fit in int64, got {getattr(self, name)}")
+            need_size(name)
         need(self.rope_head_dim % 2 == 0 and self.rope_head_dim <= self.head_dim,
              "rope_head_dim", f"must be even and <= head_dim ({self.head_dim}), "
              f"got {self.rope_head_dim}")
@@ -228,9 +231,7 @@ class AttentionConfig:
                      f"layer {layer} has compress ratio 0 (window-only)")
         if compressed:
             for name in ("index_n_heads", "index_head_dim", "index_topk"):
-                need(int(getattr(self, name)) > 0, name, f"must be > 0, got {getattr(self, name)}")
-                need(int(getattr(self, name)) < 2**63, name,  # int64 attributes and shapes
-                     f"must fit in int64, got {getattr(self, name)}")
+                need_size(name)
             need(self.index_head_dim % 32 == 0, "index_head_dim",
                  f"must be a multiple of 32 (fp4 blocks), got {self.index_head_dim}")
             need(self.rope_head_dim <= self.index_head_dim, "index_head_dim",

@@ -103,7 +103,8 @@ class AttentionRuntime:
             providers.insert(0, "CUDAExecutionProvider")
         elif provider != "cpu":
             raise ValueError(f"provider must be 'cpu' or 'cuda', got {provider!r}")
-        if not isinstance(intra_op_num_threads, int) or intra_op_num_threads < 0:
+        if (isinstance(intra_op_num_threads, bool) or not isinstance(intra_op_num_threads, int)
+                or intra_op_num_threads < 0):
             raise ValueError("intra_op_num_threads must be an int >= 0 (0: onnxruntime's "
                              f"default), got {intra_op_num_threads!r}")
         self.device = "cuda" if provider == "cuda" else "cpu"

@@ -95,7 +95,7 @@ def test_batch_rows_are_independent(case1_artifacts: Path) -> None:
 
 def test_runtime_rejects_calls_that_do_not_fit(case1_artifacts: Path) -> None:
     g = golden("case1_r2_r1")
-    for threads in (-1, 1.5):  # -1 had been handed to onnxruntime
+    for threads in (-1, 1.5, True):  # -1 had been handed to onnxruntime; True is an int
         with pytest.raises(ValueError, match=r"intra_op_num_threads must be an int >= 0"):
             AttentionRuntime(case1_artifacts, intra_op_num_threads=threads)  # type: ignore[arg-type]
     runtime = AttentionRuntime(case1_artifacts)
