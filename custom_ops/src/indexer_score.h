@@ -737,6 +737,8 @@ CSA_TARGET_AVX2 inline void tile_heads(const Tile& tile, const Row& row, int64_t
     }
     const int8_t* qp = row.q + (b * kBlock / 2 * hp + v0 * kHeads) * 2;
     const uint32_t* kp = pairs + b * kBlock / 2;
+    // unrolled: GCC copies each loop-carried sum once an iteration, now once per 4 (1.06x)
+#pragma GCC unroll 4
     for (int64_t i = 0; i < kBlock / 2; ++i, qp += 2 * hp) {
       __m256i qv[kHv];
       for (int v = 0; v < kHv; ++v)
@@ -744,19 +746,23 @@ CSA_TARGET_AVX2 inline void tile_heads(const Tile& tile, const Row& row, int64_t
       for (int j = 0; j < kKeys; ++j) {
         const __m256i kb = _mm256_set1_epi32(static_cast<int>(kp[j * half + i]));
         for (int v = 0; v < kHv; ++v)
-          sum[v][j] = _mm256_add_epi16(sum[v][j], _mm256_maddubs_epi16(kb, qv[v]));
+          sum[v][j] = _mm256_add_epi16(_mm256_maddubs_epi16(kb, qv[v]), sum[v][j]);
       }
     }
     // the block's exact dots, n * 2^uq * 2^uk, added as floats (exact)
     const float* qs = row.scale + b * hp + v0 * kHeads;
     for (int v = 0; v < kHv; ++v) {
-      const __m256 qs0 = _mm256_loadu_ps(qs + v * kHeads), qs1 = _mm256_loadu_ps(qs + v * kHeads + 8);
+      const __m256 qs0 = _mm256_loadu_ps(qs + v * kHeads);
+      const __m256 qs1 = _mm256_loadu_ps(qs + v * kHeads + 8);
       for (int j = 0; j < kKeys; ++j) {
         const __m256 ks = _mm256_set1_ps(scale[j * nb + b]);
-        const __m256 n0 = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(sum[v][j])));
-        const __m256 n1 = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(sum[v][j], 1)));
+        const __m128i lo = _mm256_castsi256_si128(sum[v][j]);
+        const __m128i hi = _mm256_extracti128_si256(sum[v][j], 1);
+        const __m256 n0 = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(lo));
+        const __m256 n1 = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(hi));
         acc[2 * v][j] = _mm256_add_ps(acc[2 * v][j], _mm256_mul_ps(_mm256_mul_ps(n0, qs0), ks));
-        acc[2 * v + 1][j] = _mm256_add_ps(acc[2 * v + 1][j], _mm256_mul_ps(_mm256_mul_ps(n1, qs1), ks));
+        acc[2 * v + 1][j] =
+            _mm256_add_ps(acc[2 * v + 1][j], _mm256_mul_ps(_mm256_mul_ps(n1, qs1), ks));
       }
     }
   }
@@ -774,7 +780,8 @@ CSA_TARGET_AVX2 inline void tile_row_int8(const Tile& tile, const int8::Row& row
   using V = tv::VAvx2;
   constexpr int kKeys = Cfg<V>::kKeys;
   constexpr int kHv = 2, kPair = 2;  // 2 x 16 heads x 2 keys: 4 int16 sums, 8 float sums
-  const int64_t vecs = tile.hp / int8::kHeads, half = tile.pr->d / 2, nb = tile.pr->d / int8::kBlock;
+  const int64_t vecs = tile.hp / int8::kHeads, half = tile.pr->d / 2;
+  const int64_t nb = tile.pr->d / int8::kBlock;
   tile_row<V>(tile, r, terms, [&](int64_t c, float* t) __attribute__((always_inline)) {
     const int64_t blk = c / kKeys;
     if (!int8::exact(row.range, range[blk])) {
@@ -787,7 +794,8 @@ CSA_TARGET_AVX2 inline void tile_row_int8(const Tile& tile, const int8::Row& row
       const float* ks = scale + (c + j) * nb;
       float* tj = t + j * tile.hp;
       int64_t v0 = 0;
-      for (; v0 + kHv <= vecs; v0 += kHv) int8::tile_heads<kHv, kPair>(tile, row, r, v0, kp, ks, tj);
+      for (; v0 + kHv <= vecs; v0 += kHv)
+        int8::tile_heads<kHv, kPair>(tile, row, r, v0, kp, ks, tj);
       for (; v0 < vecs; ++v0) int8::tile_heads<1, kPair>(tile, row, r, v0, kp, ks, tj);
     }
     ++*on_int8;
