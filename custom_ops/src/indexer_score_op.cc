@@ -248,13 +248,17 @@ CSA_TARGET_AVX2 __attribute__((flatten)) void tiled_avx2_int8(const Job& j, size
   is::int8::Range range[kBlocks];
   const int64_t first_row = bi * pr.s + s0;
   const is::Tile tile = task_view(j, tt, blocks);
+  bool any_fine = false;  // else no key block is made (queries that are not fp4 values)
+  for (int64_t r = 0; r < rows; ++r) any_fine = any_fine || j.q8_range[first_row + r].fine;
   for (int64_t c = 0; c < cols; c += kKeys) {
     const int64_t blk = c / kKeys, n = std::min(kKeys, cols - c);
     blocks[blk] = nullptr;
     if (!block_needed(tile, rows, c, n)) continue;  // no row reads it
     const int64_t first_key = bi * j.r + t0 + c;
-    range[blk] = is::int8::make_keys<kKeys>(j.packed + first_key * j.row_bytes, j.row_bytes, n,
-                                            pr.d, pairs + c * half, key_scale + c * nb);
+    range[blk] = any_fine ? is::int8::make_keys<kKeys>(j.packed + first_key * j.row_bytes,
+                                                       j.row_bytes, n, pr.d, pairs + c * half,
+                                                       key_scale + c * nb)
+                          : is::int8::Range{false};
     bool floats = false;
     for (int64_t r = 0; r < rows && !floats; ++r)
       floats = !is::int8::exact(j.q8_range[first_row + r], range[blk]);
