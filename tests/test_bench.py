@@ -279,6 +279,7 @@ def test_bench_ops_candidate_models_score_alike() -> None:
     from csa2onnx.custom_ops import make_session, session_options
     from csa2onnx.custom_ops.reference import pack_quantized
 
+    pytest.importorskip("torch", reason="tools/bench_ops.py imports torch (its baselines)")
     tool = load_module(ROOT / "tools" / "bench_ops.py", "bench_ops")
     given, where = (make_session(m, options=session_options(1))
                     for m in tool.indexer_candidate_models(64))
