@@ -345,6 +345,30 @@ def test_avx2_takes_integer_dots_where_exact(monkeypatch):
     assert after["int8"] - before["int8"] == blocks - 1 - 2 * per_row
 
 
+@pytest.mark.skipif("avx2" not in PATHS, reason="needs a CPU with AVX2")
+def test_avx2_integer_dots_refuse_a_value_finer_than_its_unit(monkeypatch):
+    """A query block whose largest value sets the unit 2^100 and which also holds 2^-60: the
+    value over the unit underflows to 0 in float32, so it is not n * 2^u; the row runs the
+    fma chains (counted), and the dot it alone makes (2^-60 against a key's 1) stays."""
+    b, h, d, t = 1, 8, 128, 16
+    rng = np.random.default_rng(7)
+    q = fp4_values(rng, (b, 1, h, d), (-2, 1))
+    keys = fp4_values(rng, (b, t, d), (-2, 1))
+    q[0, 0, 0] = 0.0
+    q[0, 0, 0, :2] = [6.0 * 2.0**101, 2.0**-60]
+    keys[0, 3, :32] = 0.0
+    keys[0, 3, 1] = 1.0
+    w = np.zeros((b, 1, h), np.float32)
+    w[0, 0, 0] = 1.0
+    packed = pack_quantized(keys, FORMAT)
+    keys = unpack_quantized(packed, FORMAT, d)
+    assert expected(q, w, keys, t)[0, 0, 3] == np.float32(2.0**-60)
+    before = indexer_score_pair_counts()
+    check(monkeypatch, q, w, keys, packed, t, paths=["avx2"], threads=(1,))
+    after = indexer_score_pair_counts()
+    assert after["int8_fmaf"] - before["int8_fmaf"] == t // 4 and after["int8"] == before["int8"]
+
+
 def test_packed_keys_at_every_scale_byte(monkeypatch):
     """Packed keys whose e8m0 scale bytes sit at and past the ends of the range the
     avx512bf16 path turns into pairs straight from the codes (2..252: every value normal and

@@ -628,7 +628,10 @@ struct Row {
   Range range;
 };
 
-// Query row [H][D] (D a multiple of 32) into row's arrays (q zeroed by the caller).
+// Query row [H][D] (D a multiple of 32) into row's arrays (q zeroed by the caller). A block's
+// unit is 2^u with u from its largest magnitude (|v| < 16 * 2^u), -126 <= u <= 100; a value
+// is taken only if v * 2^-u is an integer n and n * 2^u gives v back (a value too small for
+// the unit rounds to a wrong n, 0 even, in that product).
 inline Range make_row(const float* x, int64_t h, int64_t d, int64_t hp, int8_t* q,
                       int16_t* base, float* scale) {
   Range range;
@@ -645,20 +648,22 @@ inline Range make_row(const float* x, int64_t h, int64_t d, int64_t hp, int8_t* 
       base[b * hp + hh] = 0;
       scale[b * hp + hh] = 0.0f;
       if (amax == 0.0f) continue;  // +-0 values: n = 0
-      int e = 0;
-      std::frexp(amax, &e);  // amax < 2^e
-      const int u = e - 4;   // |v| / 2^u < 16
-      if (u < -149 || u > 100) return Range{false};
+      const int u = static_cast<int>(float_bits(amax) >> 23) - 130;  // 2^(u + 3) <= amax
+      if (u < -126 || u > 100) return Range{false};
+      const float unit = bits_float(static_cast<uint32_t>(u + 127) << 23);
+      const float inverse = bits_float(static_cast<uint32_t>(127 - u) << 23);
       int sum = 0;
       for (int64_t i = 0; i < kBlock; ++i) {
-        const float n = std::ldexp(v[i], -u);
-        if (n != std::nearbyint(n) || std::fabs(n) > kMaxN) return Range{false};
+        const float n = v[i] * inverse;
+        if (!(std::fabs(n) <= kMaxN)) return Range{false};
         const int k = static_cast<int>(n);
+        if (static_cast<float>(k) != n || static_cast<float>(k) * unit != v[i])
+          return Range{false};
         q[((b * kBlock + i) / 2 * hp + hh) * 2 + i % 2] = static_cast<int8_t>(k);
         sum += k;
       }
       base[b * hp + hh] = static_cast<int16_t>(-kOffset * sum);
-      scale[b * hp + hh] = std::ldexp(1.0f, u);
+      scale[b * hp + hh] = unit;
       lo = any ? std::min(lo, u) : u;
       hi = any ? std::max(hi, u) : u;
       any = true;

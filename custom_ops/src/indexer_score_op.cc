@@ -275,21 +275,25 @@ CSA_TARGET_AVX2 __attribute__((flatten)) void tiled_avx2_int8(const Job& j, size
   is::int8_counts.fmaf.fetch_add(on_fma, std::memory_order_relaxed);
 }
 
-// The query rows as the integer tiles read them (indexer_score.h int8::Row).
+// The query rows as the integer tiles read them (indexer_score.h int8::Row), made in
+// parallel over rows (a 4096-row prefill chunk's took a seventh of the op's time serially).
 struct Int8Queries {
   std::vector<int8_t> q;
   std::vector<int16_t> base;
   std::vector<float> scale;
   std::vector<is::int8::Range> range;
-  Int8Queries(const float* x, int64_t rows, int64_t h, int64_t d, int64_t hp)
+  Int8Queries(OrtKernelContext* ctx, const float* x, int64_t rows, int64_t h, int64_t d,
+              int64_t hp)
       : q(static_cast<size_t>(rows * d * hp), 0),
         base(static_cast<size_t>(rows * d / is::int8::kBlock * hp), 0),
         scale(base.size(), 0.0f),
         range(static_cast<size_t>(rows)) {
     const int64_t nb = d / is::int8::kBlock;
-    for (int64_t i = 0; i < rows; ++i)
-      range[i] = is::int8::make_row(x + i * h * d, h, d, hp, q.data() + i * d * hp,
-                                    base.data() + i * nb * hp, scale.data() + i * nb * hp);
+    run_row_chunks(ctx, rows, h * d, [&](int64_t first, int64_t n) {
+      for (int64_t i = first; i < first + n; ++i)
+        range[i] = is::int8::make_row(x + i * h * d, h, d, hp, q.data() + i * d * hp,
+                                      base.data() + i * nb * hp, scale.data() + i * nb * hp);
+    });
   }
 };
 
@@ -498,7 +502,7 @@ struct IndexerScoreKernel {
       job.hp = (h + width - 1) / width * width;
 #ifdef CSA_X86
       if (integer_dots) {
-        q8.emplace(job.q, b * s, h, d, job.hp);
+        q8.emplace(ctx, job.q, b * s, h, d, job.hp);
         job.q8 = q8->q.data();
         job.q8_base = q8->base.data();
         job.q8_scale = q8->scale.data();
