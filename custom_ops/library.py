@@ -129,8 +129,8 @@ def sparse_attention_pair_counts() -> dict[str, int]:
 def indexer_score_pair_counts() -> dict[str, int]:
     """IndexerScore's paths with exact shortcuts in this process, in key blocks per query row:
     the avx512bf16 path's on vdpbf16ps ("pairs", blocks of 8 rows) and on fma ("fmaf": the
-    row or the block not fit for them); the AVX2 path's (packed keys) on integer dots
-    ("int8", blocks of 4 rows) and on fma ("int8_fmaf")."""
+    row or the block not fit for them); the integer paths' (packed keys: AVX2, blocks of 4
+    rows; AVX512-VNNI, blocks of 8) on integer dots ("int8") and on fma ("int8_fmaf")."""
     fn = ctypes.CDLL(str(library_path())).csa2onnx_indexer_score_pair_counts
     fn.restype = None
     fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_uint64]
@@ -161,18 +161,22 @@ def fp8_linear_counts() -> dict[str, int]:
     return dict(zip(FP8_LINEAR_COUNTS, (int(v) for v in out), strict=True))
 
 
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags as Linux names them in /proc/cpuinfo (empty elsewhere)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    return set()
+
+
 def cpu_isas() -> list[str]:
     """The kernels' instruction-set paths this CPU runs ("avx512bf16", "avx512", "avx2",
     "scalar"): values for CSA2ONNX_ISA, which forces every kernel onto one (all give the same
     bits; "avx512bf16" is the vdpbf16ps path of TorchLinear, SparseAttention and IndexerScore,
     the other kernels' avx512 one)."""
-    flags: set[str] = set()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
+    flags = cpu_flags()
     v3 = {"avx2", "fma", "bmi1", "bmi2", "f16c", "movbe"} <= flags
     v4 = v3 and {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"} <= flags
     bf16 = v4 and "avx512_bf16" in flags

@@ -18,13 +18,20 @@ from helpers import custom_op_model
 from onnx import TensorProto, helper
 
 from csa2onnx.custom_ops import make_session, session_options
-from csa2onnx.custom_ops.library import cpu_isas, indexer_score_pair_counts
+from csa2onnx.custom_ops.library import cpu_flags, cpu_isas, indexer_score_pair_counts
 from csa2onnx.custom_ops.reference import pack_quantized, round_bf16, unpack_quantized
 
 FORMAT = "fp4_e8m0_32"
 PATHS = [isa for isa in ("avx512bf16", "avx512", "avx2", "scalar", "reference")
          if isa in cpu_isas() or isa == "reference"]
 E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6], np.float32)
+# The paths with integer dots on packed keys, and their blocks of key rows: AVX2's
+# vpmaddubsw, and AVX512-VNNI's vpdpbusd (the avx512 path, and the default, on such a CPU).
+INTEGER_PATHS = [pytest.param("avx2", 4, marks=pytest.mark.skipif(
+                     "avx2" not in PATHS, reason="needs a CPU with AVX2")),
+                 pytest.param("avx512", 8, marks=pytest.mark.skipif(
+                     "avx512" not in PATHS or "avx512_vnni" not in cpu_flags(),
+                     reason="needs a CPU with AVX512-VNNI"))]
 _vi = helper.make_tensor_value_info
 
 
@@ -305,10 +312,11 @@ def test_avx512bf16_takes_vdpbf16ps_where_exact(monkeypatch):
     assert after["fmaf"] - before["fmaf"] == 2 * (1 + 38 + 38)  # float and packed keys
 
 
-@pytest.mark.skipif("avx2" not in PATHS, reason="needs a CPU with AVX2")
-def test_avx2_takes_integer_dots_where_exact(monkeypatch):
-    """With packed keys, the AVX2 path sums fp4-valued dots in integers where no partial sum
-    of their fma chains can round (counted): the model's values, a dot at the largest
+@pytest.mark.parametrize("path,block", INTEGER_PATHS)
+def test_integer_dots_where_exact(monkeypatch, path, block):
+    """With packed keys, the AVX2 path and the AVX512-VNNI one sum fp4-valued dots in
+    integers where no partial sum of their fma chains can round (counted): the model's
+    values, a dot at the largest
     exponent spread the path takes (blocks 2^5 .. 2^-4 apart: a query head's 2^3 .. 2^-2
     plus a key's 2^2 .. 2^-2), a dot that cancels to exactly +0, zero blocks; the standard
     ops' bits. A key with blocks 2^10 apart, a query row with a value that is not n * 2^u,
@@ -326,9 +334,9 @@ def test_avx2_takes_integer_dots_where_exact(monkeypatch):
     w = round_bf16(rng.standard_normal((b, 1, h)) * 0.1).astype(np.float32)
     packed = pack_quantized(keys, FORMAT)
     keys = unpack_quantized(packed, FORMAT, d)
-    blocks = b * -(-t // 4)  # blocks of 4 key rows, one query row per batch entry
+    blocks = b * -(-t // block)  # blocks of key rows, one query row per batch entry
     before = indexer_score_pair_counts()
-    check(monkeypatch, q, w, keys, packed, t, paths=["avx2"], threads=(1,))
+    check(monkeypatch, q, w, keys, packed, t, paths=[path], threads=(1,))
     after = indexer_score_pair_counts()
     assert after["int8"] - before["int8"] == blocks and after["int8_fmaf"] == before["int8_fmaf"]
     keys[1, 17, :32] *= np.float32(2.0**8)  # batch entry 1: key 17's blocks >= 2^10 apart
@@ -338,15 +346,36 @@ def test_avx2_takes_integer_dots_where_exact(monkeypatch):
     packed = pack_quantized(keys, FORMAT)
     keys = unpack_quantized(packed, FORMAT, d)
     before = indexer_score_pair_counts()
-    check(monkeypatch, q, w, keys, packed, t, paths=["avx2"], threads=(1,))
+    check(monkeypatch, q, w, keys, packed, t, paths=[path], threads=(1,))
     after = indexer_score_pair_counts()
     per_row = blocks // b
     assert after["int8_fmaf"] - before["int8_fmaf"] == 1 + 2 * per_row
     assert after["int8"] - before["int8"] == blocks - 1 - 2 * per_row
 
 
-@pytest.mark.skipif("avx2" not in PATHS, reason="needs a CPU with AVX2")
-def test_avx2_integer_dots_refuse_a_value_finer_than_its_unit(monkeypatch):
+@pytest.mark.skipif("avx512_vnni" not in cpu_flags(), reason="needs a CPU with AVX512-VNNI")
+def test_default_path_takes_vnni_integer_dots(monkeypatch):
+    """Unforced, a CPU with AVX512-VNNI scores packed fp4 keys on vpdpbusd (faster than
+    vdpbf16ps where both exist), blocks of 8 key rows counted, the standard ops' bits."""
+    rng = np.random.default_rng(9)
+    q = fp4_values(rng, (2, 1, 32, 128), (-3, 1))  # blocks within 2^3 (as released data are)
+    keys = fp4_values(rng, (2, 100, 128), (-2, 1))
+    w = round_bf16(rng.standard_normal((2, 1, 32)) * 0.1).astype(np.float32)
+    packed = pack_quantized(keys, FORMAT)
+    keys = unpack_quantized(packed, FORMAT, 128)
+    monkeypatch.delenv("CSA2ONNX_ISA", raising=False)
+    monkeypatch.delenv("CSA_INDEXER_SCORE_ISA", raising=False)
+    session = make_session(op_model(True), options=session_options(1))
+    before = indexer_score_pair_counts()
+    got = session.run(None, {"Q": q, "W": w, "K": packed, "T": np.array([100], np.int64)})[0]
+    after = indexer_score_pair_counts()
+    assert after["int8"] - before["int8"] == 2 * -(-100 // 8)
+    assert after["pairs"] == before["pairs"] and after["int8_fmaf"] == before["int8_fmaf"]
+    assert (bits(got) == bits(expected(q, w, keys, 100))).all()
+
+
+@pytest.mark.parametrize("path,block", INTEGER_PATHS)
+def test_integer_dots_refuse_a_value_finer_than_its_unit(monkeypatch, path, block):
     """A query block whose largest value sets the unit 2^100 and which also holds 2^-60: the
     value over the unit underflows to 0 in float32, so it is not n * 2^u; the row runs the
     fma chains (counted), and the dot it alone makes (2^-60 against a key's 1) stays."""
@@ -364,9 +393,10 @@ def test_avx2_integer_dots_refuse_a_value_finer_than_its_unit(monkeypatch):
     keys = unpack_quantized(packed, FORMAT, d)
     assert expected(q, w, keys, t)[0, 0, 3] == np.float32(2.0**-60)
     before = indexer_score_pair_counts()
-    check(monkeypatch, q, w, keys, packed, t, paths=["avx2"], threads=(1,))
+    check(monkeypatch, q, w, keys, packed, t, paths=[path], threads=(1,))
     after = indexer_score_pair_counts()
-    assert after["int8_fmaf"] - before["int8_fmaf"] == t // 4 and after["int8"] == before["int8"]
+    assert after["int8_fmaf"] - before["int8_fmaf"] == t // block
+    assert after["int8"] == before["int8"]
 
 
 def test_packed_keys_at_every_scale_byte(monkeypatch):

@@ -578,10 +578,11 @@ CSA_TARGET_AVX512BF16 inline void tile_row_pairs(const Tile& tile, const PairRow
 #endif
 
 #ifdef CSA_X86
-// ---------------------------------------------------------------- integer tiles (AVX2)
+// ---------------------------------------------------------------- integer tiles
 // On AVX2 the dots of fp4-valued rows run on vpmaddubsw, 32 products an instruction (fma
-// takes 8). Where no partial sum of a dot's fma chain rounds, every order gives the chain's
-// bits, the exact dot, and integer sums give it too. A query head's block of 32 values that
+// takes 8), and on AVX512-VNNI on vpdpbusd, 64 (vdpbf16ps takes 32). Where no partial sum of
+// a dot's fma chain rounds, every order gives the chain's bits, the exact dot, and integer
+// sums give it too. A query head's block of 32 values that
 // are all n * 2^u (n an integer, |n| <= 15, one u per block; the model's fp4 e8m0 values have
 // |n| <= 12) and a key's block of fp4_e8m0_32 codes (n = 2 * e2m1, u = scale byte - 128) make
 // every product an integer times 2^(uq + uk): a block's 32 add up to at most 32 * 15 * 15 =
@@ -589,8 +590,9 @@ CSA_TARGET_AVX512BF16 inline void tile_row_pairs(const Tile& tile, const PairRow
 // within 9 of each other (28800 * 2^9 < 2^24), so every partial sum of the chain, in any
 // order, is a float32 (the units >= 2^-149 and nothing near overflow: int8::exact). The tiles
 // sum each block in int16 (keys offset by 15, unsigned for vpmaddubsw, the accumulator
-// starting at -15 times the query block's sum) and add the blocks as floats, exactly. Any
-// other query row or key block runs fma_block's chains on the keys' floats.
+// starting at -15 times the query block's sum) and add the blocks as floats, exactly; with
+// VNNI in int32 lanes, four products a lane an instruction (no int16 stage). Any other query
+// row or key block runs fma_block's chains on the keys' floats.
 namespace int8 {
 constexpr int64_t kBlock = 32;   // values per scale (fp4_e8m0_32)
 constexpr int kOffset = 15;      // added to the key values: vpmaddubsw's unsigned operand
@@ -619,9 +621,9 @@ inline bool exact(const Range& q, const Range& k) {
   return q.span + k.span <= kMaxSpan && q.lo + k.lo >= -149 && q.hi + k.hi <= 100;
 }
 
-// A query row as the tiles read it: q [D/2][hp][2] (the values n pair by pair, zeros past H),
-// base [D/32][hp] (-kOffset * the block's sum of n), scale [D/32][hp] (2^u, 0 for a zero
-// block), and its range.
+// A query row as the tiles read it: q [D/G][hp][G] (the values n in groups of G, 2 for
+// vpmaddubsw and 4 for vpdpbusd; zeros past H), base [D/32][hp] (-kOffset * the block's sum
+// of n), scale [D/32][hp] (2^u, 0 for a zero block), and its range.
 struct Row {
   const int8_t* q;
   const int16_t* base;
@@ -629,10 +631,11 @@ struct Row {
   Range range;
 };
 
-// Query row [H][D] (D a multiple of 32) into row's arrays (q zeroed by the caller). A block's
-// unit is 2^u with u from its largest magnitude (|v| < 16 * 2^u), -126 <= u <= 100; a value
-// is taken only if v * 2^-u is an integer n and n * 2^u gives v back (a value too small for
-// the unit rounds to a wrong n, 0 even, in that product).
+// Query row [H][D] (D a multiple of 32) into row's arrays (q zeroed by the caller), groups of
+// kGroup values. A block's unit is 2^u with u from its largest magnitude (|v| < 16 * 2^u),
+// -126 <= u <= 100; a value is taken only if v * 2^-u is an integer n and n * 2^u gives v back
+// (a value too small for the unit rounds to a wrong n, 0 even, in that product).
+template <int kGroup>
 inline Range make_row(const float* x, int64_t h, int64_t d, int64_t hp, int8_t* q,
                       int16_t* base, float* scale) {
   Range range;
@@ -660,7 +663,7 @@ inline Range make_row(const float* x, int64_t h, int64_t d, int64_t hp, int8_t* 
         const int k = static_cast<int>(n);
         if (static_cast<float>(k) != n || static_cast<float>(k) * unit != v[i])
           return Range{false};
-        q[((b * kBlock + i) / 2 * hp + hh) * 2 + i % 2] = static_cast<int8_t>(k);
+        q[((b * kBlock + i) / kGroup * hp + hh) * kGroup + i % kGroup] = static_cast<int8_t>(k);
         sum += k;
       }
       base[b * hp + hh] = static_cast<int16_t>(-kOffset * sum);
@@ -678,21 +681,25 @@ inline Range make_row(const float* x, int64_t h, int64_t d, int64_t hp, int8_t* 
 alignas(16) constexpr int8_t kOffsetCodes[16] = {15, 16, 17, 18, 19, 21, 23, 27,
                                                  15, 14, 13, 12, 11, 9, 7, 3};
 
-// n <= kKeys packed fp4_e8m0_32 rows from p (row_bytes apart) as the tiles read them: pairs
-// [kKeys][D/2] (a dword per pair of values: their two offset bytes, twice, for vpbroadcastd),
+// n <= kKeys packed fp4_e8m0_32 rows from p (row_bytes apart) as the tiles read them, the
+// values' offset bytes a dword per group for vpbroadcastd: kGroup 2, [kKeys][D/2] dwords (a
+// pair's two bytes, twice: vpmaddubsw); kGroup 4, [kKeys][D/4] (four values: vpdpbusd);
 // scale [kKeys][D/32] (2^(byte - 128), 0 for a block of +-0 codes); rows past n zero.
 // Returns their range; not fine where a block of nonzero codes has a scale byte outside
 // 2..228 (values denormal, near overflow or inf) or any block the byte 255 (NaN values).
-template <int kKeys>
+template <int kKeys, int kGroup>
 CSA_TARGET_AVX2 inline Range make_keys(const uint8_t* p, int64_t row_bytes, int64_t n, int64_t d,
-                                       uint32_t* pairs, float* scale) {
-  const int64_t nb = d / kBlock, half = d / 2;
+                                       uint32_t* groups, float* scale) {
+  static_assert(kGroup == 2 || kGroup == 4, "pairs or quads");
+  const int64_t nb = d / kBlock, per_row = d / kGroup;
   const __m128i table = _mm_load_si128(reinterpret_cast<const __m128i*>(kOffsetCodes));
   const __m128i nibble = _mm_set1_epi8(0x0F), magnitude = _mm_set1_epi8(0x77);
   Range range;
   for (int64_t k = 0; k < n; ++k) {
     const uint8_t* row = p + k * row_bytes;
-    const uint8_t* bytes = row + half;  // fp4 codes: d/2 bytes, then a scale byte per block
+    _mm_prefetch(reinterpret_cast<const char*>(row + 16 * row_bytes), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(row + 16 * row_bytes + 64), _MM_HINT_T0);
+    const uint8_t* bytes = row + d / 2;  // fp4 codes: d/2 bytes, then a scale byte per block
     int lo = 0, hi = 0;
     bool any = false;
     for (int64_t b = 0; b < nb; ++b) {
@@ -703,11 +710,16 @@ CSA_TARGET_AVX2 inline Range make_keys(const uint8_t* p, int64_t row_bytes, int6
       const __m128i even = _mm_shuffle_epi8(table, _mm_and_si128(c, nibble));
       const __m128i odd = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(c, 4), nibble));
       const __m128i w0 = _mm_unpacklo_epi8(even, odd), w1 = _mm_unpackhi_epi8(even, odd);
-      __m128i* out = reinterpret_cast<__m128i*>(pairs + k * half + b * kBlock / 2);
-      _mm_storeu_si128(out, _mm_unpacklo_epi16(w0, w0));
-      _mm_storeu_si128(out + 1, _mm_unpackhi_epi16(w0, w0));
-      _mm_storeu_si128(out + 2, _mm_unpacklo_epi16(w1, w1));
-      _mm_storeu_si128(out + 3, _mm_unpackhi_epi16(w1, w1));
+      __m128i* out = reinterpret_cast<__m128i*>(groups + k * per_row + b * kBlock / kGroup);
+      if constexpr (kGroup == 4) {
+        _mm_storeu_si128(out, w0);
+        _mm_storeu_si128(out + 1, w1);
+      } else {
+        _mm_storeu_si128(out, _mm_unpacklo_epi16(w0, w0));
+        _mm_storeu_si128(out + 1, _mm_unpackhi_epi16(w0, w0));
+        _mm_storeu_si128(out + 2, _mm_unpacklo_epi16(w1, w1));
+        _mm_storeu_si128(out + 3, _mm_unpackhi_epi16(w1, w1));
+      }
       scale[k * nb + b] = 0.0f;
       if (_mm_testz_si128(c, magnitude)) continue;  // +-0 codes: +-0 values, n = 0
       if (byte < 2 || byte > 228) return Range{false};
@@ -719,7 +731,7 @@ CSA_TARGET_AVX2 inline Range make_keys(const uint8_t* p, int64_t row_bytes, int6
     }
     if (any) range.add(lo, hi);
   }
-  std::fill(pairs + n * half, pairs + kKeys * half, 0u);
+  std::fill(groups + n * per_row, groups + kKeys * per_row, 0u);
   std::fill(scale + n * nb, scale + kKeys * nb, 0.0f);
   return range;
 }
@@ -774,20 +786,69 @@ CSA_TARGET_AVX2 inline void tile_heads(const Tile& tile, const Row& row, int64_t
   }
   store_terms<V, 2 * kHv, kKeys>(tile, r, 2 * v0, acc, terms);
 }
+
+// tile_heads on AVX512-VNNI's vpdpbusd: heads 16 to an int32 vector (v0 counts such vectors),
+// four products a lane an instruction into the block's exact int32 sum, the sum then added
+// as a float as above (n * (2^uq * 2^uk) by one fma: the product and the sum are exact);
+// quads [kKeys][D/4], row.q [D/4][hp][4].
+template <int kHv, int kKeys>
+CSA_TARGET_AVX512_VNNI inline void tile_heads_vnni(const Tile& tile, const Row& row, int64_t r,
+                                                   int64_t v0, const uint32_t* quads,
+                                                   const float* scale, float* terms) {
+  using V = tv::VAvx512;
+  const int64_t d = tile.pr->d, quarter = d / 4, nb = d / kBlock, hp = tile.hp;
+  __m512 acc[kHv][kKeys];
+  for (int v = 0; v < kHv; ++v)
+    for (int j = 0; j < kKeys; ++j) acc[v][j] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i sum[kHv][kKeys];
+    for (int v = 0; v < kHv; ++v) {
+      // the masked forms with every lane set: the plain ones pass GCC 12 an "undefined"
+      // source that it then warns about (-Wmaybe-uninitialized)
+      const int16_t* bp = row.base + b * hp + (v0 + v) * V::W;
+      const __m512i base = _mm512_maskz_cvtepi16_epi32(
+          packed::kAll16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp)));
+      for (int j = 0; j < kKeys; ++j) sum[v][j] = base;
+    }
+    const int8_t* qp = row.q + (b * kBlock / 4 * hp + v0 * V::W) * 4;
+    const uint32_t* kp = quads + b * kBlock / 4;
+#pragma GCC unroll 8
+    for (int64_t i = 0; i < kBlock / 4; ++i, qp += 4 * hp) {
+      __m512i qv[kHv];
+      for (int v = 0; v < kHv; ++v) qv[v] = _mm512_loadu_si512(qp + v * 4 * V::W);
+      for (int j = 0; j < kKeys; ++j) {
+        const __m512i kb = _mm512_set1_epi32(static_cast<int>(kp[j * quarter + i]));
+        for (int v = 0; v < kHv; ++v) sum[v][j] = _mm512_dpbusd_epi32(sum[v][j], kb, qv[v]);
+      }
+    }
+    for (int v = 0; v < kHv; ++v) {
+      const __m512 qs = _mm512_loadu_ps(row.scale + b * hp + (v0 + v) * V::W);
+      for (int j = 0; j < kKeys; ++j) {
+        const __m512 unit = _mm512_mul_ps(qs, _mm512_set1_ps(scale[j * nb + b]));
+        const __m512 n = _mm512_maskz_cvtepi32_ps(packed::kAll16, sum[v][j]);
+        acc[v][j] = _mm512_fmadd_ps(n, unit, acc[v][j]);
+      }
+    }
+  }
+  store_terms<V, kHv, kKeys>(tile, r, v0, acc, terms);
+}
 }  // namespace int8
 
-// tile_row with each key block on integer dots where the row and the block allow it: pairs
-// [blocks][kKeys][D/2], scale [blocks][kKeys][D/32], range per block. Counts the blocks of
-// each kind.
-CSA_TARGET_AVX2 inline void tile_row_int8(const Tile& tile, const int8::Row& row, int64_t r,
-                                          const uint32_t* pairs, const float* scale,
-                                          const int8::Range* range, float* terms,
-                                          uint64_t* on_int8, uint64_t* on_fma) {
-  using V = tv::VAvx2;
-  constexpr int kKeys = Cfg<V>::kKeys;
-  constexpr int kHv = 2, kPair = 2;  // 2 x 16 heads x 2 keys: 4 int16 sums, 8 float sums
-  const int64_t vecs = tile.hp / int8::kHeads, half = tile.pr->d / 2;
-  const int64_t nb = tile.pr->d / int8::kBlock;
+// tile_row with each key block on integer dots where the row and the block allow it: groups
+// [blocks][kKeys][D/G] (make_keys' pairs on AVX2, quads on AVX-512), scale
+// [blocks][kKeys][D/32], range per block. Counts the blocks of each kind.
+template <typename V>
+__attribute__((always_inline)) inline void tile_row_int8(
+    const Tile& tile, const int8::Row& row, int64_t r, const uint32_t* groups,
+    const float* scale, const int8::Range* range, float* terms, uint64_t* on_int8,
+    uint64_t* on_fma) {
+  constexpr bool kVnni = std::is_same_v<V, tv::VAvx512>;
+  constexpr int kKeys = Cfg<V>::kKeys, kGroup = kVnni ? 4 : 2;
+  // AVX2: 2 x 16 heads x 2 keys, 4 int16 sums and 8 float sums; AVX-512: 2 x 16 heads x 4
+  // keys, 8 int32 sums and 8 float sums
+  constexpr int kHv = 2, kPart = kVnni ? 4 : 2;
+  const int64_t vecs = tile.hp / (kVnni ? V::W : int8::kHeads);
+  const int64_t per_key = tile.pr->d / kGroup, nb = tile.pr->d / int8::kBlock;
   tile_row<V>(tile, r, terms, [&](int64_t c, float* t) __attribute__((always_inline)) {
     const int64_t blk = c / kKeys;
     if (!int8::exact(row.range, range[blk])) {
@@ -795,14 +856,20 @@ CSA_TARGET_AVX2 inline void tile_row_int8(const Tile& tile, const int8::Row& row
       ++*on_fma;
       return;
     }
-    for (int j = 0; j < kKeys; j += kPair) {
-      const uint32_t* kp = pairs + (c + j) * half;
+    for (int j = 0; j < kKeys; j += kPart) {
+      const uint32_t* kg = groups + (c + j) * per_key;
       const float* ks = scale + (c + j) * nb;
       float* tj = t + j * tile.hp;
       int64_t v0 = 0;
-      for (; v0 + kHv <= vecs; v0 += kHv)
-        int8::tile_heads<kHv, kPair>(tile, row, r, v0, kp, ks, tj);
-      for (; v0 < vecs; ++v0) int8::tile_heads<1, kPair>(tile, row, r, v0, kp, ks, tj);
+      if constexpr (kVnni) {
+        for (; v0 + kHv <= vecs; v0 += kHv)
+          int8::tile_heads_vnni<kHv, kPart>(tile, row, r, v0, kg, ks, tj);
+        for (; v0 < vecs; ++v0) int8::tile_heads_vnni<1, kPart>(tile, row, r, v0, kg, ks, tj);
+      } else {
+        for (; v0 + kHv <= vecs; v0 += kHv)
+          int8::tile_heads<kHv, kPart>(tile, row, r, v0, kg, ks, tj);
+        for (; v0 < vecs; ++v0) int8::tile_heads<1, kPart>(tile, row, r, v0, kg, ks, tj);
+      }
     }
     ++*on_int8;
   });

@@ -15,10 +15,13 @@
 // (row-major) for its queries (on the avx512bf16 path, packed fp4_e8m0_32 keys go straight
 // from their codes to the pairs vdpbf16ps reads: indexer_score.h swap_packed_fp4_e8m0).
 // CSA_INDEXER_SCORE_ISA (or CSA2ONNX_ISA; read when a session creates the kernel) forces a
-// path: "avx512bf16" (the tiles with vdpbf16ps where exact: indexer_score.h; the default on
-// a CPU with AVX512-BF16), "avx512", "avx2" (with packed fp4_e8m0_32 keys, integer dots on
-// vpmaddubsw where exact: indexer_score.h int8), "scalar" (the tiles without SIMD) or
-// "reference" (the scalar definition, one query row per task); all give the same bits.
+// path: "avx512bf16" (the tiles with vdpbf16ps where exact: indexer_score.h), "avx512" (with
+// packed fp4_e8m0_32 keys on a CPU with AVX512-VNNI, integer dots on vpdpbusd where exact:
+// indexer_score.h int8; the default there), "avx2" (the same on vpmaddubsw), "scalar" (the
+// tiles without SIMD) or "reference" (the scalar definition, one query row per task); all
+// give the same bits. Unforced: the avx512 path's integer dots where the CPU has
+// AVX512-VNNI and the keys are packed fp4_e8m0_32 (2.3x vdpbf16ps's speed on an AMX-class
+// Xeon), else avx512bf16, avx512, avx2 as the CPU allows.
 // Compiled with -ffp-contract=off: the orders keep multiplies and adds apart.
 #include "ort_api.h"
 
@@ -64,8 +67,8 @@ struct Job {
   // each row's values (pairs::chains_exact).
   const is::pairs::u32* q2 = nullptr;
   const is::pairs::Range* q_range = nullptr;
-  // The AVX2 path with packed fp4_e8m0_32 keys: the query rows as the integer tiles read
-  // them (indexer_score.h int8::Row), [rows][D/2][hp][2], [rows][D/32][hp] twice, [rows].
+  // The integer tiles (packed fp4_e8m0_32 keys): the query rows as they read them
+  // (indexer_score.h int8::Row), [rows][D/G][hp][G], [rows][D/32][hp] twice, [rows].
   const int8_t* q8 = nullptr;
   const int16_t* q8_base = nullptr;
   const float* q8_scale = nullptr;
@@ -226,24 +229,26 @@ CSA_TARGET_AVX512BF16 __attribute__((flatten)) void tiled_avx512bf16(const Job& 
   is::pair_counts.fmaf.fetch_add(on_fma, std::memory_order_relaxed);
 }
 
-// tiled_task on the AVX2 path with packed fp4_e8m0_32 keys: the tile's key blocks also as
-// the integer tiles' pairs (with their range), each query row against each block on integer
-// dots where both allow it; a block's floats are unpacked only for a row that cannot.
-CSA_TARGET_AVX2 __attribute__((flatten)) void tiled_avx2_int8(const Job& j, size_t task,
-                                                              std::vector<float>& scratch) {
-  using V = is::tv::VAvx2;
+// tiled_task with packed fp4_e8m0_32 keys on integer dots (AVX2's vpmaddubsw, AVX512-VNNI's
+// vpdpbusd): the tile's key blocks also as the integer tiles' groups of values (with their
+// range), each query row against each block on integer dots where both allow it; a block's
+// floats are unpacked only for a row that cannot.
+template <typename V>
+__attribute__((always_inline)) inline void tiled_int8(const Job& j, size_t task,
+                                                      std::vector<float>& scratch) {
   constexpr int64_t kKeys = is::Cfg<V>::kKeys, kBlocks = is::kTileT / kKeys;
+  constexpr int kGroup = std::is_same_v<V, is::tv::VAvx512> ? 4 : 2;
   const is::Problem& pr = j.pr;
-  const int64_t half = pr.d / 2, nb = pr.d / is::int8::kBlock;
+  const int64_t per_key = pr.d / kGroup, nb = pr.d / is::int8::kBlock;
   const TaskTile tt = task_tile(j, task);
   const int64_t bi = tt.bi, t0 = tt.t0, s0 = tt.s0, cols = tt.cols, rows = tt.rows;
   const size_t need =
-      static_cast<size_t>(is::kTileT * pr.d + kKeys * j.hp + is::kTileT * (half + nb));
+      static_cast<size_t>(is::kTileT * pr.d + kKeys * j.hp + is::kTileT * (per_key + nb));
   if (scratch.size() < need) scratch.resize(need);
   float* unpacked = scratch.data();
   float* terms = unpacked + is::kTileT * pr.d;
-  uint32_t* pairs = reinterpret_cast<uint32_t*>(terms + kKeys * j.hp);
-  float* key_scale = reinterpret_cast<float*>(pairs + is::kTileT * half);
+  uint32_t* groups = reinterpret_cast<uint32_t*>(terms + kKeys * j.hp);
+  float* key_scale = reinterpret_cast<float*>(groups + is::kTileT * per_key);
   const float* blocks[kBlocks];
   is::int8::Range range[kBlocks];
   const int64_t first_row = bi * pr.s + s0;
@@ -255,9 +260,9 @@ CSA_TARGET_AVX2 __attribute__((flatten)) void tiled_avx2_int8(const Job& j, size
     blocks[blk] = nullptr;
     if (!block_needed(tile, rows, c, n)) continue;  // no row reads it
     const int64_t first_key = bi * j.r + t0 + c;
-    range[blk] = any_fine ? is::int8::make_keys<kKeys>(j.packed + first_key * j.row_bytes,
-                                                       j.row_bytes, n, pr.d, pairs + c * half,
-                                                       key_scale + c * nb)
+    range[blk] = any_fine ? is::int8::make_keys<kKeys, kGroup>(
+                                j.packed + first_key * j.row_bytes, j.row_bytes, n, pr.d,
+                                groups + c * per_key, key_scale + c * nb)
                           : is::int8::Range{false};
     bool floats = false;
     for (int64_t r = 0; r < rows && !floats; ++r)
@@ -269,30 +274,45 @@ CSA_TARGET_AVX2 __attribute__((flatten)) void tiled_avx2_int8(const Job& j, size
     const int64_t row = first_row + r;
     const is::int8::Row int8_row{j.q8 + row * pr.d * j.hp, j.q8_base + row * nb * j.hp,
                                  j.q8_scale + row * nb * j.hp, j.q8_range[row]};
-    is::tile_row_int8(tile, int8_row, r, pairs, key_scale, range, terms, &on_int8, &on_fma);
+    is::tile_row_int8<V>(tile, int8_row, r, groups, key_scale, range, terms, &on_int8,
+                         &on_fma);
   }
   is::int8_counts.pairs.fetch_add(on_int8, std::memory_order_relaxed);
   is::int8_counts.fmaf.fetch_add(on_fma, std::memory_order_relaxed);
 }
 
-// The query rows as the integer tiles read them (indexer_score.h int8::Row), made in
-// parallel over rows (a 4096-row prefill chunk's took a seventh of the op's time serially).
+CSA_TARGET_AVX2 __attribute__((flatten)) void tiled_avx2_int8(const Job& j, size_t t,
+                                                              std::vector<float>& s) {
+  tiled_int8<is::tv::VAvx2>(j, t, s);
+}
+CSA_TARGET_AVX512_VNNI __attribute__((flatten)) void tiled_avx512_int8(const Job& j, size_t t,
+                                                                       std::vector<float>& s) {
+  tiled_int8<is::tv::VAvx512>(j, t, s);
+}
+
+// The query rows as the integer tiles read them (indexer_score.h int8::Row, groups of
+// `group` values: 2 on AVX2, 4 on AVX512-VNNI), made in parallel over rows (a 4096-row
+// prefill chunk's took a seventh of the op's time serially).
 struct Int8Queries {
   std::vector<int8_t> q;
   std::vector<int16_t> base;
   std::vector<float> scale;
   std::vector<is::int8::Range> range;
   Int8Queries(OrtKernelContext* ctx, const float* x, int64_t rows, int64_t h, int64_t d,
-              int64_t hp)
+              int64_t hp, int group)
       : q(static_cast<size_t>(rows * d * hp), 0),
         base(static_cast<size_t>(rows * d / is::int8::kBlock * hp), 0),
         scale(base.size(), 0.0f),
         range(static_cast<size_t>(rows)) {
     const int64_t nb = d / is::int8::kBlock;
     run_row_chunks(ctx, rows, h * d, [&](int64_t first, int64_t n) {
-      for (int64_t i = first; i < first + n; ++i)
-        range[i] = is::int8::make_row(x + i * h * d, h, d, hp, q.data() + i * d * hp,
-                                      base.data() + i * nb * hp, scale.data() + i * nb * hp);
+      for (int64_t i = first; i < first + n; ++i) {
+        int8_t* qi = q.data() + i * d * hp;
+        int16_t* bi = base.data() + i * nb * hp;
+        float* si = scale.data() + i * nb * hp;
+        range[i] = group == 4 ? is::int8::make_row<4>(x + i * h * d, h, d, hp, qi, bi, si)
+                              : is::int8::make_row<2>(x + i * h * d, h, d, hp, qi, bi, si);
+      }
     });
   }
 };
@@ -359,10 +379,12 @@ template <typename K>
 struct IndexerScoreKernel {
   static constexpr bool kPacked = std::is_same_v<K, uint8_t>;
   Isa isa;
+  bool forced;  // a path named by CSA_INDEXER_SCORE_ISA or CSA2ONNX_ISA, taken as named
   packed::Format format = packed::Format::kFp4E8m0;
 
   IndexerScoreKernel(const OrtApi*, const OrtKernelInfo* info)
-      : isa(select_isa("CSA_INDEXER_SCORE_ISA", /*has_reference=*/true, /*has_bf16=*/true)) {
+      : isa(select_isa("CSA_INDEXER_SCORE_ISA", /*has_reference=*/true, /*has_bf16=*/true)),
+        forced(isa_forced("CSA_INDEXER_SCORE_ISA")) {
     require_node_io(info, kOp, 4, 1);  // Lengths and Candidates are optional
     // onnxruntime's lite API cannot take an optional input left out before a given one (it
     // reads the missing value): Candidates come with Lengths
@@ -492,17 +514,27 @@ struct IndexerScoreKernel {
         fn = tiled_avx2;
         width = is::tv::VAvx2::W;
       }
-      // integer dots: packed fp4_e8m0_32 keys, whole blocks of 32, heads 16 to an int16 vector
-      const bool integer_dots = isa == Isa::kAvx2 && kPacked && format == packed::Format::kFp4E8m0;
-      if (integer_dots) {
+      // integer dots with packed fp4_e8m0_32 keys (whole blocks of 32): on AVX2, heads 16 to
+      // an int16 vector; on AVX512-VNNI (the avx512 path, and the default where the CPU has
+      // it: faster than vdpbf16ps), 16 to an int32 vector
+      const bool fp4_keys = kPacked && format == packed::Format::kFp4E8m0;
+      const bool vnni = cpu_has_avx512vnni() &&
+                        (isa == Isa::kAvx512 || (isa == Isa::kAvx512Bf16 && !forced));
+      const bool integer_dots = fp4_keys && (isa == Isa::kAvx2 || vnni);
+      int group = 2;
+      if (integer_dots && isa == Isa::kAvx2) {
         fn = tiled_avx2_int8;
         width = is::int8::kHeads;
+      } else if (integer_dots) {
+        fn = tiled_avx512_int8;
+        width = is::tv::VAvx512::W;
+        group = 4;
       }
 #endif
       job.hp = (h + width - 1) / width * width;
 #ifdef CSA_X86
       if (integer_dots) {
-        q8.emplace(ctx, job.q, b * s, h, d, job.hp);
+        q8.emplace(ctx, job.q, b * s, h, d, job.hp, group);
         job.q8 = q8->q.data();
         job.q8_base = q8->base.data();
         job.q8_scale = q8->scale.data();

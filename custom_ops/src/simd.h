@@ -12,6 +12,9 @@
 // x86-64-v4 plus AVX512_BF16 (vdpbf16ps: Zen 4, Cooper Lake, Sapphire Rapids and later).
 #define CSA_TARGET_AVX512BF16 \
   __attribute__((target("arch=x86-64-v4,avx512bf16,prefer-vector-width=512")))
+// x86-64-v4 plus AVX512-VNNI (vpdpbusd: Ice Lake, Zen 4 and later).
+#define CSA_TARGET_AVX512_VNNI \
+  __attribute__((target("arch=x86-64-v4,avx512vnni,prefer-vector-width=512")))
 #endif
 
 namespace csa {
@@ -40,6 +43,14 @@ inline bool cpu_has_x86_64_v4() {
 inline bool cpu_has_avx512bf16() {
 #ifdef CSA_X86
   return cpu_has_x86_64_v4() && __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+inline bool cpu_has_avx512vnni() {
+#ifdef CSA_X86
+  return cpu_has_x86_64_v4() && __builtin_cpu_supports("avx512vnni");
 #else
   return false;
 #endif
