@@ -112,6 +112,15 @@ def torch_topk(op: OpBuilder, x: ir.Value, k: ir.Value, *, largest: bool = True,
     return values, indices
 
 
+def block_max(op: OpBuilder, x: ir.Value, block_size: int) -> ir.Value:
+    """The max of each block of `block_size` values on x's last axis, the last block shorter
+    ([..., T] -> [..., ceil(T / block_size)]): NaN where a block holds a NaN (as torch's
+    amax), +0 above -0. Reads x in place: no -inf padded copy."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be > 0, got {block_size}")
+    return _csa(op).BlockMax(x, block_size=block_size)
+
+
 def split_groups(op: OpBuilder, x: ir.Value, groups: int, axis: int = -1) -> list[ir.Value]:
     """x's `groups` equal slices along `axis`."""
     return list(op.Split(x, axis=axis, num_outputs=groups, _outputs=groups))

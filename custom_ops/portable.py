@@ -37,6 +37,11 @@ each body computes against its kernel (tests/test_*: each "portable" test):
 - PackQuantized, UnpackQuantized: bit-exact (NaN payloads aside): the quantisers' own steps,
   then the codes by exact arithmetic and the values from tables.
 
+- BlockMax: a Pad with -inf to whole blocks, ReduceMax over each, and a NaN wherever IsNaN
+  finds one (onnxruntime's ReduceMax skips a NaN that is not a block's first value): exact,
+  except the sign of a zero maximum where a block holds both zeros (ReduceMax returns
+  either; the kernel +0), and it copies X once.
+
 - ApplyRope: the standard ops it replaced (graphs/rope.py's apply_rotary_emb before the op:
   Slices, Mul, Sub, Add, Concat, Cast to bf16 and back): bit-exact, NaN signs aside where
   both operands of a Mul or of the Add are NaN (tests/test_apply_rope.py), but it copies X
@@ -341,6 +346,22 @@ def IndexerScore(Q: FLOAT, W: FLOAT, Keys: FLOAT, Width: INT64) -> FLOAT:
 
 
 @script(csa2onnx)
+def BlockMax(X: FLOAT, block_size: int) -> FLOAT:
+    block = op.Reshape(op.Constant(value_int=block_size), [1])
+    shape = op.Shape(X)
+    width = op.Slice(shape, [-1], [9223372036854775807])
+    n = op.Div(op.Add(width, op.Sub(block, [1])), block)
+    padded = op.Pad(X, op.Concat([0], op.Sub(op.Mul(n, block), width), axis=0),
+                    op.Constant(value_float=float("-inf")), [-1])
+    blocks = op.Reshape(padded, op.Concat(op.Slice(shape, [0], [-1]), n, block, axis=0))
+    out_shape = op.Concat(op.Slice(shape, [0], [-1]), n, axis=0)  # no rows: (EMPTY_REDUCE)
+    top = op.Reshape(op.ReduceMax(blocks, [-1], keepdims=0), out_shape, allowzero=1)
+    nan = op.Reshape(op.ReduceMax(op.Cast(op.IsNaN(blocks), to=onnx.TensorProto.FLOAT), [-1],
+                                  keepdims=0), out_shape, allowzero=1)
+    return op.Where(op.Greater(nan, [0.0]), op.Constant(value_float=float("nan")), top)
+
+
+@script(csa2onnx)
 def WriteRows(Cache, Rows, RowStart: INT64, After: INT64):
     # Any element type (float caches, uint8 packed rows). After only orders the write after
     # its producers; the copy needs no ordering.
@@ -529,4 +550,4 @@ def portable_functions() -> list[onnx.FunctionProto]:
     return [f.to_function_proto() for f in (Fp4QuantDequant, TorchTopK, TorchLinear,
                                              TorchRMSNorm, SparseAttention, Fp8Linear,
                                              IndexerScore, WriteRows, PackQuantized,
-                                             UnpackQuantized, ApplyRope)]
+                                             UnpackQuantized, ApplyRope, BlockMax)]

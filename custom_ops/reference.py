@@ -254,3 +254,22 @@ def write_rows(cache: np.ndarray, rows: np.ndarray, row_start: int) -> np.ndarra
                          f"cache's {cache.shape[1]} rows")
     out[:rows.shape[0], row_start:row_start + rows.shape[1]] = rows
     return out
+
+
+def block_max(x: np.ndarray, block_size: int) -> np.ndarray:
+    """BlockMax: the max of each block of `block_size` values on the last axis, the last
+    block shorter ([..., T] -> [..., ceil(T / block_size)]): NaN (0x7FC00000) where a block
+    holds a NaN, else its largest value, +0 above -0 (IEEE 754-2019 maximum)."""
+    x = np.asarray(x, np.float32)
+    t = x.shape[-1]
+    n = -(-t // block_size)
+    size = block_size if n > 1 else t  # one block (or none) is the row, however large the size
+    padded = np.full((*x.shape[:-1], n * size), -np.inf, np.float32)
+    padded[..., :t] = x
+    blocks = padded.reshape(*x.shape[:-1], n, size)
+    bits = blocks.view(np.int32)
+    # the total order -inf < ... < -0 < +0 < ... < +inf on the bits: flip negatives' magnitude
+    keys = np.where(bits < 0, bits ^ np.int32(0x7FFFFFFF), bits)
+    top = keys.max(axis=-1, initial=np.iinfo(np.int32).min)
+    out = np.where(top < 0, top ^ np.int32(0x7FFFFFFF), top).astype(np.int32).view(np.float32)
+    return np.where(np.isnan(blocks).any(axis=-1), np.uint32(0x7FC00000).view(np.float32), out)

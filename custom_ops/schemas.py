@@ -237,6 +237,13 @@ def _infer_unpack(ctx: InferenceContext) -> None:
          _last_replaced(_dims(_input(ctx, 0)), _int_attr(ctx, "dim")))
 
 
+def _infer_block_max(ctx: InferenceContext) -> None:
+    dims = _dims(_input(ctx, 0))
+    block, t = _int_attr(ctx, "block_size"), _static(dims[-1]) if dims else None
+    blocks = -(-t // block) if t is not None and block is not None and block >= 1 else None
+    _set(ctx, 0, TensorProto.FLOAT, _last_replaced(dims, blocks))
+
+
 _FLOAT = "tensor(float)"
 _FLOATS_16 = ("tensor(float)", "tensor(bfloat16)", "tensor(float16)")
 _W_TYPES = ("tensor(float)", "tensor(bfloat16)")
@@ -323,6 +330,11 @@ SIGNATURES: tuple[OpSignature, ...] = (
         (Param("P", _UINT8),), (Param("Y", _FLOAT),), _infer_unpack,
         attributes=(Attribute("format", _Attr.STRING, required=True),
                     Attribute("dim", _Attr.INT, required=True))),
+    OpSignature(
+        "BlockMax", "The max of each block of block_size values on the last axis (the last "
+        "block shorter): NaN where a block holds one, +0 above -0.",
+        (Param("X", _FLOAT),), (Param("Y", _FLOAT),), _infer_block_max,
+        attributes=(Attribute("block_size", _Attr.INT, required=True),)),
 )
 
 OP_NAMES: tuple[str, ...] = tuple(s.name for s in SIGNATURES)

@@ -12,9 +12,9 @@ from typing import NamedTuple
 import onnx_ir as ir
 from onnxscript import OpBuilder
 
-from csa2onnx.custom_ops.ops import torch_topk
+from csa2onnx.custom_ops.ops import block_max, torch_topk
 from csa2onnx.graphs.common import NEG_INF
-from csa2onnx.graphs.numerics import FLOAT, reduce_axis
+from csa2onnx.graphs.numerics import FLOAT
 
 POS_INF = float("inf")
 
@@ -44,12 +44,8 @@ def select_candidate_blocks(op: OpBuilder, logits: ir.Value, compress_lens: ir.V
     width = op.Slice(shape, [2], [3])
     n_blocks = op.Div(op.Add(width, block_size - 1), block_size)
 
-    # Pad with -inf to whole blocks; a block's score is its max.
-    pads = op.Concat([0, 0, 0, 0, 0], op.Sub(op.Mul(n_blocks, block_size), width), axis=0)
-    padded = op.Pad(logits, pads, op.Constant(value_float=NEG_INF))
-    blocks = op.Reshape(padded, op.Concat(op.Slice(shape, [0], [2]), n_blocks, [block_size],
-                                          axis=0))
-    block_scores = reduce_axis(op, "Max", blocks, -1)
+    # A block's score is its max (the last block as if padded with -inf), read in place.
+    block_scores = block_max(op, logits, block_size)
 
     # Force the block of the newest reachable position: (compress_lens - 1) // block_size,
     # floor division, so compress_lens == 0 gives -1 and forces nothing (ONNX Div truncates).

@@ -135,6 +135,10 @@ CASES = [
          {"format": "fp4_e8m0_32"}),
     Case("UnpackQuantized", {"P": (U8, ["b", "n", 72])}, ["Y"], [["b", "n", 128]],
          {"format": "fp4_e4m3_16", "dim": 128}),
+    Case("BlockMax", {"X": (F, ["b", "s", 1001])}, ["Y"], [["b", "s", 126]],
+         {"block_size": 8}),
+    Case("BlockMax", {"X": (F, ["b", "s", "t"])}, ["Y"], [["b", "s", None]],
+         {"block_size": 8}),
 ]
 # What onnxruntime's inference context cannot express (shape_inference.cc): K's and Width's
 # values, and how many outputs a node has (the optional Scale).

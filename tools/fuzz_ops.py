@@ -642,6 +642,27 @@ def rows_case(rng: np.random.Generator, index: int, omit_inputs: bool) -> Case:
                 expect_ok=ok, isa=isa)
 
 
+def blockmax_case(rng: np.random.Generator, index: int, omit_inputs: bool) -> Case:
+    """BlockMax: any rank and width (0 included), block_size from 1 to past the width, NaN
+    and the other special values, a missing or non-positive block_size, a scalar X."""
+    ok = True
+    lead = tuple(int(v) for v in rng.choice([0, 1, 2, 3, 17], int(rng.integers(0, 3))))
+    t = int(rng.choice([0, 1, 7, 8, 9, 64, 1000, 4099]))
+    x = random_data(rng, int(np.prod((*lead, t)))).reshape(*lead, t)
+    attributes: dict[str, Any] = {}
+    u = rng.random()
+    if u < 0.9:
+        attributes["block_size"] = int(rng.choice([1, 2, 3, 8, 16, 5000, 1 << 40]))
+    elif u < 0.95:
+        ok = False  # absent (required)
+    else:
+        attributes["block_size"], ok = int(rng.choice([0, -8])), False
+    if rng.random() < 0.03:
+        x, ok = np.ones((), np.float32), False  # rank 0
+    return Case(index, "blockmax", FLOAT, np.asarray(x, np.float32), attributes, ["Y"],
+                int(rng.integers(1, 3)), expect_ok=ok)
+
+
 LINEAR_WORK = 1 << 21  # TorchLinear cases: rows * G * N * K at most (reference path, ASan)
 
 
@@ -873,7 +894,7 @@ def make_case(seed: int, index: int, omit_inputs: bool = False) -> Case:
     u = rng.random()
     make = (fp4_case if u < 0.14 else topk_case if u < 0.28 else fp8_case if u < 0.43
             else sa_case if u < 0.58 else rows_case if u < 0.69 else linear_case if u < 0.81
-            else indexer_case if u < 0.9 else rope_case)
+            else indexer_case if u < 0.9 else blockmax_case if u < 0.93 else rope_case)
     return make(rng, index, omit_inputs)
 
 
@@ -1012,6 +1033,18 @@ def check_rows(case: Case, outputs: dict[str, np.ndarray]) -> str | None:
     return None if same else f"{name} differs from the definition"
 
 
+def check_blockmax(case: Case, outputs: dict[str, np.ndarray]) -> str | None:
+    """BlockMax: the NumPy definition, bit for bit (NaN is always 0x7FC00000)."""
+    from csa2onnx.custom_ops.reference import block_max
+
+    got = outputs["Y"]
+    want = block_max(case.x, case.attributes["block_size"])
+    if got.shape != want.shape:
+        return f"Y shape {list(got.shape)}, expected {list(want.shape)}"
+    return None if np.array_equal(got.view(np.uint32), want.view(np.uint32)) else \
+        "Y differs from the definition"
+
+
 def check_fp8(case: Case, outputs: dict[str, np.ndarray]) -> str | None:
     """Exact numerics (or a forced path, which always is): the NumPy definition bit for bit;
     fast numerics: the shape, and NaN exactly where the definition has it."""
@@ -1067,11 +1100,12 @@ class Runner:
         elif case.op == "fp8":
             op_type, out_types = "Fp8Linear", {"Y": FLOAT}
             node_inputs = case.inputs or ["X", "W", "WScale"]
-        elif case.op in ("write", "pack", "unpack"):
+        elif case.op in ("write", "pack", "unpack", "blockmax"):
             op_type, out_types, node_inputs = {
                 "write": ("WriteRows", {"CacheOut": case.x_type}, ["X", "Rows", "RowStart"]),
                 "pack": ("PackQuantized", {"P": UINT8}, ["X"]),
-                "unpack": ("UnpackQuantized", {"Y": FLOAT}, ["X"])}[case.op]
+                "unpack": ("UnpackQuantized", {"Y": FLOAT}, ["X"]),
+                "blockmax": ("BlockMax", {"Y": FLOAT}, ["X"])}[case.op]
         elif case.op in ("rope", "cossin", "rmsnorm"):
             op_type, out_types, node_inputs = {
                 "rope": ("ApplyRope", {"Y": FLOAT}, ["X", "Cos", "Sin"]),
@@ -1180,7 +1214,8 @@ class Runner:
         else:
             check = {"fp4": check_fp4, "topk": check_topk, "fp8": check_fp8,
                      "write": check_rows, "pack": check_rows, "unpack": check_rows,
-                     "cossin": check_rope, "rmsnorm": check_rope}[case.op]
+                     "blockmax": check_blockmax, "cossin": check_rope,
+                     "rmsnorm": check_rope}[case.op]
             problem = check(case, outputs)
         return ("finding", problem) if problem else ("ok", "checked")
 

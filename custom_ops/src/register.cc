@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "apply_rope_op.h"
+#include "block_max_op.h"
 #include "fp4_op.h"
 #include "fp8_linear_op.h"
 #include "indexer_score_op.h"
@@ -39,6 +40,7 @@ struct Library {
     csa::AppendRopeCosSinOps(ops);
     csa::AppendIndexerScoreOps(ops);
     csa::AppendApplyRopeOps(ops);
+    csa::AppendBlockMaxOps(ops);
     for (auto& op : ops) {
       op->InferOutputShapeFn = csa::shape_inference_for(op->GetName(op.get()));
       domain.Add(op.get());

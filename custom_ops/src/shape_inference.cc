@@ -217,6 +217,18 @@ OrtStatusPtr unpack_quantized(const Context& c) {
   return c.set_output(0, with_last(p.dims, size(dim)), kFloat);
 }
 
+// BlockMax: X [..., T] -> [..., ceil(T / block_size)] (T a size).
+OrtStatusPtr block_max(const Context& c) {
+  Input x;
+  int64_t block = 0;
+  if (!c.ranked_input(0, x) || !c.int_attribute("block_size", block) || block < 1)
+    return nullptr;
+  const Dim& t = x.dims.back();
+  if (!t.symbol.empty() || t.value < 0) return nullptr;
+  return c.set_output(0, with_last(x.dims, size(t.value / block + (t.value % block != 0))),
+                      kFloat);
+}
+
 template <OrtStatusPtr (*Rule)(const Context&)>
 OrtStatusPtr ORT_API_CALL infer(const OrtCustomOp*, OrtShapeInferContext* ctx) noexcept {
   const OrtApi& api = Ort::GetApi();
@@ -243,6 +255,7 @@ constexpr Entry kRules[] = {
     {"WriteRows", infer<like_first_input>},
     {"PackQuantized", infer<pack_quantized>},
     {"UnpackQuantized", infer<unpack_quantized>},
+    {"BlockMax", infer<block_max>},
 };
 
 }  // namespace

@@ -1,0 +1,96 @@
+// BlockMax (domain csa2onnx): the max of each block of block_size values on the last axis,
+// the last block of a row shorter when block_size does not divide it: select_candidate_blocks'
+// block scores (reference.md: the row padded with -inf to whole blocks, then amax), without
+// the padded copy of the [b, s, T] scores (1 GiB for a 256-token prefill chunk at 1M keys).
+// Input X (float [..., T], rank >= 1), attribute block_size (int >= 1); output Y (float
+// [..., ceil(T / block_size)]). Y is NaN (0x7FC00000) for a block holding a NaN (torch's amax
+// propagates it, and its topk then picks that block as the largest, unkept), else the largest
+// value with +0 above -0 (IEEE 754-2019 maximum): defined whatever the order of the
+// comparisons, so any vector or thread split gives the same bits. An empty block cannot occur
+// (T = 0 gives Y [..., 0]).
+#include "ort_api.h"
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "block_max_op.h"
+#include "kernel_support.h"
+
+namespace csa {
+namespace {
+
+constexpr const char* kOp = "BlockMax";
+
+// A float's place in the total order -inf < ... < -0 < +0 < ... < +inf, as an int32 (NaN is
+// kept apart): negative floats have their magnitude bits flipped.
+inline int32_t order_key(uint32_t bits) {
+  const int32_t b = static_cast<int32_t>(bits);
+  return b ^ static_cast<int32_t>((static_cast<uint32_t>(b >> 31)) >> 1);
+}
+inline bool is_nan(uint32_t bits) { return (bits & 0x7FFFFFFFu) > 0x7F800000u; }
+
+// Y[block] for `count` consecutive blocks of one row, from X's first value of the first.
+inline void block_maxes(const uint32_t* x, int64_t width, int64_t block, int64_t first,
+                        int64_t count, uint32_t* y) {
+  for (int64_t j = first; j < first + count; ++j) {
+    const int64_t lo = j * block, hi = lo + block < width ? lo + block : width;
+    int32_t best = order_key(x[lo]);
+    bool nan = false;
+    for (int64_t i = lo; i < hi; ++i) {
+      const int32_t k = order_key(x[i]);
+      best = k > best ? k : best;
+      nan = nan || is_nan(x[i]);
+    }
+    y[j] = nan ? 0x7FC00000u : static_cast<uint32_t>(order_key(static_cast<uint32_t>(best)));
+  }
+}
+
+struct BlockMaxKernel {
+  int64_t block;
+
+  BlockMaxKernel(const OrtApi*, const OrtKernelInfo* info)
+      : block(required_attribute<int64_t>(info, kOp, "block_size", "an int")) {
+    require_node_io(info, kOp, 1, 1);
+    if (block < 1) fail(kOp, "block_size must be >= 1, got " + std::to_string(block));
+  }
+
+  Ort::Status Compute(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& x,
+                      Ort::Custom::Tensor<float>& y) {
+    return status_of([&] { Run(ctx, x, y); });
+  }
+
+  void Run(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& x,
+           Ort::Custom::Tensor<float>& y) const {
+    std::vector<int64_t> shape = x.Shape();
+    if (shape.empty()) fail(kOp, "X must have rank >= 1 (blocks on the last axis), got a scalar");
+    const int64_t width = shape.back();
+    const int64_t blocks = width / block + (width % block != 0 ? 1 : 0);
+    int64_t rows = 1;
+    for (size_t i = 0; i + 1 < shape.size(); ++i) rows *= shape[i];
+    shape.back() = blocks;
+    static_assert(sizeof(float) == sizeof(uint32_t), "floats read as their bits");
+    const auto* in = reinterpret_cast<const uint32_t*>(x.Data());
+    auto* out = reinterpret_cast<uint32_t*>(y.Allocate(shape));
+    if (rows == 0 || blocks == 0) return;
+    // in parallel over (row, block) pairs: a decode step is one row of up to a million keys
+    run_row_chunks(ctx, rows * blocks, block, [&](int64_t first, int64_t n) {
+      while (n > 0) {
+        const int64_t row = first / blocks, j = first % blocks;
+        const int64_t count = n < blocks - j ? n : blocks - j;
+        block_maxes(in + row * width, width, block, j, count, out + row * blocks);
+        first += count;
+        n -= count;
+      }
+    });
+  }
+};
+
+}  // namespace
+
+void AppendBlockMaxOps(std::vector<std::unique_ptr<Ort::Custom::OrtLiteCustomOp>>& ops) {
+  ops.emplace_back(Ort::Custom::CreateLiteCustomOp<BlockMaxKernel>(kOp, "CPUExecutionProvider"));
+}
+
+}  // namespace csa
