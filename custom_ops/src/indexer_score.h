@@ -212,6 +212,9 @@ struct Ops<tv::VAvx512> {
     return _mm512_mask_mov_ps(x, neg, _mm512_setzero_ps());
   }
   CSA_TARGET_AVX512 static inline T cast_bf16(T x) { return ort_cast::cast_bf16(x); }
+  CSA_TARGET_AVX512 static inline T cast_bf16_not_nan(T x) {
+    return ort_cast::cast_bf16_not_nan(x);
+  }
 };
 
 template <>
@@ -222,6 +225,7 @@ struct Ops<tv::VAvx2> {
     return _mm256_andnot_ps(neg, x);
   }
   CSA_TARGET_AVX2 static inline T cast_bf16(T x) { return ort_cast::cast_bf16(x); }
+  CSA_TARGET_AVX2 static inline T cast_bf16_not_nan(T x) { return ort_cast::cast_bf16_not_nan(x); }
 };
 #endif
 
@@ -271,8 +275,9 @@ struct Tile {
 };
 
 // The dots of head vectors [v0, v0 + kHv) x kKeys keys, as the weighted terms into terms
-// [kKeys][hp]: bf16(relu(bf16(dot)) * w) lane by lane.
-template <typename V, int kHv, int kKeys>
+// [kKeys][hp]: bf16(relu(bf16(dot)) * w) lane by lane. kExactDots: the integer tiles' dots,
+// exact and finite, so their rounding skips the NaN case.
+template <typename V, int kHv, int kKeys, bool kExactDots = false>
 __attribute__((always_inline)) inline void store_terms(const Tile& tile, int64_t r, int64_t v0,
                                                        const typename V::T (&acc)[kHv][kKeys],
                                                        float* terms) {
@@ -281,7 +286,12 @@ __attribute__((always_inline)) inline void store_terms(const Tile& tile, int64_t
   for (int v = 0; v < kHv; ++v) {
     const T wv = V::load(w + v * V::W);
     for (int j = 0; j < kKeys; ++j) {
-      const T x = Ops<V>::cast_bf16(V::mul(Ops<V>::relu(Ops<V>::cast_bf16(acc[v][j])), wv));
+      T dot;
+      if constexpr (kExactDots)
+        dot = Ops<V>::cast_bf16_not_nan(acc[v][j]);
+      else
+        dot = Ops<V>::cast_bf16(acc[v][j]);
+      const T x = Ops<V>::cast_bf16(V::mul(Ops<V>::relu(dot), wv));
       V::store(terms + j * tile.hp + (v0 + v) * V::W, x);
     }
   }
@@ -353,6 +363,16 @@ CSA_TARGET_AVX512 inline void sum_heads_8keys(SumOrder order, const float* terms
       head[k + 4] = _mm256_permute2f128_ps(u[k], u[k + 4], 0x31);
     }
     const int64_t heads = h - i0 < 8 ? h - i0 : 8;
+    if (heads == 8 && in_group == 0) {  // 8 heads, whole groups of 4: no state to carry
+      if (order == SumOrder::kInOrder) {
+        for (int k = 0; k < 8; ++k) c = _mm256_add_ps(c, head[k]);
+      } else {
+        for (int k = 0; k < 8; k += 4)
+          c = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(_mm256_add_ps(head[k], head[k + 1]),
+                                                        head[k + 2]), head[k + 3]), c);
+      }
+      continue;
+    }
     for (int64_t k = 0; k < heads; ++k) {
       if (order == SumOrder::kInOrder) {
         c = _mm256_add_ps(c, head[k]);
@@ -784,7 +804,7 @@ CSA_TARGET_AVX2 inline void tile_heads(const Tile& tile, const Row& row, int64_t
       }
     }
   }
-  store_terms<V, 2 * kHv, kKeys>(tile, r, 2 * v0, acc, terms);
+  store_terms<V, 2 * kHv, kKeys, true>(tile, r, 2 * v0, acc, terms);
 }
 
 // tile_heads on AVX512-VNNI's vpdpbusd: heads 16 to an int32 vector (v0 counts such vectors),
@@ -830,7 +850,7 @@ CSA_TARGET_AVX512_VNNI inline void tile_heads_vnni(const Tile& tile, const Row& 
       }
     }
   }
-  store_terms<V, kHv, kKeys>(tile, r, v0, acc, terms);
+  store_terms<V, kHv, kKeys, true>(tile, r, v0, acc, terms);
 }
 }  // namespace int8
 

@@ -42,6 +42,22 @@ CSA_TARGET_AVX512 inline __m512 cast_bf16(__m512 x) {
   return _mm512_castsi512_ps(_mm512_mask_mov_epi32(r, nan, quiet));
 }
 
+// cast_bf16 of values known not to be NaN (the rounding alone: those bits are the same).
+CSA_TARGET_AVX512 inline __m512 cast_bf16_not_nan(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i odd =
+      _mm512_and_si512(_mm512_maskz_srli_epi32(0xffff, u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
+  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(~0xffff)));
+}
+
+CSA_TARGET_AVX2 inline __m256 cast_bf16_not_nan(__m256 x) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
+  return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(~0xffff)));
+}
+
 CSA_TARGET_AVX2 inline __m256 cast_bf16(__m256 x) {
   const __m256i u = _mm256_castps_si256(x);
   const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
