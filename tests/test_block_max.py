@@ -1,9 +1,9 @@
 """BlockMax (select_candidate_blocks' block scores, read in place) against its NumPy
 definition (custom_ops/reference.py block_max) bit for bit: random rows, a last block shorter
-than block_size, block_size 1 and past T, T = 0 and no rows, ranks 1 to 4, +-0, +-inf and
-NaN (a block holding one scores NaN, as torch's amax), on 1 and 2 threads (a decode row of
-many blocks is split between them); the portable body (Pad, ReduceMax, IsNaN); the errors;
-and the graph's block scores against the reference's torch amax."""
+than block_size, block_size 1 and past T (up to INT64_MAX), T = 0 and no rows, ranks 1 to 4,
++-0, +-inf and NaN (a block holding one scores NaN, as torch's amax), on 1 and 2 threads (a
+decode row of many blocks is split between them); the portable body (Pad, ReduceMax,
+IsNaN); the errors; and the graph's block scores against the reference's torch amax."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def special_values(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarr
 
 SHAPES = [((1, 1, 1048), 8), ((1, 3, 1047), 8), ((2, 5, 33), 4), ((1, 2, 7), 8), ((3, 9), 1),
           ((4,), 3), ((2, 2, 3, 21), 5), ((1, 1, 0), 8), ((0, 4, 16), 8), ((1, 2, 5), 16),
-          ((1, 1, 300001), 8), ((1, 64, 4099), 8)]
+          ((1, 1, 300001), 8), ((1, 64, 4099), 8), ((2, 3, 10), 2**63 - 1)]
 
 
 @pytest.mark.parametrize("shape,block", SHAPES, ids=lambda v: str(v))

@@ -652,7 +652,7 @@ def blockmax_case(rng: np.random.Generator, index: int, omit_inputs: bool) -> Ca
     attributes: dict[str, Any] = {}
     u = rng.random()
     if u < 0.9:
-        attributes["block_size"] = int(rng.choice([1, 2, 3, 8, 16, 5000, 1 << 40]))
+        attributes["block_size"] = int(rng.choice([1, 2, 3, 8, 16, 5000, 1 << 40, (1 << 63) - 1]))
     elif u < 0.95:
         ok = False  # absent (required)
     else:

@@ -10,6 +10,7 @@
 // (T = 0 gives Y [..., 0]).
 #include "ort_api.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -75,7 +76,8 @@ struct BlockMaxKernel {
     auto* out = reinterpret_cast<uint32_t*>(y.Allocate(shape));
     if (rows == 0 || blocks == 0) return;
     // in parallel over (row, block) pairs: a decode step is one row of up to a million keys
-    run_row_chunks(ctx, rows * blocks, block, [&](int64_t first, int64_t n) {
+    // (a block's work: at most `width` values, however large block_size is)
+    run_row_chunks(ctx, rows * blocks, std::min(block, width), [&](int64_t first, int64_t n) {
       while (n > 0) {
         const int64_t row = first / blocks, j = first % blocks;
         const int64_t count = n < blocks - j ? n : blocks - j;
