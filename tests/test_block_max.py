@@ -14,7 +14,11 @@ from helpers import custom_op_model
 from onnx import TensorProto, helper
 
 from csa2onnx.custom_ops import make_session, session_options
+from csa2onnx.custom_ops.library import cpu_isas
 from csa2onnx.custom_ops.reference import block_max
+
+# The kernel's paths (CSA_BLOCK_MAX_ISA): avx512 takes blocks of 8 two to a vector.
+PATHS = [isa for isa in ("avx512", "scalar") if isa in cpu_isas()]
 
 _vi = helper.make_tensor_value_info
 
@@ -52,18 +56,21 @@ SHAPES = [((1, 1, 1048), 8), ((1, 3, 1047), 8), ((2, 5, 33), 4), ((1, 2, 7), 8),
           ((1, 1, 300001), 8), ((1, 64, 4099), 8), ((2, 3, 10), 2**63 - 1)]
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("shape,block", SHAPES, ids=lambda v: str(v))
-def test_matches_definition(shape, block):
+def test_matches_definition(monkeypatch, shape, block, path):
     rng = np.random.default_rng(sum(shape) + block)
     x = special_values(rng, shape)
     want = block_max(x, block)
     assert want.shape == (*shape[:-1], -(-shape[-1] // block))
+    monkeypatch.delenv("CSA2ONNX_ISA", raising=False)
+    monkeypatch.setenv("CSA_BLOCK_MAX_ISA", path)  # read when the session creates the kernel
     for threads in (1, 2):
         got = make_session(model(block, len(shape)),
                            options=session_options(threads)).run(None, {"X": x})[0]
         assert got.shape == want.shape
         diff = np.flatnonzero(bits(got) != bits(want))
-        assert diff.size == 0, (threads, diff.size, got.reshape(-1)[diff[0]],
+        assert diff.size == 0, (path, threads, diff.size, got.reshape(-1)[diff[0]],
                                 want.reshape(-1)[diff[0]])
 
 

@@ -474,7 +474,7 @@ def fp8_case(rng: np.random.Generator, index: int, omit_inputs: bool) -> Case:
 ISA_VARIABLES = {"fp8": "CSA_FP8_LINEAR_ISA", "sa": "CSA_SPARSE_ATTENTION_ISA",
                  "pack": "CSA_PACK_QUANTIZED_ISA", "unpack": "CSA_UNPACK_QUANTIZED_ISA",
                  "linear": "CSA_TORCH_LINEAR_ISA", "indexer": "CSA_INDEXER_SCORE_ISA",
-                 "rope": "CSA_APPLY_ROPE_ISA"}
+                 "rope": "CSA_APPLY_ROPE_ISA", "blockmax": "CSA_BLOCK_MAX_ISA"}
 # op -> its output, checked against the same call on the op's definition path
 REFERENCE_CHECKED = {"sa": "O", "linear": "Y", "indexer": "Score", "rope": "Y"}
 REFERENCE_PATH = {"rope": "scalar"}  # the others': "reference"
@@ -647,7 +647,7 @@ def blockmax_case(rng: np.random.Generator, index: int, omit_inputs: bool) -> Ca
     and the other special values, a missing or non-positive block_size, a scalar X."""
     ok = True
     lead = tuple(int(v) for v in rng.choice([0, 1, 2, 3, 17], int(rng.integers(0, 3))))
-    t = int(rng.choice([0, 1, 7, 8, 9, 64, 1000, 4099]))
+    t = int(rng.choice([0, 1, 7, 8, 9, 16, 17, 64, 1000, 4099]))
     x = random_data(rng, int(np.prod((*lead, t)))).reshape(*lead, t)
     attributes: dict[str, Any] = {}
     u = rng.random()
@@ -660,7 +660,7 @@ def blockmax_case(rng: np.random.Generator, index: int, omit_inputs: bool) -> Ca
     if rng.random() < 0.03:
         x, ok = np.ones((), np.float32), False  # rank 0
     return Case(index, "blockmax", FLOAT, np.asarray(x, np.float32), attributes, ["Y"],
-                int(rng.integers(1, 3)), expect_ok=ok)
+                int(rng.integers(1, 3)), expect_ok=ok, isa=forced_isa(rng, ("scalar", "avx512")))
 
 
 LINEAR_WORK = 1 << 21  # TorchLinear cases: rows * G * N * K at most (reference path, ASan)
