@@ -41,6 +41,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "ort_cast.h"
@@ -149,9 +150,16 @@ inline float sum_heads(SumOrder order, const float* x, int64_t h) {
 
 constexpr float kMasked = -__builtin_inff();  // the score of a key not scored (Lengths, Candidates)
 
-// Whether any of the n bytes from p is nonzero (a row's candidates in a block of keys).
+// Whether any of the n bytes from p is nonzero (a row's candidates in a block of keys),
+// eight at a time (a block of keys is 8 or 4 bytes of a row's candidates).
 inline bool any_byte(const uint8_t* p, int64_t n) {
-  for (int64_t i = 0; i < n; ++i)
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    uint64_t word;
+    std::memcpy(&word, p + i, 8);
+    if (word != 0) return true;
+  }
+  for (; i < n; ++i)
     if (p[i] != 0) return true;
   return false;
 }
