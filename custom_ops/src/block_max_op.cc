@@ -119,19 +119,19 @@ struct BlockMaxKernel {
       while (n > 0) {
         const int64_t row = first / blocks, j = first % blocks;
         const int64_t count = n < blocks - j ? n : blocks - j;
-        const uint32_t* x = in + row * width;
-        uint32_t* y = out + row * blocks;
+        const uint32_t* row_in = in + row * width;
+        uint32_t* row_out = out + row * blocks;
         int64_t done = 0;
 #ifdef CSA_X86
         if (vector8) {  // whole pairs of whole blocks
           const int64_t whole = std::min(j + count, width / 8) - j;
           if (whole >= 2) {
-            block_maxes_8(x + j * 8, whole / 2, y + j);
+            block_maxes_8(row_in + j * 8, whole / 2, row_out + j);
             done = whole / 2 * 2;
           }
         }
 #endif
-        block_maxes(x, width, block, j + done, count - done, y);
+        block_maxes(row_in, width, block, j + done, count - done, row_out);
         first += count;
         n -= count;
       }

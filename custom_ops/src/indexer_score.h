@@ -623,7 +623,7 @@ CSA_TARGET_AVX512BF16 inline void tile_row_pairs(const Tile& tile, const PairRow
 // row or key block runs fma_block's chains on the keys' floats.
 namespace int8 {
 constexpr int64_t kBlock = 32;   // values per scale (fp4_e8m0_32)
-constexpr int kOffset = 15;      // added to the key values: vpmaddubsw's unsigned operand
+constexpr int kOffset = 15;      // added to the key values: the unsigned operand
 constexpr int kMaxN = 15;        // |n| of a query value: 2 * 30 * 15 per pair fits int16
 constexpr int kMaxSpan = 9;      // exponents of one dot's blocks within 9: 28800 * 2^9 < 2^24
 constexpr int64_t kHeads = 16;   // heads per int16 vector
