@@ -24,14 +24,20 @@ from csa2onnx.custom_ops.reference import pack_quantized, round_bf16, unpack_qua
 FORMAT = "fp4_e8m0_32"
 PATHS = [isa for isa in ("avx512bf16", "avx512", "avx2", "scalar", "reference")
          if isa in cpu_isas() or isa == "reference"]
+if "amx_int8" in cpu_flags() and "avx512_vnni" in cpu_flags():
+    PATHS.insert(0, "amx")  # IndexerScore's own name: the avx512 path on AMX-INT8 tiles
 E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6], np.float32)
 # The paths with integer dots on packed keys, and their blocks of key rows: AVX2's
-# vpmaddubsw, and AVX512-VNNI's vpdpbusd (the avx512 path, and the default, on such a CPU).
+# vpmaddubsw, AVX512-VNNI's vpdpbusd (the avx512 path, and the default on such a CPU without
+# AMX) and AMX-INT8's TDPBSSD ("amx", the default on such a CPU; groups of two blocks).
 INTEGER_PATHS = [pytest.param("avx2", 4, marks=pytest.mark.skipif(
                      "avx2" not in PATHS, reason="needs a CPU with AVX2")),
                  pytest.param("avx512", 8, marks=pytest.mark.skipif(
                      "avx512" not in PATHS or "avx512_vnni" not in cpu_flags(),
-                     reason="needs a CPU with AVX512-VNNI"))]
+                     reason="needs a CPU with AVX512-VNNI")),
+                 pytest.param("amx", 8, marks=pytest.mark.skipif(
+                     "amx_int8" not in cpu_flags() or "avx512_vnni" not in cpu_flags(),
+                     reason="needs a CPU with AMX-INT8"))]
 _vi = helper.make_tensor_value_info
 
 

@@ -17,8 +17,6 @@
 #include "simd.h"
 #ifdef CSA_X86
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
 
 namespace csa::amx_bf16 {
@@ -31,13 +29,7 @@ constexpr int64_t kStepPairs = 16;  // k-pairs per TDPBF16PS
 // grants the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM, once per process; asking
 // again is harmless). Called when a kernel is created.
 inline bool enable() {
-#ifdef CSA_X86
-  if (!cpu_has_amx_bf16()) return false;
-  constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-#else
-  return false;
-#endif
+  return cpu_has_amx_bf16() && amx_tiles_granted();
 }
 
 #ifdef CSA_X86

@@ -650,7 +650,7 @@ inline bool exact(const Range& q, const Range& k) {
 }
 
 // A query row as the tiles read it: q [D/G][hp][G] (the values n in groups of G, 2 for
-// vpmaddubsw and 4 for vpdpbusd; zeros past H), base [D/32][hp] (-kOffset * the block's sum
+// vpmaddubsw and 4 for vpdpbusd; zeros past H; kRowMajor: q [hp][D], AMX's A tiles), base [D/32][hp] (-kOffset * the block's sum
 // of n), scale [D/32][hp] (2^u, 0 for a zero block), and its range.
 struct Row {
   const int8_t* q;
@@ -659,8 +659,10 @@ struct Row {
   Range range;
 };
 
+constexpr int kRowMajor = 0;  // make_row's kGroup for q [hp][D]
+
 // Query row [H][D] (D a multiple of 32) into row's arrays (q zeroed by the caller), groups of
-// kGroup values. A block's unit is 2^u with u from its largest magnitude (|v| < 16 * 2^u),
+// kGroup values (or kRowMajor). A block's unit is 2^u with u from its largest magnitude (|v| < 16 * 2^u),
 // -126 <= u <= 100; a value is taken only if v * 2^-u is an integer n and n * 2^u gives v back
 // (a value too small for the unit rounds to a wrong n, 0 even, in that product).
 template <int kGroup>
@@ -691,7 +693,10 @@ inline Range make_row(const float* x, int64_t h, int64_t d, int64_t hp, int8_t* 
         const int k = static_cast<int>(n);
         if (static_cast<float>(k) != n || static_cast<float>(k) * unit != v[i])
           return Range{false};
-        q[((b * kBlock + i) / kGroup * hp + hh) * kGroup + i % kGroup] = static_cast<int8_t>(k);
+        const int64_t at = kGroup == kRowMajor
+                               ? hh * d + b * kBlock + i
+                               : ((b * kBlock + i) / kGroup * hp + hh) * kGroup + i % kGroup;
+        q[at] = static_cast<int8_t>(k);
         sum += k;
       }
       base[b * hp + hh] = static_cast<int16_t>(-kOffset * sum);
@@ -708,19 +713,24 @@ inline Range make_row(const float* x, int64_t h, int64_t d, int64_t hp, int8_t* 
 // Key value + kOffset per fp4 code (n = 2 * e2m1, sign bit 8).
 alignas(16) constexpr int8_t kOffsetCodes[16] = {15, 16, 17, 18, 19, 21, 23, 27,
                                                  15, 14, 13, 12, 11, 9, 7, 3};
+// Key value n per fp4 code, without the offset (AMX's TDPBSSD multiplies signed by signed).
+alignas(16) constexpr int8_t kSignedCodes[16] = {0, 1,  2,  3,  4,  6,  8,  12,
+                                                 0, -1, -2, -3, -4, -6, -8, -12};
 
 // n <= kKeys packed fp4_e8m0_32 rows from p (row_bytes apart) as the tiles read them, the
 // values' offset bytes a dword per group for vpbroadcastd: kGroup 2, [kKeys][D/2] dwords (a
 // pair's two bytes, twice: vpmaddubsw); kGroup 4, [kKeys][D/4] (four values: vpdpbusd);
 // scale [kKeys][D/32] (2^(byte - 128), 0 for a block of +-0 codes); rows past n zero.
-// Returns their range; not fine where a block of nonzero codes has a scale byte outside
-// 2..228 (values denormal, near overflow or inf) or any block the byte 255 (NaN values).
-template <int kKeys, int kGroup>
+// kSigned: the values n themselves (kSignedCodes), not offset. Returns their range; not fine
+// where a block of nonzero codes has a scale byte outside 2..228 (values denormal, near
+// overflow or inf) or any block the byte 255 (NaN values).
+template <int kKeys, int kGroup, bool kSigned = false>
 CSA_TARGET_AVX2 inline Range make_keys(const uint8_t* p, int64_t row_bytes, int64_t n, int64_t d,
                                        uint32_t* groups, float* scale) {
   static_assert(kGroup == 2 || kGroup == 4, "pairs or quads");
   const int64_t nb = d / kBlock, per_row = d / kGroup;
-  const __m128i table = _mm_load_si128(reinterpret_cast<const __m128i*>(kOffsetCodes));
+  const __m128i table = _mm_load_si128(
+      reinterpret_cast<const __m128i*>(kSigned ? kSignedCodes : kOffsetCodes));
   const __m128i nibble = _mm_set1_epi8(0x0F), magnitude = _mm_set1_epi8(0x77);
   Range range;
   for (int64_t k = 0; k < n; ++k) {
@@ -860,6 +870,164 @@ CSA_TARGET_AVX512_VNNI inline void tile_heads_vnni(const Tile& tile, const Row& 
   }
   store_terms<V, kHv, kKeys, true>(tile, r, v0, acc, terms);
 }
+
+// The same exact dots on AMX-INT8 (Sapphire Rapids and later), keys in the lanes: per block
+// of 32 values and 16 heads one TDPBSSD, A = the heads' values (q [hp][D], kRowMajor), B = 16
+// keys' values (make_keys' kSigned quads transposed: [D/4][16 keys][4]), C [16 heads][16 keys]
+// int32 from zero: the blocks' exact integer sums, the same as vpdpbusd's in any order. Each
+// head's row of C then becomes its weighted term for 16 keys at once, the blocks added as
+// floats as tile_heads_vnni does, and the heads are added in the ReduceSum order down the
+// rows: no transpose, no [keys][heads] terms. Measured on a 2-core AMX-class Xeon: one
+// TDPBSSD (8192 products at K = 32) takes about as long as 3 vpdpbusd (64 products each).
+namespace amx {
+constexpr int64_t kKeys = 16;  // keys per group: B's columns, one zmm of scores
+constexpr int64_t kHeads = 16;  // heads per A tile
+
+// Tiles 0-3: C of blocks 0-3 [16 heads][16 keys]; 4, 5: A [16 heads][32 values] of even / odd
+// blocks; 6, 7: B [8][16 keys x 4 values] of even / odd blocks.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Configures this thread's tiles for score_group; the caller releases them (_tile_release).
+CSA_TARGET_AMX_INT8 inline void configure() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = t < 6 ? kHeads : kBlock / 4;
+    cfg.colsb[t] = t == 4 || t == 5 ? kBlock : 64;
+  }
+  // Not _tile_loadconfig: GCC 12's macro names only 8 bytes of the config as read
+  // (amx_bf16_tiles.h configure).
+  __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
+}
+
+// A group of kKeys keys for the tiles: make_keys' quads [kKeys][D/4] to kt [D/4][kKeys] (B's
+// rows) and its scale [kKeys][D/32] to st [D/32][kKeys] (a block's 16 key scales a vector).
+inline void transpose_keys(const uint32_t* quads, const float* scale, int64_t d, uint32_t* kt,
+                           float* st) {
+  const int64_t quarter = d / 4, nb = d / kBlock;
+  for (int64_t i = 0; i < quarter; ++i)
+    for (int64_t k = 0; k < kKeys; ++k) kt[i * kKeys + k] = quads[k * quarter + i];
+  for (int64_t b = 0; b < nb; ++b)
+    for (int64_t k = 0; k < kKeys; ++k) st[b * kKeys + k] = scale[k * nb + b];
+}
+
+// One block's dots of one head group: tile C = tile A . tile B (B loaded by the caller),
+// stored to c [16][16]. A macro: GCC 12's tile intrinsics paste the tile numbers into the
+// instruction text (literals only).
+#define CSA_AMX_BLOCK_DOTS(A, B, C, q, q_bytes, c) \
+  do {                                             \
+    _tile_loadd(A, q, q_bytes);                    \
+    _tile_zero(C);                                 \
+    _tile_dpbssd(C, A, B);                         \
+    _tile_stored(C, c, 64);                        \
+  } while (0)
+
+// The tile dots of one query row (q [hp][D] row-major values) against a group of kKeys keys
+// (kt: transpose_keys'), into dots [hp/16][D/32][16 heads][16 keys]; the tiles configured.
+// A block's B serves every head group; blocks and head groups alternate tiles so that
+// consecutive dots do not wait on each other's tiles.
+CSA_TARGET_AMX_INT8 inline void group_dots(const Problem& pr, const int8_t* q,
+                                           const uint32_t* kt, int32_t* dots) {
+  const int64_t d = pr.d, nb = d / kBlock, groups = (pr.h + kHeads - 1) / kHeads;
+  const long q_bytes = static_cast<long>(d);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint32_t* kb = kt + b * (kBlock / 4) * kKeys;
+    if (b % 2 == 0)
+      _tile_loadd(6, kb, 64);
+    else
+      _tile_loadd(7, kb, 64);
+    for (int64_t g = 0; g < groups; ++g) {
+      const int8_t* qb = q + g * kHeads * d + b * kBlock;
+      int32_t* db = dots + (g * nb + b) * kHeads * kKeys;
+      switch (b % 2 * 2 + g % 2) {  // tile numbers are literals
+        case 0: CSA_AMX_BLOCK_DOTS(4, 6, 0, qb, q_bytes, db); break;
+        case 1: CSA_AMX_BLOCK_DOTS(5, 6, 1, qb, q_bytes, db); break;
+        case 2: CSA_AMX_BLOCK_DOTS(4, 7, 2, qb, q_bytes, db); break;
+        default: CSA_AMX_BLOCK_DOTS(5, 7, 3, qb, q_bytes, db); break;
+      }
+    }
+  }
+}
+
+// One head's weighted term for the group's 16 keys: bf16(relu(bf16(dot)) * w), the dot's
+// blocks (dh [kNb][16][16] at the head's row) added as floats as tile_heads_vnni does; qs the
+// head's units (hp apart). kWFinite: w finite, so the product is never NaN (the dot never is).
+template <int kNb, bool kWFinite>
+CSA_TARGET_AVX512 __attribute__((always_inline)) inline __m512 head_term(
+    const int32_t* dh, const __m512 (&ks)[kNb], const float* qs, int64_t hp, float w) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int b = 0; b < kNb; ++b) {
+    const __m512 unit = _mm512_mul_ps(ks[b], _mm512_set1_ps(qs[b * hp]));
+    const __m512 m = _mm512_maskz_cvtepi32_ps(
+        packed::kAll16, _mm512_loadu_si512(dh + b * kHeads * kKeys));
+    acc = _mm512_fmadd_ps(m, unit, acc);
+  }
+  // relu as max(x, +0): an exact dot is never -0 (its terms are +0 or nonzero, and x + -x
+  // is +0), so this is relu's x < 0 ? +0 : x
+  const __m512 dot = _mm512_maskz_max_ps(packed::kAll16, ort_cast::cast_bf16_not_nan(acc),
+                                         _mm512_setzero_ps());
+  const __m512 x = _mm512_mul_ps(dot, _mm512_set1_ps(w));
+  return kWFinite ? ort_cast::cast_bf16_not_nan(x) : ort_cast::cast_bf16(x);
+}
+
+// out[k] for the keys k in `lanes` = the row's scores of the group from group_dots' dots
+// (every dot of those keys exact: int8::exact), qs [D/32][hp] the row's units, w [hp] its
+// weights, st: transpose_keys'. The
+// heads are added as sum_heads does: in order, or (kGroups4) in groups of 4 (groups never
+// straddle the 16-head tiles) and the last group's tail.
+template <int kNb, bool kWFinite>
+CSA_TARGET_AVX512 inline void group_scores(const Problem& pr, int64_t hp, const int32_t* dots,
+                                           const float* qs, const float* w, const float* st,
+                                           __mmask16 lanes, float* out) {
+  const bool in_order = pr.sum_order() == SumOrder::kInOrder;
+  __m512 ks[kNb];
+  for (int b = 0; b < kNb; ++b) ks[b] = _mm512_loadu_ps(st + b * kKeys);
+  __m512 c = _mm512_setzero_ps();
+  for (int64_t h0 = 0; h0 < pr.h; h0 += kHeads) {
+    const int32_t* dg = dots + h0 / kHeads * kNb * kHeads * kKeys;
+    const int64_t heads = std::min(kHeads, pr.h - h0);
+    // not a lambda: GCC compiles one for the default target (tile_row's note)
+#define CSA_TERM(i) head_term<kNb, kWFinite>(dg + (i) * kKeys, ks, qs + h0 + (i), hp, w[h0 + (i)])
+    int64_t i = 0;
+    if (in_order) {
+      for (; i < heads; ++i) c = _mm512_add_ps(c, CSA_TERM(i));
+      continue;
+    }
+    for (; i + 4 <= heads; i += 4) {
+      const __m512 t0 = CSA_TERM(i), t1 = CSA_TERM(i + 1), t2 = CSA_TERM(i + 2), t3 = CSA_TERM(i + 3);
+      c = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(_mm512_add_ps(t0, t1), t2), t3), c);
+    }
+    if (heads - i >= 2) {  // sum_groups4's tail: (t0 + t1) + c, then t + c
+      const __m512 t0 = CSA_TERM(i), t1 = CSA_TERM(i + 1);
+      c = _mm512_add_ps(_mm512_add_ps(t0, t1), c);
+      i += 2;
+    }
+    if (heads - i == 1) c = _mm512_add_ps(CSA_TERM(i), c);
+#undef CSA_TERM
+  }
+  _mm512_mask_storeu_ps(out, lanes, ort_cast::cast_bf16(c));
+}
+
+// group_scores for D/32 = nb blocks (1 to 4) and the row's weights.
+CSA_TARGET_AVX512 inline void group_scores(const Problem& pr, int64_t hp, const int32_t* dots,
+                                           const float* qs, const float* w, bool w_finite,
+                                           const float* st, __mmask16 lanes, float* out) {
+  switch (pr.d / kBlock * 2 + (w_finite ? 1 : 0)) {
+    case 2: return group_scores<1, false>(pr, hp, dots, qs, w, st, lanes, out);
+    case 3: return group_scores<1, true>(pr, hp, dots, qs, w, st, lanes, out);
+    case 4: return group_scores<2, false>(pr, hp, dots, qs, w, st, lanes, out);
+    case 5: return group_scores<2, true>(pr, hp, dots, qs, w, st, lanes, out);
+    case 6: return group_scores<3, false>(pr, hp, dots, qs, w, st, lanes, out);
+    case 7: return group_scores<3, true>(pr, hp, dots, qs, w, st, lanes, out);
+    case 8: return group_scores<4, false>(pr, hp, dots, qs, w, st, lanes, out);
+    default: return group_scores<4, true>(pr, hp, dots, qs, w, st, lanes, out);
+  }
+}
+#undef CSA_AMX_BLOCK_DOTS
+}  // namespace amx
 }  // namespace int8
 
 // tile_row with each key block on integer dots where the row and the block allow it: groups

@@ -290,6 +290,134 @@ CSA_TARGET_AVX512_VNNI __attribute__((flatten)) void tiled_avx512_int8(const Job
   tiled_int8<is::tv::VAvx512>(j, t, s);
 }
 
+// tiled_int8 on AMX-INT8 tiles (indexer_score.h int8::amx): the tile's keys in groups of 16
+// (two blocks of 8, each made by make_keys with its own range; signed quads, transposed for
+// B), each query row (job.q8 row-major) against each group on the tiles where the dots of
+// either block are exact; a block whose dots are not runs fma_block's chains as tile_row
+// does, its lanes left out of the group's store. The scores of a group are computed after the
+// next group's tile dots are issued (their stores wait on TDPBSSD). The tiles are configured
+// for the task and released after it.
+CSA_TARGET_AMX_INT8 __attribute__((flatten)) void tiled_amx(const Job& j, size_t task,
+                                                            std::vector<float>& scratch) {
+  using V = is::tv::VAvx512;
+  namespace amx = is::int8::amx;
+  constexpr int64_t kKeys = is::Cfg<V>::kKeys, kGroup = amx::kKeys, kBlocks = is::kTileT / kKeys;
+  static_assert(kGroup == 2 * kKeys && is::kTileT % kGroup == 0, "groups of two blocks of 8");
+  const is::Problem& pr = j.pr;
+  const int64_t quarter = pr.d / 4, nb = pr.d / is::int8::kBlock;
+  const TaskTile tt = task_tile(j, task);
+  const int64_t bi = tt.bi, t0 = tt.t0, s0 = tt.s0, cols = tt.cols, rows = tt.rows;
+  // scratch: unpacked [kTileT][D], terms [kKeys][hp], kt [kTileT / 16][D/4][16], st
+  // [kTileT / 16][D/32][16], a group's quads [16][D/4] and scales [16][D/32], and two groups'
+  // dots [hp/16][D/32][16][16] (group_dots')
+  const int64_t group_dots = j.hp / amx::kHeads * nb * amx::kHeads * kGroup;
+  const size_t need =
+      static_cast<size_t>(is::kTileT * pr.d + kKeys * j.hp + is::kTileT * (quarter + nb) +
+                          kGroup * (quarter + nb) + 2 * group_dots);
+  if (scratch.size() < need) scratch.resize(need);
+  float* unpacked = scratch.data();
+  float* terms = unpacked + is::kTileT * pr.d;
+  uint32_t* kt = reinterpret_cast<uint32_t*>(terms + kKeys * j.hp);
+  float* st = reinterpret_cast<float*>(kt + is::kTileT * quarter);
+  uint32_t* quads = reinterpret_cast<uint32_t*>(st + is::kTileT * nb);
+  float* key_scale = reinterpret_cast<float*>(quads + kGroup * quarter);
+  int32_t* dots = reinterpret_cast<int32_t*>(key_scale + kGroup * nb);
+  const float* blocks[kBlocks];
+  is::int8::Range range[kBlocks];
+  const int64_t first_row = bi * pr.s + s0;
+  const is::Tile tile = task_view(j, tt, blocks);
+  bool any_fine = false;  // else no group is made (queries that are not fp4 values)
+  for (int64_t r = 0; r < rows; ++r) any_fine = any_fine || j.q8_range[first_row + r].fine;
+  for (int64_t c = 0; c < cols; c += kGroup) {
+    const int64_t g = c / kGroup;
+    const bool needed = any_fine && block_needed(tile, rows, c, std::min(kGroup, cols - c));
+    for (int64_t half = 0; half < 2; ++half) {  // make_keys zero-fills a half past the tile
+      const int64_t blk = 2 * g + half, c8 = c + half * kKeys;
+      const int64_t n8 = std::max<int64_t>(0, std::min(kKeys, cols - c8));
+      const uint8_t* first = n8 > 0 ? j.packed + (bi * j.r + t0 + c8) * j.row_bytes : j.packed;
+      range[blk] = needed ? is::int8::make_keys<kKeys, 4, /*kSigned=*/true>(
+                                first, j.row_bytes, n8, pr.d, quads + half * kKeys * quarter,
+                                key_scale + half * kKeys * nb)
+                          : is::int8::Range{false};
+    }
+    // a block not fine leaves its rows unfinished: their lanes are never stored
+    if (range[2 * g].fine || range[2 * g + 1].fine)
+      amx::transpose_keys(quads, key_scale, pr.d, kt + g * quarter * kGroup,
+                          st + g * nb * kGroup);
+    for (int64_t c8 = c; c8 < std::min(c + kGroup, cols); c8 += kKeys) {
+      const int64_t blk = c8 / kKeys, n8 = std::min(kKeys, cols - c8);
+      blocks[blk] = nullptr;
+      if (!block_needed(tile, rows, c8, n8)) continue;  // no row reads it
+      bool floats = false;
+      for (int64_t r = 0; r < rows && !floats; ++r)
+        floats = !is::int8::exact(j.q8_range[first_row + r], range[blk]);
+      if (floats) blocks[blk] = key_block<V>(j, bi * j.r + t0 + c8, n8, unpacked + c8 * pr.d);
+    }
+  }
+  amx::configure();
+  const is::SumOrder order = pr.sum_order();
+  const bool every = tile.cand == nullptr && tile.lengths == nullptr;
+  uint64_t on_int8 = 0, on_fma = 0;
+  // The group whose dots were issued last, scored after the next group's are issued.
+  struct Scored {
+    const float* qs;
+    const float* w;
+    bool w_finite;
+    const float* st;
+    __mmask16 lanes;  // the keys whose scores it stores
+    float* out;
+  } issued{};
+  int64_t buffer = 0;  // the dots buffer the next group's dots go to
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t row = first_row + r;
+    const is::int8::Range& row_range = j.q8_range[row];
+    const int8_t* q = j.q8 + row * pr.d * j.hp;
+    const float* qs = j.q8_scale + row * nb * j.hp;
+    const float* w = tile.w + r * j.hp;
+    bool w_finite = true;
+    for (int64_t hh = 0; hh < pr.h; ++hh) w_finite = w_finite && std::isfinite(w[hh]);
+    float* out = tile.out + r * pr.t;
+    const is::RowKeys keys = tile.row_keys(r);
+    for (int64_t c = 0; c < cols; c += kGroup) {
+      uint32_t lanes = 0;
+      for (int64_t c8 = c; c8 < std::min(c + kGroup, cols); c8 += kKeys) {
+        const int64_t n8 = std::min(kKeys, cols - c8);
+        if (!every && !keys.any(c8, n8)) {  // none of the block's keys: not computed
+          std::fill(out + c8, out + c8 + n8, is::kMasked);
+        } else if (is::int8::exact(row_range, range[c8 / kKeys])) {
+          lanes |= ((1u << n8) - 1u) << (c8 - c);
+          ++on_int8;
+        } else {
+          is::fma_block<V>(tile, r, c8, terms);
+          is::sum_heads_8keys(order, terms, j.hp, pr.h, n8, out + c8);
+          ++on_fma;
+        }
+      }
+      if (lanes == 0) continue;
+      const int64_t g = c / kGroup;
+      amx::group_dots(pr, q, kt + g * quarter * kGroup, dots + buffer * group_dots);
+      buffer ^= 1;
+      if (issued.out != nullptr)
+        amx::group_scores(pr, j.hp, dots + buffer * group_dots, issued.qs, issued.w,
+                          issued.w_finite, issued.st, issued.lanes, issued.out);
+      issued = {qs, w, w_finite, st + g * nb * kGroup, static_cast<__mmask16>(lanes), out + c};
+    }
+  }
+  if (issued.out != nullptr)
+    amx::group_scores(pr, j.hp, dots + (buffer ^ 1) * group_dots, issued.qs, issued.w,
+                      issued.w_finite, issued.st, issued.lanes, issued.out);
+  _tile_release();
+  if (!every)  // the keys a row does not score among those computed
+    for (int64_t r = 0; r < rows; ++r) {
+      const is::RowKeys keys = tile.row_keys(r);
+      float* out = tile.out + r * pr.t;
+      for (int64_t k = 0; k < cols; ++k)
+        if (!keys.keeps(k)) out[k] = is::kMasked;
+    }
+  is::int8_counts.pairs.fetch_add(on_int8, std::memory_order_relaxed);
+  is::int8_counts.fmaf.fetch_add(on_fma, std::memory_order_relaxed);
+}
+
 // The query rows as the integer tiles read them (indexer_score.h int8::Row, groups of
 // `group` values: 2 on AVX2, 4 on AVX512-VNNI), made in parallel over rows (a 4096-row
 // prefill chunk's took a seventh of the op's time serially).
@@ -310,8 +438,10 @@ struct Int8Queries {
         int8_t* qi = q.data() + i * d * hp;
         int16_t* bi = base.data() + i * nb * hp;
         float* si = scale.data() + i * nb * hp;
-        range[i] = group == 4 ? is::int8::make_row<4>(x + i * h * d, h, d, hp, qi, bi, si)
-                              : is::int8::make_row<2>(x + i * h * d, h, d, hp, qi, bi, si);
+        const float* xi = x + i * h * d;
+        range[i] = group == 4   ? is::int8::make_row<4>(xi, h, d, hp, qi, bi, si)
+                   : group == 2 ? is::int8::make_row<2>(xi, h, d, hp, qi, bi, si)
+                                : is::int8::make_row<is::int8::kRowMajor>(xi, h, d, hp, qi, bi, si);
       }
     });
   }
@@ -375,16 +505,40 @@ void row_task(const Job& j, size_t task, std::vector<float>& scratch) {
                 j.out + i * pr.t, terms);
 }
 
+constexpr const char* kIsaVariable = "CSA_INDEXER_SCORE_ISA";
+
+// CSA_INDEXER_SCORE_ISA=amx (this op's own name): the avx512 path, its integer dots on
+// AMX-INT8 tiles.
+bool amx_named() {
+  const char* forced = std::getenv(kIsaVariable);
+  return forced != nullptr && std::strcmp(forced, "amx") == 0;
+}
+
+// Whether this process can run AMX-INT8 tiles: the CPU has them and Linux grants their state.
+bool amx_usable() { return cpu_has_amx_int8() && amx_tiles_granted(); }
+
+Isa select_path() {
+  if (!amx_named())
+    return select_isa(kIsaVariable, /*has_reference=*/true, /*has_bf16=*/true);
+  if (!amx_usable())
+    fail(kOp, std::string(kIsaVariable) + "=amx but this CPU does not support it (AMX-INT8 "
+              "with AVX512-VNNI), or Linux did not grant the AMX tile state");
+  return Isa::kAvx512;
+}
+
 template <typename K>
 struct IndexerScoreKernel {
   static constexpr bool kPacked = std::is_same_v<K, uint8_t>;
   Isa isa;
   bool forced;  // a path named by CSA_INDEXER_SCORE_ISA or CSA2ONNX_ISA, taken as named
+  // The integer dots on AMX-INT8 tiles: named ("amx"), or unforced where the CPU has them
+  bool amx;
   packed::Format format = packed::Format::kFp4E8m0;
 
   IndexerScoreKernel(const OrtApi*, const OrtKernelInfo* info)
-      : isa(select_isa("CSA_INDEXER_SCORE_ISA", /*has_reference=*/true, /*has_bf16=*/true)),
-        forced(isa_forced("CSA_INDEXER_SCORE_ISA")) {
+      : isa(select_path()),
+        forced(isa_forced(kIsaVariable)),
+        amx(amx_named() || (!forced && amx_usable())) {
     require_node_io(info, kOp, 4, 1);  // Lengths and Candidates are optional
     // onnxruntime's lite API cannot take an optional input left out before a given one (it
     // reads the missing value): Candidates come with Lengths
@@ -504,7 +658,15 @@ struct IndexerScoreKernel {
         fn = tiled_avx512;
         width = is::tv::VAvx512::W;
       }
-      if (isa == Isa::kAvx512Bf16 && d % 32 == 0) {  // pairs of 32 values at a time
+      // integer dots with packed fp4_e8m0_32 keys (whole blocks of 32): on AVX2, heads 16 to
+      // an int16 vector; on AVX512-VNNI (the avx512 path, and the default where the CPU has
+      // it: faster than vdpbf16ps), 16 to an int32 vector; on AMX-INT8 (unforced where the
+      // CPU has it, or named), tiles of 16 heads x 16 keys
+      const bool fp4_keys = kPacked && format == packed::Format::kFp4E8m0;
+      const bool vnni = cpu_has_avx512vnni() &&
+                        (isa == Isa::kAvx512 || (isa == Isa::kAvx512Bf16 && !forced));
+      const bool integer_dots = fp4_keys && (isa == Isa::kAvx2 || vnni);
+      if (isa == Isa::kAvx512Bf16 && d % 32 == 0 && !integer_dots) {  // pairs of 32 values
         fn = tiled_avx512bf16;
         pair_queries(job.q, b * s, h, d, (h + width - 1) / width * width, q2, q_range);
         job.q2 = q2.data();
@@ -514,21 +676,14 @@ struct IndexerScoreKernel {
         fn = tiled_avx2;
         width = is::tv::VAvx2::W;
       }
-      // integer dots with packed fp4_e8m0_32 keys (whole blocks of 32): on AVX2, heads 16 to
-      // an int16 vector; on AVX512-VNNI (the avx512 path, and the default where the CPU has
-      // it: faster than vdpbf16ps), 16 to an int32 vector
-      const bool fp4_keys = kPacked && format == packed::Format::kFp4E8m0;
-      const bool vnni = cpu_has_avx512vnni() &&
-                        (isa == Isa::kAvx512 || (isa == Isa::kAvx512Bf16 && !forced));
-      const bool integer_dots = fp4_keys && (isa == Isa::kAvx2 || vnni);
       int group = 2;
       if (integer_dots && isa == Isa::kAvx2) {
         fn = tiled_avx2_int8;
         width = is::int8::kHeads;
       } else if (integer_dots) {
-        fn = tiled_avx512_int8;
+        fn = amx ? tiled_amx : tiled_avx512_int8;
         width = is::tv::VAvx512::W;
-        group = 4;
+        group = amx ? is::int8::kRowMajor : 4;
       }
 #endif
       job.hp = (h + width - 1) / width * width;

@@ -7,6 +7,8 @@
 
 #if defined(__x86_64__) || defined(__i386__)
 #define CSA_X86 1
+#include <sys/syscall.h>
+#include <unistd.h>
 #define CSA_TARGET_AVX512 __attribute__((target("arch=x86-64-v4,prefer-vector-width=512")))
 #define CSA_TARGET_AVX2 __attribute__((target("arch=x86-64-v3")))
 // x86-64-v4 plus AVX512_BF16 (vdpbf16ps: Zen 4, Cooper Lake, Sapphire Rapids and later).
@@ -15,6 +17,9 @@
 // x86-64-v4 plus AVX512-VNNI (vpdpbusd: Ice Lake, Zen 4 and later).
 #define CSA_TARGET_AVX512_VNNI \
   __attribute__((target("arch=x86-64-v4,avx512vnni,prefer-vector-width=512")))
+// CSA_TARGET_AVX512_VNNI plus AMX-TILE and AMX-INT8 (TDPBUSD: Sapphire Rapids and later).
+#define CSA_TARGET_AMX_INT8 \
+  __attribute__((target("arch=x86-64-v4,avx512vnni,amx-tile,amx-int8,prefer-vector-width=512")))
 #endif
 
 namespace csa {
@@ -78,6 +83,28 @@ inline bool cpu_has_amx_bf16() {
 #ifdef CSA_X86
   const Leaf7 leaf = cpuid_leaf7();
   return leaf.edx_bit(22) && leaf.edx_bit(24) && cpu_has_avx512bf16();
+#else
+  return false;
+#endif
+}
+
+// AMX-INT8 with AMX-TILE (EDX bits 25 and 24) and AVX512-VNNI.
+inline bool cpu_has_amx_int8() {
+#ifdef CSA_X86
+  const Leaf7 leaf = cpuid_leaf7();
+  return leaf.edx_bit(25) && leaf.edx_bit(24) && cpu_has_avx512vnni();
+#else
+  return false;
+#endif
+}
+
+// Whether Linux grants this process the AMX tile data state (arch_prctl
+// ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA; asking again is harmless): needed before any tile
+// instruction, on a CPU that has AMX-TILE.
+inline bool amx_tiles_granted() {
+#ifdef CSA_X86
+  constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
 #else
   return false;
 #endif
