@@ -130,13 +130,17 @@ def indexer_score_pair_counts() -> dict[str, int]:
     """IndexerScore's paths with exact shortcuts in this process, in key blocks per query row:
     the avx512bf16 path's on vdpbf16ps ("pairs", blocks of 8 rows) and on fma ("fmaf": the
     row or the block not fit for them); the integer paths' (packed keys: AVX2, blocks of 4
-    rows; AVX512-VNNI, blocks of 8) on integer dots ("int8") and on fma ("int8_fmaf")."""
+    rows; AVX512-VNNI and AMX-INT8, blocks of 8) on integer dots ("int8") and on fma
+    ("int8_fmaf"); of the "int8" ones, those on AMX-INT8 tiles ("amx") and, of those, the
+    ones summed as merged values ("amx_merged": every block of a head and of a key within
+    2^3 of its smallest)."""
+    names = ("pairs", "fmaf", "int8", "int8_fmaf", "amx", "amx_merged")
     fn = ctypes.CDLL(str(library_path())).csa2onnx_indexer_score_pair_counts
     fn.restype = None
     fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_uint64]
-    out = (ctypes.c_uint64 * 4)()
-    fn(out, 4)
-    return dict(zip(("pairs", "fmaf", "int8", "int8_fmaf"), (int(v) for v in out), strict=True))
+    out = (ctypes.c_uint64 * len(names))()
+    fn(out, len(names))
+    return dict(zip(names, (int(v) for v in out), strict=True))
 
 
 FP8_LINEAR_COUNTS = ("calls", "small_tasks", "lane_sums", "row_sums", "wide_sums",

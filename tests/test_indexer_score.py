@@ -380,6 +380,73 @@ def test_default_path_takes_vnni_integer_dots(monkeypatch):
     assert (bits(got) == bits(expected(q, w, keys, 100))).all()
 
 
+AMX = "amx_int8" in cpu_flags() and "avx512_vnni" in cpu_flags()
+
+
+@pytest.mark.skipif(not AMX, reason="needs a CPU with AMX-INT8")
+@pytest.mark.parametrize("h,d", [(32, 128), (20, 96), (33, 64), (16, 32)])
+def test_amx_merged_values(monkeypatch, h, d):
+    """On AMX-INT8 tiles, a query head whose blocks' units lie within 2^3 of its smallest
+    and a key whose blocks do are summed as merged values (each block's n times 2^shift, one
+    int32 sum over D; counted), the largest such values among them (a query's n = 15 and a
+    key's 12, shifted by 3); a head and a key with blocks 2^4 apart are summed block by
+    block (counted); tiles of 16 heads with H past 16 and not a multiple of 4, D of one to
+    four blocks. The standard ops' bits either way."""
+    b, s, t = 2, 3, 100
+    rng = np.random.default_rng(31)
+    q = fp4_values(rng, (b, s, h, d), (-3, 1))  # blocks within 2^3: merged
+    keys = fp4_values(rng, (b, t, d), (-2, 2))
+    pattern = np.float32([6.0, 3.0] * 16)
+    # merged, the largest values: a query block of unit 2^2 holding n = 15 (7.5 * 2^3) beside
+    # blocks of unit 2^-1 (n = 15 again); a key block of 6 * 2^3 (n = 12 at unit 2^3) beside
+    # blocks at 2^0: shifted by 3, 120 and 96
+    q[0, 0, 0] = np.tile(np.float32([7.5, -0.5]), d // 2)
+    q[0, 0, 0, :32] = [7.5 * 2.0**3] + [0.5 * 2.0**3] * 31
+    keys[0, 5] = np.tile(np.float32([6.0, -0.5]), d // 2)
+    keys[0, 5, :32] = 6.0 * 2.0**3
+    if d > 32:  # block by block: a head and a key with blocks 2^4 apart
+        q[1, 1, 2] = pattern.repeat(d // 32) * np.float32(2.0**-2)  # unit 2^-3
+        q[1, 1, 2, :32] = pattern * np.float32(2.0**2)  # unit 2^1
+        keys[1, 40] = pattern.repeat(d // 32) * np.float32(2.0**-2)  # unit 2^-2
+        keys[1, 40, :32] = 6.0 * 2.0**2  # unit 2^2
+    w = round_bf16(rng.standard_normal((b, s, h)) * 0.1).astype(np.float32)
+    packed = pack_quantized(keys, FORMAT)
+    keys = unpack_quantized(packed, FORMAT, d)
+    blocks = b * s * -(-t // 8)
+    # not merged (D > 32): row (1, 1) whole, and key 40's group (blocks 4, 5) for batch 1's
+    # two other rows
+    unmerged = (-(-t // 8) + 2 * 2) if d > 32 else 0
+    before = indexer_score_pair_counts()
+    check(monkeypatch, q, w, keys, packed, t, paths=["amx"], threads=(1,))
+    after = indexer_score_pair_counts()
+    assert after["amx"] - before["amx"] == blocks  # packed keys only
+    assert after["int8"] - before["int8"] == blocks and after["int8_fmaf"] == before["int8_fmaf"]
+    assert after["amx_merged"] - before["amx_merged"] == blocks - unmerged
+
+
+@pytest.mark.skipif(not AMX, reason="needs a CPU with AMX-INT8")
+def test_default_path_takes_amx_from_two_query_rows(monkeypatch):
+    """Unforced, a CPU with AMX-INT8 scores packed fp4 keys on its tiles from two query rows
+    a batch entry (counted); one row (decode) stays on vpdpbusd; the standard ops' bits."""
+    rng = np.random.default_rng(5)
+    monkeypatch.delenv("CSA2ONNX_ISA", raising=False)
+    monkeypatch.delenv("CSA_INDEXER_SCORE_ISA", raising=False)
+    session = make_session(op_model(True), options=session_options(2))
+    for s, on_amx in ((1, False), (2, True), (5, True)):
+        q = fp4_values(rng, (2, s, 32, 128), (-3, 1))
+        keys = fp4_values(rng, (2, 70, 128), (-2, 1))
+        w = round_bf16(rng.standard_normal((2, s, 32)) * 0.1).astype(np.float32)
+        packed = pack_quantized(keys, FORMAT)
+        keys = unpack_quantized(packed, FORMAT, 128)
+        before = indexer_score_pair_counts()
+        got = session.run(None, {"Q": q, "W": w, "K": packed, "T": np.array([70], np.int64)})[0]
+        after = indexer_score_pair_counts()
+        blocks = 2 * s * -(-70 // 8)
+        assert after["int8"] - before["int8"] == blocks
+        assert after["amx"] - before["amx"] == (blocks if on_amx else 0)
+        assert (bits(got) == bits(expected(q, w, keys, 70))).all()
+
+
 @pytest.mark.parametrize("path,block", INTEGER_PATHS)
 def test_integer_dots_refuse_a_value_finer_than_its_unit(monkeypatch, path, block):
     """A query block whose largest value sets the unit 2^100 and which also holds 2^-60: the

@@ -346,12 +346,16 @@ def choose(rng: np.random.Generator, values: list[int]) -> int:
 
 def forced_isa(rng: np.random.Generator, paths: tuple[str, ...]) -> str | None:
     """None (the kernel's own choice) or one of `paths` this CPU can run, to force through
-    the op's ISA variable ("avx512-novbmi" and "avx512-nofp16" need AVX-512)."""
-    from csa2onnx.custom_ops.library import cpu_isas
+    the op's ISA variable ("avx512-novbmi" and "avx512-nofp16" need AVX-512; IndexerScore's
+    "amx" AMX-INT8)."""
+    from csa2onnx.custom_ops.library import cpu_flags, cpu_isas
 
-    has = cpu_isas()
-    forced_only = ("avx512-novbmi", "avx512-nofp16")
-    runnable = [None] + [p for p in paths if p in has or (p in forced_only and "avx512" in has)]
+    has = set(cpu_isas())
+    if "avx512" in has:
+        has |= {"avx512-novbmi", "avx512-nofp16"}
+    if {"amx_int8", "avx512_vnni"} <= set(cpu_flags()):
+        has.add("amx")
+    runnable = [None] + [p for p in paths if p in has]
     return runnable[int(rng.integers(len(runnable)))]
 
 
@@ -780,7 +784,8 @@ def indexer_case(rng: np.random.Generator, index: int, omit_inputs: bool) -> Cas
         more["Candidates"] = (BOOL, np.ascontiguousarray(keep))
         ok = ok and lengths  # Candidates come with Lengths
     return Case(index, "indexer", FLOAT, q, attributes, ["Score"], int(rng.integers(1, 3)),
-                expect_ok=ok, isa=forced_isa(rng, ("scalar", "avx2", "avx512", "avx512bf16")),
+                expect_ok=ok,
+                isa=forced_isa(rng, ("scalar", "avx2", "avx512", "avx512bf16", "amx")),
                 more=more,
                 notes=[f"R={r} T={width} packed={packed} lengths={lengths} "
                        f"candidates={candidates}"])

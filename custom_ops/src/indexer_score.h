@@ -903,15 +903,126 @@ CSA_TARGET_AMX_INT8 inline void configure() {
   __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
 }
 
+// quads [kKeys][D/4] to kt [D/4][kKeys] (B's rows): 16 x 16 dword transposes (the last
+// one's columns masked where D/4 is not a multiple of 16).
+CSA_TARGET_AVX512 inline void transpose_quads(const uint32_t* quads, int64_t quarter,
+                                              uint32_t* kt) {
+  static_assert(kKeys == 16, "16 keys: one zmm a quad row");
+  for (int64_t i0 = 0; i0 < quarter; i0 += 16) {
+    const int64_t cols = std::min<int64_t>(16, quarter - i0);
+    const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1u);
+    __m512i r[16], t[16];
+    for (int k = 0; k < 16; ++k) r[k] = _mm512_maskz_loadu_epi32(mask, quads + k * quarter + i0);
+    // the masked forms with every lane set: the plain ones pass GCC 12 an "undefined" source
+    // that it then warns about (-Wmaybe-uninitialized)
+    constexpr __mmask16 kAll = packed::kAll16;
+    constexpr __mmask8 kAll8 = 0xFF;
+    for (int k = 0; k < 16; k += 2) {  // 128-bit lane L: rows k, k + 1 at columns 4L + 0..3
+      t[k] = _mm512_maskz_unpacklo_epi32(kAll, r[k], r[k + 1]);
+      t[k + 1] = _mm512_maskz_unpackhi_epi32(kAll, r[k], r[k + 1]);
+    }
+    for (int k = 0; k < 16; k += 4) {  // r[k + j], lane L: rows k..k + 3 at column 4L + j
+      r[k] = _mm512_maskz_unpacklo_epi64(kAll8, t[k], t[k + 2]);
+      r[k + 1] = _mm512_maskz_unpackhi_epi64(kAll8, t[k], t[k + 2]);
+      r[k + 2] = _mm512_maskz_unpacklo_epi64(kAll8, t[k + 1], t[k + 3]);
+      r[k + 3] = _mm512_maskz_unpackhi_epi64(kAll8, t[k + 1], t[k + 3]);
+    }
+    for (int j = 0; j < 4; ++j) {  // column 4L + j: lane L of r[j], r[4 + j], r[8 + j], r[12 + j]
+      const __m512i lo0 = _mm512_maskz_shuffle_i32x4(kAll, r[j], r[4 + j], 0x44);
+      const __m512i hi0 = _mm512_maskz_shuffle_i32x4(kAll, r[j], r[4 + j], 0xEE);
+      const __m512i lo1 = _mm512_maskz_shuffle_i32x4(kAll, r[8 + j], r[12 + j], 0x44);
+      const __m512i hi1 = _mm512_maskz_shuffle_i32x4(kAll, r[8 + j], r[12 + j], 0xEE);
+      t[j] = _mm512_maskz_shuffle_i32x4(kAll, lo0, lo1, 0x88);
+      t[4 + j] = _mm512_maskz_shuffle_i32x4(kAll, lo0, lo1, 0xDD);
+      t[8 + j] = _mm512_maskz_shuffle_i32x4(kAll, hi0, hi1, 0x88);
+      t[12 + j] = _mm512_maskz_shuffle_i32x4(kAll, hi0, hi1, 0xDD);
+    }
+    for (int m = 0; m < cols; ++m) _mm512_storeu_si512(kt + (i0 + m) * kKeys, t[m]);
+  }
+}
+
 // A group of kKeys keys for the tiles: make_keys' quads [kKeys][D/4] to kt [D/4][kKeys] (B's
 // rows) and its scale [kKeys][D/32] to st [D/32][kKeys] (a block's 16 key scales a vector).
-inline void transpose_keys(const uint32_t* quads, const float* scale, int64_t d, uint32_t* kt,
-                           float* st) {
-  const int64_t quarter = d / 4, nb = d / kBlock;
-  for (int64_t i = 0; i < quarter; ++i)
-    for (int64_t k = 0; k < kKeys; ++k) kt[i * kKeys + k] = quads[k * quarter + i];
+CSA_TARGET_AVX512 inline void transpose_keys(const uint32_t* quads, const float* scale,
+                                             int64_t d, uint32_t* kt, float* st) {
+  const int64_t nb = d / kBlock;
+  transpose_quads(quads, d / 4, kt);
   for (int64_t b = 0; b < nb; ++b)
     for (int64_t k = 0; k < kKeys; ++k) st[b * kKeys + k] = scale[k * nb + b];
+}
+
+// Merged blocks: where the units of a query head's blocks lie within 2^kMaxShift of the
+// head's smallest (2^e), and those of a key's blocks within 2^kMaxShift of the key's smallest,
+// each value n of a block with unit 2^(e + a) is taken as the integer n * 2^a (|n| <= 15:
+// at most 120, an int8), so one int32 sum over all D values is the dot over 2^(e_q + e_k):
+// |sum| <= 128 * 120 * 96 < 2^24, so sum * (2^e_q * 2^e_k) is exact (int8::exact bounds the
+// exponents) and equals the blocks' exact sum. One C tile per head group, accumulated over the
+// blocks, and one product per term, instead of a tile and an fma per block.
+constexpr int kMaxShift = 3;
+
+// The exponent of a unit 2^e (a normal power of two, as make_row's and make_keys' are).
+inline int unit_exponent(float unit) { return static_cast<int>(float_bits(unit) >> 23) - 127; }
+
+// The smallest unit of nb blocks' units (0 for a zero block, skipped) and whether every other
+// one is within 2^kMaxShift of it; unit 0 where every block is zero.
+inline bool merged_unit(const float* units, int64_t stride, int64_t nb, float& unit) {
+  int lo = 0, hi = 0;
+  bool any = false;
+  for (int64_t b = 0; b < nb; ++b) {
+    if (units[b * stride] == 0.0f) continue;
+    const int e = unit_exponent(units[b * stride]);
+    lo = any ? std::min(lo, e) : e;
+    hi = any ? std::max(hi, e) : e;
+    any = true;
+  }
+  unit = any ? bits_float(static_cast<uint32_t>(lo + 127) << 23) : 0.0f;
+  return hi - lo <= kMaxShift;
+}
+
+// A query row's merged values: qm [hp][D] from make_row's q [hp][D] (kRowMajor) and scale
+// [D/32][hp], and each head's unit [hp]; false (qm unfinished) where a head's blocks spread
+// past kMaxShift.
+inline bool merge_row(const int8_t* q, const float* scale, int64_t h, int64_t d, int64_t hp,
+                      int8_t* qm, float* unit) {
+  const int64_t nb = d / kBlock;
+  for (int64_t hh = 0; hh < h; ++hh) {
+    if (!merged_unit(scale + hh, hp, nb, unit[hh])) return false;
+    for (int64_t b = 0; b < nb; ++b) {
+      const float u = scale[b * hp + hh];
+      const int shift = u == 0.0f ? 0 : unit_exponent(u) - unit_exponent(unit[hh]);
+      for (int64_t i = 0; i < kBlock; ++i) {
+        const int64_t at = hh * d + b * kBlock + i;
+        qm[at] = static_cast<int8_t>(q[at] * (1 << shift));
+      }
+    }
+  }
+  return true;
+}
+
+// A group's merged values: from make_keys' signed quads [kKeys][D/4] and scale [kKeys][D/32]
+// (every key's range fine), kt [D/4][kKeys] as transpose_keys' with each block's values
+// shifted, and each key's unit [kKeys]; false (kt unfinished) where a key's blocks spread
+// past kMaxShift.
+CSA_TARGET_AVX512 inline bool merge_keys(const uint32_t* quads, const float* scale, int64_t d,
+                                         uint32_t* kt, float* unit) {
+  const int64_t quarter = d / 4, nb = d / kBlock;
+  alignas(64) uint32_t shifted[kKeys * kMaxDim / 4];  // the quads, each block shifted
+  for (int64_t k = 0; k < kKeys; ++k) {
+    if (!merged_unit(scale + k * nb, 1, nb, unit[k])) return false;
+    for (int64_t b = 0; b < nb; ++b) {
+      const float u = scale[k * nb + b];
+      const int shift = u == 0.0f ? 0 : unit_exponent(u) - unit_exponent(unit[k]);
+      const int64_t at = k * quarter + b * kBlock / 4;
+      // 32 signed bytes as int16, shifted, back to bytes (|n * 2^shift| <= 96)
+      const __m512i words = _mm512_maskz_cvtepi8_epi16(
+          0xFFFFFFFF, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quads + at)));
+      const __m512i moved = _mm512_maskz_sll_epi16(0xFFFFFFFF, words, _mm_cvtsi32_si128(shift));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(shifted + at),
+                          _mm512_maskz_cvtepi16_epi8(0xFFFFFFFF, moved));
+    }
+  }
+  transpose_quads(shifted, quarter, kt);
+  return true;
 }
 
 // One block's dots of one head group: tile C = tile A . tile B (B loaded by the caller),
@@ -952,13 +1063,64 @@ CSA_TARGET_AMX_INT8 inline void group_dots(const Problem& pr, const int8_t* q,
   }
 }
 
+// group_dots for merged values (qm [hp][D], kt: merge_keys'): per head group two C tiles
+// (even and odd blocks: two chains), accumulated, into dots [hp/16][2][16 heads][16 keys].
+#define CSA_AMX_MERGED_DOT(A, B, C, q, q_bytes, keys) \
+  do {                                                \
+    _tile_loadd(A, q, q_bytes);                       \
+    _tile_loadd(B, keys, 64);                         \
+    _tile_dpbssd(C, A, B);                            \
+  } while (0)
+
+CSA_TARGET_AMX_INT8 inline void group_dots_merged(const Problem& pr, const int8_t* qm,
+                                                  const uint32_t* kt, int32_t* dots) {
+  const int64_t d = pr.d, nb = d / kBlock;
+  const long q_bytes = static_cast<long>(d);
+  // two head groups at a time, even and odd blocks apart: C tiles 0 1 / 2 3, four chains
+  for (int64_t h0 = 0; h0 < pr.h; h0 += 2 * kHeads) {
+    const bool two = h0 + kHeads < pr.h;
+    _tile_zero(0);
+    _tile_zero(2);
+    if (two) {
+      _tile_zero(1);
+      _tile_zero(3);
+    }
+    for (int64_t b = 0; b < nb; ++b) {
+      const int8_t* qb = qm + h0 * d + b * kBlock;
+      const uint32_t* kb = kt + b * (kBlock / 4) * kKeys;
+      if (b % 2 == 0) {
+        CSA_AMX_MERGED_DOT(4, 6, 0, qb, q_bytes, kb);
+        if (two) CSA_AMX_MERGED_DOT(5, 6, 1, qb + kHeads * d, q_bytes, kb);
+      } else {
+        CSA_AMX_MERGED_DOT(4, 7, 2, qb, q_bytes, kb);
+        if (two) CSA_AMX_MERGED_DOT(5, 7, 3, qb + kHeads * d, q_bytes, kb);
+      }
+    }
+    int32_t* dh = dots + h0 / kHeads * 2 * kHeads * kKeys;  // [head group][parity][16][16]
+    _tile_stored(0, dh, 64);
+    _tile_stored(2, dh + kHeads * kKeys, 64);
+    if (two) {
+      _tile_stored(1, dh + 2 * kHeads * kKeys, 64);
+      _tile_stored(3, dh + 3 * kHeads * kKeys, 64);
+    }
+  }
+}
+#undef CSA_AMX_MERGED_DOT
+
 // One head's weighted term for the group's 16 keys: bf16(relu(bf16(dot)) * w), the dot's
 // blocks (dh [kNb][16][16] at the head's row) added as floats as tile_heads_vnni does; qs the
 // head's units (hp apart). kWFinite: w finite, so the product is never NaN (the dot never is).
 template <int kNb, bool kWFinite>
 CSA_TARGET_AVX512 __attribute__((always_inline)) inline __m512 head_term(
-    const int32_t* dh, const __m512 (&ks)[kNb], const float* qs, int64_t hp, float w) {
+    const int32_t* dh, const __m512 (&ks)[kNb > 0 ? kNb : 1], const float* qs, int64_t hp,
+    float w) {
   __m512 acc = _mm512_setzero_ps();
+  if constexpr (kNb == 0) {  // merged values: the even and odd blocks' sums, one product
+    const __m512i sum = _mm512_add_epi32(_mm512_loadu_si512(dh),
+                                         _mm512_loadu_si512(dh + kHeads * kKeys));
+    acc = _mm512_mul_ps(_mm512_maskz_cvtepi32_ps(packed::kAll16, sum),
+                        _mm512_mul_ps(ks[0], _mm512_set1_ps(qs[0])));
+  }
   for (int b = 0; b < kNb; ++b) {
     const __m512 unit = _mm512_mul_ps(ks[b], _mm512_set1_ps(qs[b * hp]));
     const __m512 m = _mm512_maskz_cvtepi32_ps(
@@ -982,12 +1144,13 @@ template <int kNb, bool kWFinite>
 CSA_TARGET_AVX512 inline void group_scores(const Problem& pr, int64_t hp, const int32_t* dots,
                                            const float* qs, const float* w, const float* st,
                                            __mmask16 lanes, float* out) {
+  constexpr int kSlots = kNb > 0 ? kNb : 2;  // a head group's tiles in dots
   const bool in_order = pr.sum_order() == SumOrder::kInOrder;
-  __m512 ks[kNb];
-  for (int b = 0; b < kNb; ++b) ks[b] = _mm512_loadu_ps(st + b * kKeys);
+  __m512 ks[kNb > 0 ? kNb : 1];
+  for (int b = 0; b < (kNb > 0 ? kNb : 1); ++b) ks[b] = _mm512_loadu_ps(st + b * kKeys);
   __m512 c = _mm512_setzero_ps();
   for (int64_t h0 = 0; h0 < pr.h; h0 += kHeads) {
-    const int32_t* dg = dots + h0 / kHeads * kNb * kHeads * kKeys;
+    const int32_t* dg = dots + h0 / kHeads * kSlots * kHeads * kKeys;
     const int64_t heads = std::min(kHeads, pr.h - h0);
     // not a lambda: GCC compiles one for the default target (tile_row's note)
 #define CSA_TERM(i) head_term<kNb, kWFinite>(dg + (i) * kKeys, ks, qs + h0 + (i), hp, w[h0 + (i)])
@@ -1011,11 +1174,15 @@ CSA_TARGET_AVX512 inline void group_scores(const Problem& pr, int64_t hp, const 
   _mm512_mask_storeu_ps(out, lanes, ort_cast::cast_bf16(c));
 }
 
-// group_scores for D/32 = nb blocks (1 to 4) and the row's weights.
-CSA_TARGET_AVX512 inline void group_scores(const Problem& pr, int64_t hp, const int32_t* dots,
-                                           const float* qs, const float* w, bool w_finite,
-                                           const float* st, __mmask16 lanes, float* out) {
-  switch (pr.d / kBlock * 2 + (w_finite ? 1 : 0)) {
+// group_scores for nb blocks (1 to 4) and the row's weights; nb 0: merged values
+// (group_dots_merged's dots, st the keys' units, qs the heads' units).
+CSA_TARGET_AVX512 inline void group_scores(const Problem& pr, int64_t nb, int64_t hp,
+                                           const int32_t* dots, const float* qs, const float* w,
+                                           bool w_finite, const float* st, __mmask16 lanes,
+                                           float* out) {
+  switch (nb * 2 + (w_finite ? 1 : 0)) {
+    case 0: return group_scores<0, false>(pr, hp, dots, qs, w, st, lanes, out);
+    case 1: return group_scores<0, true>(pr, hp, dots, qs, w, st, lanes, out);
     case 2: return group_scores<1, false>(pr, hp, dots, qs, w, st, lanes, out);
     case 3: return group_scores<1, true>(pr, hp, dots, qs, w, st, lanes, out);
     case 4: return group_scores<2, false>(pr, hp, dots, qs, w, st, lanes, out);

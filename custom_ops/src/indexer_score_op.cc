@@ -73,6 +73,11 @@ struct Job {
   const int16_t* q8_base = nullptr;
   const float* q8_scale = nullptr;
   const is::int8::Range* q8_range = nullptr;
+  // The AMX tiles' merged values (indexer_score.h amx::merge_row): [rows][hp][D], the heads'
+  // units [rows][hp], and whether a row has them (its heads' blocks within 2^kMaxShift).
+  const int8_t* q8m = nullptr;
+  const float* q8m_unit = nullptr;
+  const uint8_t* q8m_ok = nullptr;
 #endif
   std::atomic<bool> out_of_memory{false};
 };
@@ -290,6 +295,13 @@ CSA_TARGET_AVX512_VNNI __attribute__((flatten)) void tiled_avx512_int8(const Job
   tiled_int8<is::tv::VAvx512>(j, t, s);
 }
 
+// Key blocks (of 8 rows, per query row) on AMX-INT8 tiles over the process, and those of them
+// as merged values (tests read them).
+struct AmxCounts {
+  std::atomic<uint64_t> blocks{0}, merged{0};
+};
+AmxCounts amx_counts;
+
 // tiled_int8 on AMX-INT8 tiles (indexer_score.h int8::amx): the tile's keys in groups of 16
 // (two blocks of 8, each made by make_keys with its own range; signed quads, transposed for
 // B), each query row (job.q8 row-major) against each group on the tiles where the dots of
@@ -308,12 +320,12 @@ CSA_TARGET_AMX_INT8 __attribute__((flatten)) void tiled_amx(const Job& j, size_t
   const TaskTile tt = task_tile(j, task);
   const int64_t bi = tt.bi, t0 = tt.t0, s0 = tt.s0, cols = tt.cols, rows = tt.rows;
   // scratch: unpacked [kTileT][D], terms [kKeys][hp], kt [kTileT / 16][D/4][16], st
-  // [kTileT / 16][D/32][16], a group's quads [16][D/4] and scales [16][D/32], and two groups'
-  // dots [hp/16][D/32][16][16] (group_dots')
-  const int64_t group_dots = j.hp / amx::kHeads * nb * amx::kHeads * kGroup;
+  // [kTileT / 16][D/32][16], a group's quads [16][D/4] and scales [16][D/32], two groups'
+  // dots [hp/16][D/32][16][16] (group_dots'), and the merged kt and units (merge_keys')
+  const int64_t group_dots = j.hp / amx::kHeads * std::max<int64_t>(nb, 2) * amx::kHeads * kGroup;
   const size_t need =
       static_cast<size_t>(is::kTileT * pr.d + kKeys * j.hp + is::kTileT * (quarter + nb) +
-                          kGroup * (quarter + nb) + 2 * group_dots);
+                          kGroup * (quarter + nb) + 2 * group_dots + is::kTileT * (quarter + 1));
   if (scratch.size() < need) scratch.resize(need);
   float* unpacked = scratch.data();
   float* terms = unpacked + is::kTileT * pr.d;
@@ -322,12 +334,19 @@ CSA_TARGET_AMX_INT8 __attribute__((flatten)) void tiled_amx(const Job& j, size_t
   uint32_t* quads = reinterpret_cast<uint32_t*>(st + is::kTileT * nb);
   float* key_scale = reinterpret_cast<float*>(quads + kGroup * quarter);
   int32_t* dots = reinterpret_cast<int32_t*>(key_scale + kGroup * nb);
+  uint32_t* ktm = reinterpret_cast<uint32_t*>(dots + 2 * group_dots);
+  float* key_unit = reinterpret_cast<float*>(ktm + is::kTileT * quarter);
   const float* blocks[kBlocks];
   is::int8::Range range[kBlocks];
+  bool merged[is::kTileT / kGroup];  // the group's keys as merged values (ktm, key_unit)
   const int64_t first_row = bi * pr.s + s0;
   const is::Tile tile = task_view(j, tt, blocks);
   bool any_fine = false;  // else no group is made (queries that are not fp4 values)
-  for (int64_t r = 0; r < rows; ++r) any_fine = any_fine || j.q8_range[first_row + r].fine;
+  bool all_merged = true;  // every row as merged values: no group needs the blocks' kt
+  for (int64_t r = 0; r < rows; ++r) {
+    any_fine = any_fine || j.q8_range[first_row + r].fine;
+    all_merged = all_merged && j.q8m_ok[first_row + r] != 0;
+  }
   for (int64_t c = 0; c < cols; c += kGroup) {
     const int64_t g = c / kGroup;
     const bool needed = any_fine && block_needed(tile, rows, c, std::min(kGroup, cols - c));
@@ -341,7 +360,10 @@ CSA_TARGET_AMX_INT8 __attribute__((flatten)) void tiled_amx(const Job& j, size_t
                           : is::int8::Range{false};
     }
     // a block not fine leaves its rows unfinished: their lanes are never stored
-    if (range[2 * g].fine || range[2 * g + 1].fine)
+    merged[g] = range[2 * g].fine && range[2 * g + 1].fine &&
+                amx::merge_keys(quads, key_scale, pr.d, ktm + g * quarter * kGroup,
+                                key_unit + g * kGroup);
+    if ((range[2 * g].fine || range[2 * g + 1].fine) && !(merged[g] && all_merged))
       amx::transpose_keys(quads, key_scale, pr.d, kt + g * quarter * kGroup,
                           st + g * nb * kGroup);
     for (int64_t c8 = c; c8 < std::min(c + kGroup, cols); c8 += kKeys) {
@@ -357,13 +379,14 @@ CSA_TARGET_AMX_INT8 __attribute__((flatten)) void tiled_amx(const Job& j, size_t
   amx::configure();
   const is::SumOrder order = pr.sum_order();
   const bool every = tile.cand == nullptr && tile.lengths == nullptr;
-  uint64_t on_int8 = 0, on_fma = 0;
+  uint64_t on_int8 = 0, on_fma = 0, on_merged = 0;  // on_int8: every block on the tiles
   // The group whose dots were issued last, scored after the next group's are issued.
   struct Scored {
     const float* qs;
     const float* w;
     bool w_finite;
     const float* st;
+    int64_t nb;  // blocks: 0 for merged values
     __mmask16 lanes;  // the keys whose scores it stores
     float* out;
   } issued{};
@@ -380,13 +403,14 @@ CSA_TARGET_AMX_INT8 __attribute__((flatten)) void tiled_amx(const Job& j, size_t
     const is::RowKeys keys = tile.row_keys(r);
     for (int64_t c = 0; c < cols; c += kGroup) {
       uint32_t lanes = 0;
+      uint64_t exact_blocks = 0;
       for (int64_t c8 = c; c8 < std::min(c + kGroup, cols); c8 += kKeys) {
         const int64_t n8 = std::min(kKeys, cols - c8);
         if (!every && !keys.any(c8, n8)) {  // none of the block's keys: not computed
           std::fill(out + c8, out + c8 + n8, is::kMasked);
         } else if (is::int8::exact(row_range, range[c8 / kKeys])) {
           lanes |= ((1u << n8) - 1u) << (c8 - c);
-          ++on_int8;
+          ++exact_blocks;
         } else {
           is::fma_block<V>(tile, r, c8, terms);
           is::sum_heads_8keys(order, terms, j.hp, pr.h, n8, out + c8);
@@ -395,17 +419,27 @@ CSA_TARGET_AMX_INT8 __attribute__((flatten)) void tiled_amx(const Job& j, size_t
       }
       if (lanes == 0) continue;
       const int64_t g = c / kGroup;
-      amx::group_dots(pr, q, kt + g * quarter * kGroup, dots + buffer * group_dots);
+      const bool as_merged = merged[g] && j.q8m_ok[row] != 0;
+      on_int8 += exact_blocks;
+      on_merged += as_merged ? exact_blocks : 0;
+      if (as_merged)
+        amx::group_dots_merged(pr, j.q8m + row * pr.d * j.hp, ktm + g * quarter * kGroup,
+                               dots + buffer * group_dots);
+      else
+        amx::group_dots(pr, q, kt + g * quarter * kGroup, dots + buffer * group_dots);
       buffer ^= 1;
       if (issued.out != nullptr)
-        amx::group_scores(pr, j.hp, dots + buffer * group_dots, issued.qs, issued.w,
+        amx::group_scores(pr, issued.nb, j.hp, dots + buffer * group_dots, issued.qs, issued.w,
                           issued.w_finite, issued.st, issued.lanes, issued.out);
-      issued = {qs, w, w_finite, st + g * nb * kGroup, static_cast<__mmask16>(lanes), out + c};
+      issued = as_merged ? Scored{j.q8m_unit + row * j.hp, w, w_finite, key_unit + g * kGroup, 0,
+                                  static_cast<__mmask16>(lanes), out + c}
+                         : Scored{qs, w, w_finite, st + g * nb * kGroup, nb,
+                                  static_cast<__mmask16>(lanes), out + c};
     }
   }
   if (issued.out != nullptr)
-    amx::group_scores(pr, j.hp, dots + (buffer ^ 1) * group_dots, issued.qs, issued.w,
-                      issued.w_finite, issued.st, issued.lanes, issued.out);
+    amx::group_scores(pr, issued.nb, j.hp, dots + (buffer ^ 1) * group_dots, issued.qs,
+                      issued.w, issued.w_finite, issued.st, issued.lanes, issued.out);
   _tile_release();
   if (!every)  // the keys a row does not score among those computed
     for (int64_t r = 0; r < rows; ++r) {
@@ -416,6 +450,8 @@ CSA_TARGET_AMX_INT8 __attribute__((flatten)) void tiled_amx(const Job& j, size_t
     }
   is::int8_counts.pairs.fetch_add(on_int8, std::memory_order_relaxed);
   is::int8_counts.fmaf.fetch_add(on_fma, std::memory_order_relaxed);
+  amx_counts.blocks.fetch_add(on_int8, std::memory_order_relaxed);
+  amx_counts.merged.fetch_add(on_merged, std::memory_order_relaxed);
 }
 
 // The query rows as the integer tiles read them (indexer_score.h int8::Row, groups of
@@ -426,6 +462,10 @@ struct Int8Queries {
   std::vector<int16_t> base;
   std::vector<float> scale;
   std::vector<is::int8::Range> range;
+  // kRowMajor (the AMX tiles): the merged values too (Job::q8m)
+  std::vector<int8_t> qm;
+  std::vector<float> unit;
+  std::vector<uint8_t> merged;
   Int8Queries(OrtKernelContext* ctx, const float* x, int64_t rows, int64_t h, int64_t d,
               int64_t hp, int group)
       : q(static_cast<size_t>(rows * d * hp), 0),
@@ -433,6 +473,12 @@ struct Int8Queries {
         scale(base.size(), 0.0f),
         range(static_cast<size_t>(rows)) {
     const int64_t nb = d / is::int8::kBlock;
+    const bool amx = group == is::int8::kRowMajor;
+    if (amx) {
+      qm.assign(q.size(), 0);
+      unit.assign(static_cast<size_t>(rows * hp), 0.0f);
+      merged.assign(static_cast<size_t>(rows), 0);
+    }
     run_row_chunks(ctx, rows, h * d, [&](int64_t first, int64_t n) {
       for (int64_t i = first; i < first + n; ++i) {
         int8_t* qi = q.data() + i * d * hp;
@@ -442,6 +488,9 @@ struct Int8Queries {
         range[i] = group == 4   ? is::int8::make_row<4>(xi, h, d, hp, qi, bi, si)
                    : group == 2 ? is::int8::make_row<2>(xi, h, d, hp, qi, bi, si)
                                 : is::int8::make_row<is::int8::kRowMajor>(xi, h, d, hp, qi, bi, si);
+        if (amx && range[i].fine)
+          merged[i] = is::int8::amx::merge_row(qi, si, h, d, hp, qm.data() + i * d * hp,
+                                               unit.data() + i * hp);
       }
     });
   }
@@ -506,6 +555,12 @@ void row_task(const Job& j, size_t task, std::vector<float>& scratch) {
 }
 
 constexpr const char* kIsaVariable = "CSA_INDEXER_SCORE_ISA";
+// Unforced, the AMX tiles take calls of this many query rows a batch entry or more: one row
+// (decode) reads each key once, and making a key group for the tiles costs more than the
+// tiles save. One IndexerScore, H 32, D 128, 65536 keys, 1 thread, AMX-class Xeon: vpdpbusd
+// against AMX 1 row 12.4 / 14.4 ms (at 262144 keys), 2 rows 5.26 / 4.36, 4 rows 9.67 / 7.71,
+// 16 rows 36.1 / 20.9 ms.
+constexpr int64_t kAmxMinQueries = 2;
 
 // CSA_INDEXER_SCORE_ISA=amx (this op's own name): the avx512 path, its integer dots on
 // AMX-INT8 tiles.
@@ -532,13 +587,16 @@ struct IndexerScoreKernel {
   Isa isa;
   bool forced;  // a path named by CSA_INDEXER_SCORE_ISA or CSA2ONNX_ISA, taken as named
   // The integer dots on AMX-INT8 tiles: named ("amx"), or unforced where the CPU has them
+  // (then for calls of kAmxMinQueries query rows a batch entry or more)
+  bool amx_named_;
   bool amx;
   packed::Format format = packed::Format::kFp4E8m0;
 
   IndexerScoreKernel(const OrtApi*, const OrtKernelInfo* info)
       : isa(select_path()),
         forced(isa_forced(kIsaVariable)),
-        amx(amx_named() || (!forced && amx_usable())) {
+        amx_named_(amx_named()),
+        amx(amx_named_ || (!forced && amx_usable())) {
     require_node_io(info, kOp, 4, 1);  // Lengths and Candidates are optional
     // onnxruntime's lite API cannot take an optional input left out before a given one (it
     // reads the missing value): Candidates come with Lengths
@@ -666,6 +724,7 @@ struct IndexerScoreKernel {
       const bool vnni = cpu_has_avx512vnni() &&
                         (isa == Isa::kAvx512 || (isa == Isa::kAvx512Bf16 && !forced));
       const bool integer_dots = fp4_keys && (isa == Isa::kAvx2 || vnni);
+      const bool on_amx = amx && (amx_named_ || s >= kAmxMinQueries);
       if (isa == Isa::kAvx512Bf16 && d % 32 == 0 && !integer_dots) {  // pairs of 32 values
         fn = tiled_avx512bf16;
         pair_queries(job.q, b * s, h, d, (h + width - 1) / width * width, q2, q_range);
@@ -681,9 +740,9 @@ struct IndexerScoreKernel {
         fn = tiled_avx2_int8;
         width = is::int8::kHeads;
       } else if (integer_dots) {
-        fn = amx ? tiled_amx : tiled_avx512_int8;
+        fn = on_amx ? tiled_amx : tiled_avx512_int8;
         width = is::tv::VAvx512::W;
-        group = amx ? is::int8::kRowMajor : 4;
+        group = on_amx ? is::int8::kRowMajor : 4;
       }
 #endif
       job.hp = (h + width - 1) / width * width;
@@ -694,6 +753,9 @@ struct IndexerScoreKernel {
         job.q8_base = q8->base.data();
         job.q8_scale = q8->scale.data();
         job.q8_range = q8->range.data();
+        job.q8m = q8->qm.data();
+        job.q8m_unit = q8->unit.data();
+        job.q8m_ok = q8->merged.data();
       }
 #endif
       transpose_queries(job.q, job.w, b * s, h, d, job.hp, qt, wt);
@@ -711,15 +773,18 @@ struct IndexerScoreKernel {
 
 // The key blocks of the paths with exact shortcuts (indexer_score.h pair_counts,
 // int8_counts): out[0] on vdpbf16ps, out[1] on fma (the avx512bf16 path); out[2] on integer
-// dots, out[3] on fma (the AVX2 path with packed keys). The tests check that a case built
+// dots, out[3] on fma (the integer paths with packed keys); of out[2], out[4] on AMX-INT8
+// tiles and out[5] of those as merged values (amx_counts). The tests check that a case built
 // for a path took it.
 extern "C" __attribute__((visibility("default"))) void csa2onnx_indexer_score_pair_counts(
     uint64_t* out, uint64_t n) {
-  const uint64_t counts[4] = {is::pair_counts.pairs.load(std::memory_order_relaxed),
+  const uint64_t counts[6] = {is::pair_counts.pairs.load(std::memory_order_relaxed),
                               is::pair_counts.fmaf.load(std::memory_order_relaxed),
                               is::int8_counts.pairs.load(std::memory_order_relaxed),
-                              is::int8_counts.fmaf.load(std::memory_order_relaxed)};
-  for (uint64_t i = 0; i < n && i < 4; ++i) out[i] = counts[i];
+                              is::int8_counts.fmaf.load(std::memory_order_relaxed),
+                              amx_counts.blocks.load(std::memory_order_relaxed),
+                              amx_counts.merged.load(std::memory_order_relaxed)};
+  for (uint64_t i = 0; i < n && i < 6; ++i) out[i] = counts[i];
 }
 
 void AppendIndexerScoreOps(std::vector<std::unique_ptr<Ort::Custom::OrtLiteCustomOp>>& ops) {
