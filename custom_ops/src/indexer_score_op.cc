@@ -339,6 +339,7 @@ CSA_TARGET_AMX_INT8 __attribute__((flatten)) void tiled_amx(const Job& j, size_t
   const float* blocks[kBlocks];
   is::int8::Range range[kBlocks];
   bool merged[is::kTileT / kGroup];  // the group's keys as merged values (ktm, key_unit)
+  static_assert(is::kTileT / kGroup <= 32, "a row's groups as bits of a word");
   const int64_t first_row = bi * pr.s + s0;
   const is::Tile tile = task_view(j, tt, blocks);
   bool any_fine = false;  // else no group is made (queries that are not fp4 values)
@@ -376,7 +377,8 @@ CSA_TARGET_AMX_INT8 __attribute__((flatten)) void tiled_amx(const Job& j, size_t
       if (floats) blocks[blk] = key_block<V>(j, bi * j.r + t0 + c8, n8, unpacked + c8 * pr.d);
     }
   }
-  amx::configure();
+  bool configured = false;  // the tiles, configured for the task's first group on them
+  uint32_t scored[is::kTileS] = {};  // per row, the groups with keys computed (bits)
   const is::SumOrder order = pr.sum_order();
   const bool every = tile.cand == nullptr && tile.lengths == nullptr;
   uint64_t on_int8 = 0, on_fma = 0, on_merged = 0;  // on_int8: every block on the tiles
@@ -404,6 +406,7 @@ CSA_TARGET_AMX_INT8 __attribute__((flatten)) void tiled_amx(const Job& j, size_t
     for (int64_t c = 0; c < cols; c += kGroup) {
       uint32_t lanes = 0;
       uint64_t exact_blocks = 0;
+      const uint64_t fma_before = on_fma;
       for (int64_t c8 = c; c8 < std::min(c + kGroup, cols); c8 += kKeys) {
         const int64_t n8 = std::min(kKeys, cols - c8);
         if (!every && !keys.any(c8, n8)) {  // none of the block's keys: not computed
@@ -417,8 +420,11 @@ CSA_TARGET_AMX_INT8 __attribute__((flatten)) void tiled_amx(const Job& j, size_t
           ++on_fma;
         }
       }
-      if (lanes == 0) continue;
       const int64_t g = c / kGroup;
+      if (lanes != 0 || on_fma != fma_before) scored[r] |= 1u << g;
+      if (lanes == 0) continue;
+      if (!configured) amx::configure();
+      configured = true;
       const bool as_merged = merged[g] && j.q8m_ok[row] != 0;
       on_int8 += exact_blocks;
       on_merged += as_merged ? exact_blocks : 0;
@@ -440,13 +446,15 @@ CSA_TARGET_AMX_INT8 __attribute__((flatten)) void tiled_amx(const Job& j, size_t
   if (issued.out != nullptr)
     amx::group_scores(pr, issued.nb, j.hp, dots + (buffer ^ 1) * group_dots, issued.qs,
                       issued.w, issued.w_finite, issued.st, issued.lanes, issued.out);
-  _tile_release();
-  if (!every)  // the keys a row does not score among those computed
+  if (configured) _tile_release();
+  if (!every)  // the keys a row does not score among those its tile groups computed
     for (int64_t r = 0; r < rows; ++r) {
       const is::RowKeys keys = tile.row_keys(r);
       float* out = tile.out + r * pr.t;
-      for (int64_t k = 0; k < cols; ++k)
-        if (!keys.keeps(k)) out[k] = is::kMasked;
+      for (int64_t c = 0; c < cols; c += kGroup)
+        if ((scored[r] >> (c / kGroup)) & 1u)
+          for (int64_t k = c; k < std::min(c + kGroup, cols); ++k)
+            if (!keys.keeps(k)) out[k] = is::kMasked;
     }
   is::int8_counts.pairs.fetch_add(on_int8, std::memory_order_relaxed);
   is::int8_counts.fmaf.fetch_add(on_fma, std::memory_order_relaxed);
@@ -555,11 +563,14 @@ void row_task(const Job& j, size_t task, std::vector<float>& scratch) {
 }
 
 constexpr const char* kIsaVariable = "CSA_INDEXER_SCORE_ISA";
-// Unforced, the AMX tiles take calls of this many query rows a batch entry or more: one row
-// (decode) reads each key once, and making a key group for the tiles costs more than the
-// tiles save. One IndexerScore, H 32, D 128, 65536 keys, 1 thread, AMX-class Xeon: vpdpbusd
-// against AMX 1 row 12.4 / 14.4 ms (at 262144 keys), 2 rows 5.26 / 4.36, 4 rows 9.67 / 7.71,
-// 16 rows 36.1 / 20.9 ms.
+// Unforced, the AMX tiles take calls of this many query rows a batch entry or more, without
+// Candidates: one row (decode) reads each key once, and making a key group for the tiles
+// costs more than the tiles save; with Candidates (a later index source's few thousand blocks
+// of 8 among up to a million keys, other blocks for each row) a row mostly keeps one block of
+// a group, and the tiles compute all 16 keys. One IndexerScore, H 32, D 128, AMX-class Xeon:
+// vpdpbusd against AMX, 65536 keys, 1 thread: 1 row 12.4 / 14.4 ms (at 262144 keys), 2 rows
+// 5.26 / 4.36, 4 rows 9.67 / 7.71, 16 rows 36.1 / 20.9 ms; 64 rows x 1M keys with 2048
+// candidate blocks of 8 each, 2 threads: 142 / 208 ms.
 constexpr int64_t kAmxMinQueries = 2;
 
 // CSA_INDEXER_SCORE_ISA=amx (this op's own name): the avx512 path, its integer dots on
@@ -724,7 +735,7 @@ struct IndexerScoreKernel {
       const bool vnni = cpu_has_avx512vnni() &&
                         (isa == Isa::kAvx512 || (isa == Isa::kAvx512Bf16 && !forced));
       const bool integer_dots = fp4_keys && (isa == Isa::kAvx2 || vnni);
-      const bool on_amx = amx && (amx_named_ || s >= kAmxMinQueries);
+      const bool on_amx = amx && (amx_named_ || (s >= kAmxMinQueries && cand == nullptr));
       if (isa == Isa::kAvx512Bf16 && d % 32 == 0 && !integer_dots) {  // pairs of 32 values
         fn = tiled_avx512bf16;
         pair_queries(job.q, b * s, h, d, (h + width - 1) / width * width, q2, q_range);
