@@ -17,11 +17,14 @@
 // CSA_INDEXER_SCORE_ISA (or CSA2ONNX_ISA; read when a session creates the kernel) forces a
 // path: "avx512bf16" (the tiles with vdpbf16ps where exact: indexer_score.h), "avx512" (with
 // packed fp4_e8m0_32 keys on a CPU with AVX512-VNNI, integer dots on vpdpbusd where exact:
-// indexer_score.h int8; the default there), "avx2" (the same on vpmaddubsw), "scalar" (the
+// indexer_score.h int8; the default there), "amx" (this op's own name: the same dots on
+// AMX-INT8 tiles, indexer_score.h int8::amx), "avx2" (the same on vpmaddubsw), "scalar" (the
 // tiles without SIMD) or "reference" (the scalar definition, one query row per task); all
 // give the same bits. Unforced: the avx512 path's integer dots where the CPU has
 // AVX512-VNNI and the keys are packed fp4_e8m0_32 (2.3x vdpbf16ps's speed on an AMX-class
-// Xeon), else avx512bf16, avx512, avx2 as the CPU allows.
+// Xeon), on AMX-INT8 tiles where the CPU has them for calls of kAmxMinQueries rows or more
+// without Candidates (1.7x vpdpbusd's speed there), else avx512bf16, avx512, avx2 as the CPU
+// allows.
 // Compiled with -ffp-contract=off: the orders keep multiplies and adds apart.
 #include "ort_api.h"
 
