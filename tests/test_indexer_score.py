@@ -384,7 +384,7 @@ AMX = "amx_int8" in cpu_flags() and "avx512_vnni" in cpu_flags()
 
 
 @pytest.mark.skipif(not AMX, reason="needs a CPU with AMX-INT8")
-@pytest.mark.parametrize("h,d", [(32, 128), (20, 96), (33, 64), (16, 32)])
+@pytest.mark.parametrize("h,d", [(32, 128), (24, 128), (16, 64), (20, 96), (33, 64), (16, 32)])
 def test_amx_merged_values(monkeypatch, h, d):
     """On AMX-INT8 tiles, a query head whose blocks' units lie within 2^3 of its smallest
     and a key whose blocks do are summed as merged values (each block's n times 2^shift, one

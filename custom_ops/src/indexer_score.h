@@ -1063,8 +1063,9 @@ CSA_TARGET_AMX_INT8 inline void group_dots(const Problem& pr, const int8_t* q,
   }
 }
 
-// group_dots for merged values (qm [hp][D], kt: merge_keys'): per head group two C tiles
-// (even and odd blocks: two chains), accumulated, into dots [hp/16][2][16 heads][16 keys].
+// group_dots for merged values (qm [hp][D], kt: merge_keys'): per head group one C tile,
+// accumulated over the blocks, into dots [hp/16][16 heads][16 keys] (two C tiles as two chains
+// a head group measured the same).
 #define CSA_AMX_MERGED_DOT(A, B, C, q, q_bytes, keys) \
   do {                                                \
     _tile_loadd(A, q, q_bytes);                       \
@@ -1076,15 +1077,10 @@ CSA_TARGET_AMX_INT8 inline void group_dots_merged(const Problem& pr, const int8_
                                                   const uint32_t* kt, int32_t* dots) {
   const int64_t d = pr.d, nb = d / kBlock;
   const long q_bytes = static_cast<long>(d);
-  // two head groups at a time, even and odd blocks apart: C tiles 0 1 / 2 3, four chains
-  for (int64_t h0 = 0; h0 < pr.h; h0 += 2 * kHeads) {
+  for (int64_t h0 = 0; h0 < pr.h; h0 += 2 * kHeads) {  // two head groups: C tiles 0 and 1
     const bool two = h0 + kHeads < pr.h;
     _tile_zero(0);
-    _tile_zero(2);
-    if (two) {
-      _tile_zero(1);
-      _tile_zero(3);
-    }
+    if (two) _tile_zero(1);
     for (int64_t b = 0; b < nb; ++b) {
       const int8_t* qb = qm + h0 * d + b * kBlock;
       const uint32_t* kb = kt + b * (kBlock / 4) * kKeys;
@@ -1092,18 +1088,60 @@ CSA_TARGET_AMX_INT8 inline void group_dots_merged(const Problem& pr, const int8_
         CSA_AMX_MERGED_DOT(4, 6, 0, qb, q_bytes, kb);
         if (two) CSA_AMX_MERGED_DOT(5, 6, 1, qb + kHeads * d, q_bytes, kb);
       } else {
-        CSA_AMX_MERGED_DOT(4, 7, 2, qb, q_bytes, kb);
-        if (two) CSA_AMX_MERGED_DOT(5, 7, 3, qb + kHeads * d, q_bytes, kb);
+        CSA_AMX_MERGED_DOT(4, 7, 0, qb, q_bytes, kb);
+        if (two) CSA_AMX_MERGED_DOT(5, 7, 1, qb + kHeads * d, q_bytes, kb);
       }
     }
-    int32_t* dh = dots + h0 / kHeads * 2 * kHeads * kKeys;  // [head group][parity][16][16]
+    int32_t* dh = dots + h0 / kHeads * kHeads * kKeys;
     _tile_stored(0, dh, 64);
-    _tile_stored(2, dh + kHeads * kKeys, 64);
-    if (two) {
-      _tile_stored(1, dh + 2 * kHeads * kKeys, 64);
-      _tile_stored(3, dh + 3 * kHeads * kKeys, 64);
-    }
+    if (two) _tile_stored(1, dh + kHeads * kKeys, 64);
   }
+}
+
+// Merged values on wide tiles (wide(): H <= 32, D 64 or 128): K = 64 values a TDPBSSD, the
+// query row's A tiles loaded once for all its groups (load_wide_row), so a group is a B tile
+// per 64 values, a TDPBSSD per head group and 64 values, and a store per head group (the
+// tiles are the task's time on this CPU, not their products: measured, group_dots_merged's
+// A loads and 32-value TDPBSSD cost more than its products need).
+// Tiles 0, 1: C of head groups 0, 1; 2, 3: B of values 0-63, 64-127; 4, 5: A of head group
+// 0, values 0-63 / 64-127; 6, 7: the same of head group 1.
+inline bool wide(const Problem& pr) { return pr.h <= 2 * kHeads && pr.d % 64 == 0; }
+
+CSA_TARGET_AMX_INT8 inline void configure_wide() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = kHeads;  // C and A: 16 heads; B: 64 values / 4
+    cfg.colsb[t] = 64;
+  }
+  __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
+}
+
+// The row's A tiles (qm [hp][D] merged values), configured by configure_wide.
+CSA_TARGET_AMX_INT8 inline void load_wide_row(const Problem& pr, const int8_t* qm) {
+  const long q_bytes = static_cast<long>(pr.d);
+  const bool two = pr.h > kHeads, wide_d = pr.d > 64;
+  _tile_loadd(4, qm, q_bytes);
+  if (wide_d) _tile_loadd(5, qm + 64, q_bytes);
+  if (two) _tile_loadd(6, qm + kHeads * pr.d, q_bytes);
+  if (two && wide_d) _tile_loadd(7, qm + kHeads * pr.d + 64, q_bytes);
+}
+
+// group_dots_merged on wide tiles (the row's A tiles loaded), into dots [hp/16][16][16].
+CSA_TARGET_AMX_INT8 inline void group_dots_wide(const Problem& pr, const uint32_t* kt,
+                                                int32_t* dots) {
+  const bool two = pr.h > kHeads, wide_d = pr.d > 64;
+  _tile_zero(0);
+  if (two) _tile_zero(1);
+  _tile_loadd(2, kt, 64);
+  _tile_dpbssd(0, 4, 2);
+  if (two) _tile_dpbssd(1, 6, 2);
+  if (wide_d) {
+    _tile_loadd(3, kt + 16 * kKeys, 64);  // values 64-127: quad rows 16-31
+    _tile_dpbssd(0, 5, 3);
+    if (two) _tile_dpbssd(1, 7, 3);
+  }
+  _tile_stored(0, dots, 64);
+  if (two) _tile_stored(1, dots + kHeads * kKeys, 64);
 }
 #undef CSA_AMX_MERGED_DOT
 
@@ -1115,10 +1153,8 @@ CSA_TARGET_AVX512 __attribute__((always_inline)) inline __m512 head_term(
     const int32_t* dh, const __m512 (&ks)[kNb > 0 ? kNb : 1], const float* qs, int64_t hp,
     float w) {
   __m512 acc = _mm512_setzero_ps();
-  if constexpr (kNb == 0) {  // merged values: the even and odd blocks' sums, one product
-    const __m512i sum = _mm512_add_epi32(_mm512_loadu_si512(dh),
-                                         _mm512_loadu_si512(dh + kHeads * kKeys));
-    acc = _mm512_mul_ps(_mm512_maskz_cvtepi32_ps(packed::kAll16, sum),
+  if constexpr (kNb == 0) {  // merged values: one sum, one product
+    acc = _mm512_mul_ps(_mm512_maskz_cvtepi32_ps(packed::kAll16, _mm512_loadu_si512(dh)),
                         _mm512_mul_ps(ks[0], _mm512_set1_ps(qs[0])));
   }
   for (int b = 0; b < kNb; ++b) {
@@ -1144,7 +1180,7 @@ template <int kNb, bool kWFinite>
 CSA_TARGET_AVX512 inline void group_scores(const Problem& pr, int64_t hp, const int32_t* dots,
                                            const float* qs, const float* w, const float* st,
                                            __mmask16 lanes, float* out) {
-  constexpr int kSlots = kNb > 0 ? kNb : 2;  // a head group's tiles in dots
+  constexpr int kSlots = kNb > 0 ? kNb : 1;  // a head group's tiles in dots
   const bool in_order = pr.sum_order() == SumOrder::kInOrder;
   __m512 ks[kNb > 0 ? kNb : 1];
   for (int b = 0; b < (kNb > 0 ? kNb : 1); ++b) ks[b] = _mm512_loadu_ps(st + b * kKeys);

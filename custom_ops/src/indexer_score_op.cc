@@ -325,7 +325,7 @@ CSA_TARGET_AMX_INT8 __attribute__((flatten)) void tiled_amx(const Job& j, size_t
   // scratch: unpacked [kTileT][D], terms [kKeys][hp], kt [kTileT / 16][D/4][16], st
   // [kTileT / 16][D/32][16], a group's quads [16][D/4] and scales [16][D/32], two groups'
   // dots [hp/16][D/32][16][16] (group_dots'), and the merged kt and units (merge_keys')
-  const int64_t group_dots = j.hp / amx::kHeads * std::max<int64_t>(nb, 2) * amx::kHeads * kGroup;
+  const int64_t group_dots = j.hp / amx::kHeads * nb * amx::kHeads * kGroup;
   const size_t need =
       static_cast<size_t>(is::kTileT * pr.d + kKeys * j.hp + is::kTileT * (quarter + nb) +
                           kGroup * (quarter + nb) + 2 * group_dots + is::kTileT * (quarter + 1));
@@ -380,7 +380,12 @@ CSA_TARGET_AMX_INT8 __attribute__((flatten)) void tiled_amx(const Job& j, size_t
       if (floats) blocks[blk] = key_block<V>(j, bi * j.r + t0 + c8, n8, unpacked + c8 * pr.d);
     }
   }
+  // Wide tiles (amx::wide) where every row and every group the task makes is merged
+  bool wide = all_merged && amx::wide(pr);
+  for (int64_t g = 0; g < (cols + kGroup - 1) / kGroup && wide; ++g)
+    wide = merged[g] || !(range[2 * g].fine || range[2 * g + 1].fine);  // made: merged
   bool configured = false;  // the tiles, configured for the task's first group on them
+  int64_t loaded_row = -1;  // the row whose A tiles are loaded (wide tiles)
   uint32_t scored[is::kTileS] = {};  // per row, the groups with keys computed (bits)
   const is::SumOrder order = pr.sum_order();
   const bool every = tile.cand == nullptr && tile.lengths == nullptr;
@@ -426,12 +431,23 @@ CSA_TARGET_AMX_INT8 __attribute__((flatten)) void tiled_amx(const Job& j, size_t
       const int64_t g = c / kGroup;
       if (lanes != 0 || on_fma != fma_before) scored[r] |= 1u << g;
       if (lanes == 0) continue;
-      if (!configured) amx::configure();
+      if (!configured) {
+        if (wide)
+          amx::configure_wide();
+        else
+          amx::configure();
+      }
       configured = true;
       const bool as_merged = merged[g] && j.q8m_ok[row] != 0;
       on_int8 += exact_blocks;
       on_merged += as_merged ? exact_blocks : 0;
-      if (as_merged)
+      if (wide && loaded_row != row) {
+        amx::load_wide_row(pr, j.q8m + row * pr.d * j.hp);
+        loaded_row = row;
+      }
+      if (wide)
+        amx::group_dots_wide(pr, ktm + g * quarter * kGroup, dots + buffer * group_dots);
+      else if (as_merged)
         amx::group_dots_merged(pr, j.q8m + row * pr.d * j.hp, ktm + g * quarter * kGroup,
                                dots + buffer * group_dots);
       else
