@@ -188,7 +188,7 @@ SHAPES = [(1, 5, 32, 128, 300, 300), (1, 17, 4, 64, 600, 513), (2, 3, 7, 64, 70,
           (1, 2, 6, 32, 8, 2), (2, 4, 2, 64, 4, 0)]
 
 
-TILE_S = 16  # indexer_score.h kTileS: query rows per task
+TILE_S = 64  # indexer_score.h kTileS: query rows per task
 # Decode (s = 1) at b = 1 (heads summed in order) and b = 4 (in groups of 4), H = 32 and odd
 # H (heads padded to the vector width: one head vector, a pair plus one: 33, 48 on AVX-512),
 # D = 128 and small D, T past and short of the key blocks (8 / 4 rows) and the tasks' key

@@ -10,7 +10,7 @@
 // Candidates (bool [b, s, T], given only with Lengths: where false the score is -inf, not
 // computed either: a later index source's level two, whose candidate blocks are a few
 // thousand of up to a million keys); output Score (float [b, s, T], bf16 values).
-// In parallel over (batch entry, block of 16 queries, tile of 64 key rows), heads in vector
+// In parallel over (batch entry, block of 64 queries, tile of 64 key rows), heads in vector
 // lanes: each query row is transposed once per call, each task unpacks its key tile once
 // (row-major) for its queries (on the avx512bf16 path, packed fp4_e8m0_32 keys go straight
 // from their codes to the pairs vdpbf16ps reads: indexer_score.h swap_packed_fp4_e8m0).
