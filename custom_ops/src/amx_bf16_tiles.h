@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "amx_tiles.h"
 #include "simd.h"
 #ifdef CSA_X86
 #include <immintrin.h>
@@ -36,22 +37,14 @@ inline bool enable() {
 // Tiles 0-3: C (rows x 16 f32), 4-5: A (rows x 16 pairs), 6-7: B (16 pairs x 16 columns).
 // A 32-row strip is C0 C1 / C2 C3 over A4 (rows 0-15), A5 (rows 16-31) and B6, B7 (columns
 // 0-15, 16-31 of a half panel). `lo` rows in tiles 0, 1, 4 and `hi` in 2, 3, 5 (0: unused).
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 __attribute__((target("amx-tile"))) inline void configure(int lo, int hi) {
-  TileConfig cfg;
+  amx_tiles::TileConfig cfg;
   const int rows[8] = {lo, lo, hi, hi, lo, hi, kTile, kTile};
   for (int t = 0; t < 8; ++t) {
     cfg.rows[t] = static_cast<uint8_t>(rows[t]);
     cfg.colsb[t] = rows[t] ? 64 : 0;
   }
-  // Not _tile_loadconfig: GCC 12's macro names only 8 bytes of the config as read, and -O2
-  // drops the stores to the rest (the instruction then faults on a half-written config).
-  __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
+  amx_tiles::load(cfg);
 }
 
 // One 16-pair step of a strip: A from x (rows lx bytes apart), B from w (the columns' 16

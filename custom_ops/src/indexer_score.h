@@ -44,6 +44,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "amx_tiles.h"
 #include "ort_cast.h"
 #include "packed_quant.h"
 #include "simd.h"
@@ -889,25 +890,16 @@ namespace amx {
 constexpr int64_t kKeys = 16;  // keys per group: B's columns, one zmm of scores
 constexpr int64_t kHeads = 16;  // heads per A tile
 
-// Tiles 0-3: C of blocks 0-3 [16 heads][16 keys]; 4, 5: A [16 heads][32 values] of even / odd
-// blocks; 6, 7: B [8][16 keys x 4 values] of even / odd blocks.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // Configures this thread's tiles for group_dots and group_dots_merged; the caller releases
-// them (_tile_release).
+// them (_tile_release). Tiles 0-3: C of blocks 0-3 [16 heads][16 keys]; 4, 5: A [16 heads][32
+// values] of even / odd blocks; 6, 7: B [8][16 keys x 4 values] of even / odd blocks.
 CSA_TARGET_AMX_INT8 inline void configure() {
-  TileConfig cfg;
+  amx_tiles::TileConfig cfg;
   for (int t = 0; t < 8; ++t) {
     cfg.rows[t] = t < 6 ? kHeads : kBlock / 4;
     cfg.colsb[t] = t == 4 || t == 5 ? kBlock : 64;
   }
-  // Not _tile_loadconfig: GCC 12's macro names only 8 bytes of the config as read
-  // (amx_bf16_tiles.h configure).
-  __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
+  amx_tiles::load(cfg);
 }
 
 // quads [kKeys][D/4] to kt [D/4][kKeys] (B's rows): 16 x 16 dword transposes (the last
@@ -1115,12 +1107,12 @@ CSA_TARGET_AMX_INT8 inline void group_dots_merged(const Problem& pr, const int8_
 inline bool wide(const Problem& pr) { return pr.h <= 2 * kHeads && pr.d % 64 == 0; }
 
 CSA_TARGET_AMX_INT8 inline void configure_wide() {
-  TileConfig cfg;
+  amx_tiles::TileConfig cfg;
   for (int t = 0; t < 8; ++t) {
     cfg.rows[t] = kHeads;  // C and A: 16 heads; B: 64 values / 4
     cfg.colsb[t] = 64;
   }
-  __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
+  amx_tiles::load(cfg);
 }
 
 // The row's A tiles (qm [hp][D] merged values), configured by configure_wide.
