@@ -10,6 +10,7 @@ C++ kernels in `libcsa2onnx_ops.so` (README "The custom ops"):
 - `TorchRMSNorm`: RMSNorm with the mean summed in torch CPU's order.
 - `SparseAttention`: the reference's sparse_attn, optionally over a packed cache.
 - `IndexerScore`: the Indexer's scores, optionally over the packed index-key cache.
+- `IndexerTopK`: IndexerScore ranked as TorchTopK (and BlockMax of it), without the scores.
 - `RopeCosSin`: RoPE's freqs_cis rows at given positions, no table.
 - `ApplyRope`: apply_rotary_emb on the last rope_head_dim features, then bf16 (in place
   when the runtime allows).

@@ -312,6 +312,42 @@ def indexer_score(op: OpBuilder, q: ir.Value, w: ir.Value, keys: ir.Value, width
     return _csa(op).IndexerScore(*inputs, keys_format=keys_format)
 
 
+def indexer_topk(op: OpBuilder, q: ir.Value, w: ir.Value, keys: ir.Value, width: ir.Value, k: int,
+                 keys_format: PackedFormat | None = None, head_dim: int | None = None,
+                 candidates: ir.Value | None = None, lengths: ir.Value | None = None,
+                 block_size: int = 0) -> tuple[ir.Value, ir.Value | None]:
+    """`indexer_score`'s scores (same inputs) ranked as torch_topk(score, min(k, width),
+    largest, unsorted) ranks them: its int64 indices [b, s, min(k, width)], in its order; and
+    with `block_size` the scores' block_max [b, s, ceil(width / block_size)]; never the
+    [b, s, width] scores (a long prefill chunk's are a GiB). A portable graph spells it as
+    those three ops."""
+    if k <= 0:
+        raise ValueError(f"top-k k must be > 0, got {k}")
+    if block_size < 0:
+        raise ValueError(f"block_size must be >= 0 (0: no block scores), got {block_size}")
+    if is_portable(op):
+        score = indexer_score(op, q, w, keys, width, keys_format, head_dim, candidates, lengths)
+        _, indices = torch_topk(op, score, op.Min(width, op.Constant(value_ints=[k])),
+                                largest=True, sorted=False)
+        return indices, block_max(op, score, block_size) if block_size else None
+    if keys_format is not None:
+        _check_packed_format(keys_format)
+    if candidates is not None and lengths is None:  # the op takes Candidates after Lengths
+        lengths = op.Expand(width, op.Slice(op.Shape(q), [1], [2]))  # every key reachable
+    inputs = [q, w, keys, width, lengths, candidates]
+    while inputs[-1] is None:  # optional inputs left out at the end
+        inputs.pop()
+    attributes: dict[str, Any] = {"k": k}
+    if block_size:
+        attributes["block_size"] = block_size
+    if keys_format is not None:
+        attributes["keys_format"] = keys_format
+    if not block_size:
+        return _csa(op).IndexerTopK(*inputs, **attributes), None
+    indices, block_scores = _csa(op).IndexerTopK(*inputs, **attributes, _outputs=2)
+    return indices, block_scores
+
+
 def mask_scores(op: OpBuilder, score: ir.Value, width: ir.Value, candidates: ir.Value | None,
                 lengths: ir.Value | None) -> ir.Value:
     """score [b, s, width] with -inf where `candidates` is false and at keys t >= lengths[q]

@@ -1,4 +1,5 @@
-"""Every custom op but RopeCosSin as an ONNX function of standard ops (domain csa2onnx,
+"""Every custom op but RopeCosSin and IndexerTopK (a portable graph writes it as IndexerScore,
+TorchTopK and BlockMax: custom_ops/ops.py) as an ONNX function of standard ops (domain csa2onnx,
 version 1): the one way a graph goes portable (custom_ops/ops.py).
 
 Attached to a model as local functions, they let the model run on any onnxruntime without

@@ -232,6 +232,17 @@ def _infer_indexer_score(ctx: InferenceContext) -> None:
     _set(ctx, 0, TensorProto.FLOAT, None if q is None or len(q) != 4 else [q[0], q[1], width])
 
 
+def _infer_indexer_topk(ctx: InferenceContext) -> None:
+    """Indices [b, s, min(k, Width)]; BlockScores [b, s, ceil(Width / block_size)]."""
+    q = _dims(_input(ctx, 0))
+    width, k, block = _constant_int(ctx, 3), _int_attr(ctx, "k"), _int_attr(ctx, "block_size")
+    rows = None if q is None or len(q) != 4 else [q[0], q[1]]
+    kept = min(k, width) if k is not None and width is not None else None
+    blocks = -(-width // block) if width is not None and block else None
+    _set(ctx, 0, TensorProto.INT64, None if rows is None else [*rows, kept])
+    _set(ctx, 1, TensorProto.FLOAT, None if rows is None else [*rows, blocks])
+
+
 def _infer_unpack(ctx: InferenceContext) -> None:
     _set(ctx, 0, TensorProto.FLOAT,
          _last_replaced(_dims(_input(ctx, 0)), _int_attr(ctx, "dim")))
@@ -304,6 +315,17 @@ SIGNATURES: tuple[OpSignature, ...] = (
          Param("Candidates", "tensor(bool)", optional=True)),
         (Param("Score", _FLOAT),), _infer_indexer_score, (("TK", (_FLOAT, _UINT8)),),
         (Attribute("keys_format", _Attr.STRING),)),
+    OpSignature(
+        "IndexerTopK", "IndexerScore's scores ranked as TorchTopK(k, largest, unsorted) ranks "
+        "them (its indices), and optionally BlockMax(block_size) of them, without the [b, s, "
+        "Width] scores.",
+        (Param("Q", _FLOAT), Param("W", _FLOAT), Param("Keys", "TK"), Param("Width", _INT64),
+         Param("Lengths", _INT64, optional=True),
+         Param("Candidates", "tensor(bool)", optional=True)),
+        (Param("Indices", _INT64), Param("BlockScores", _FLOAT, optional=True)),
+        _infer_indexer_topk, (("TK", (_FLOAT, _UINT8)),),
+        (Attribute("k", _Attr.INT, required=True), Attribute("block_size", _Attr.INT, default=0),
+         Attribute("keys_format", _Attr.STRING))),
     OpSignature(
         "RopeCosSin", "cosf / sinf of f32(position) * f_i: freqs_cis rows, no table.",
         (Param("Positions", _INT64),), (Param("Cos", _FLOAT), Param("Sin", _FLOAT)),

@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "block_max.h"
 #include "block_max_op.h"
 #include "kernel_support.h"
 #include "simd.h"
@@ -32,29 +33,7 @@ namespace {
 
 constexpr const char* kOp = "BlockMax";
 
-// A float's place in the total order -inf < ... < -0 < +0 < ... < +inf, as an int32 (NaN is
-// kept apart): negative floats have their magnitude bits flipped.
-inline int32_t order_key(uint32_t bits) {
-  const int32_t b = static_cast<int32_t>(bits);
-  return b ^ static_cast<int32_t>((static_cast<uint32_t>(b >> 31)) >> 1);
-}
-inline bool is_nan(uint32_t bits) { return (bits & 0x7FFFFFFFu) > 0x7F800000u; }
-
-// Y[block] for `count` consecutive blocks of one row, from X's first value of the first.
-inline void block_maxes(const uint32_t* x, int64_t width, int64_t block, int64_t first,
-                        int64_t count, uint32_t* y) {
-  for (int64_t j = first; j < first + count; ++j) {
-    const int64_t lo = j * block, hi = lo + block < width ? lo + block : width;
-    int32_t best = order_key(x[lo]);
-    bool nan = false;
-    for (int64_t i = lo; i < hi; ++i) {
-      const int32_t k = order_key(x[i]);
-      best = k > best ? k : best;
-      nan = nan || is_nan(x[i]);
-    }
-    y[j] = nan ? 0x7FC00000u : static_cast<uint32_t>(order_key(static_cast<uint32_t>(best)));
-  }
-}
+using block_max::order_key;
 
 #ifdef CSA_X86
 // Pairs of whole blocks of 8 from x on AVX-512, one pair a vector: the order keys' max by
@@ -131,7 +110,7 @@ struct BlockMaxKernel {
           }
         }
 #endif
-        block_maxes(row_in, width, block, j + done, count - done, row_out);
+        block_max::blocks_of_row(row_in, width, block, j + done, count - done, row_out);
         first += count;
         n -= count;
       }

@@ -275,6 +275,7 @@ struct Tile {
   const float* const* blocks;  // per block of kKeys key rows: [kKeys][D]
   int64_t cols;                // key rows in the tile
   float* out;                  // score[block's first query][tile's first key]
+  int64_t out_stride;          // between the block's query rows in `out`
   const uint8_t* cand;         // candidates[block's first query][tile's first key], or null
   const int64_t* lengths;      // Lengths[block's first query] (reachable keys), or null
   int64_t t0;                  // the tile's first key
@@ -457,7 +458,7 @@ __attribute__((always_inline)) inline void tile_row(const Tile& tile, int64_t r,
   constexpr int kKeys = Cfg<V>::kKeys;
   const Problem& pr = *tile.pr;
   const SumOrder order = pr.sum_order();
-  float* out = tile.out + r * pr.t;
+  float* out = tile.out + r * tile.out_stride;
   const RowKeys keys = tile.row_keys(r);
   const bool every = tile.cand == nullptr && tile.lengths == nullptr;
   for (int64_t c = 0; c < tile.cols; c += kKeys) {

@@ -36,11 +36,13 @@
 #include <type_traits>
 #include <vector>
 
+#include "block_max.h"
 #include "indexer_score.h"
 #include "indexer_score_op.h"
 #include "kernel_support.h"
 #include "packed_quant.h"
 #include "simd.h"
+#include "torch_topk.h"
 
 namespace csa {
 namespace {
@@ -48,8 +50,15 @@ namespace {
 namespace is = indexer_score;
 constexpr const char* kOp = "IndexerScore";
 
+struct Job;
+struct TaskTile;
+// The body of a tiled call's task: its tile of query rows against key rows, the scores to
+// TaskTile::out.
+using TileFn = void (*)(const Job&, const TaskTile&, std::vector<float>&);
+
 struct Job {
   is::Problem pr{};
+  TileFn tile_fn = nullptr;  // the tiled path, or null: row_task (the definition)
   int64_t r = 0;  // Keys' rows per batch entry
   const float* q = nullptr;
   const float* w = nullptr;
@@ -85,15 +94,20 @@ struct Job {
   std::atomic<bool> out_of_memory{false};
 };
 
-// Tiled task t's batch entry, first key and query rows, and how many of each.
+// A tiled task's batch entry, first key and query rows, how many of each, and where its
+// scores go: Score itself (row stride T), or a task's own buffer (IndexerTopK).
 struct TaskTile {
   int64_t bi, t0, s0, cols, rows;
+  float* out;          // score[first query row][first key]
+  int64_t out_stride;  // between query rows
 };
+// Tiled task t = (batch entry, query block, key tile) of the whole Score.
 inline TaskTile task_tile(const Job& j, size_t task) {
   const int64_t t = static_cast<int64_t>(task);
   const int64_t t0 = t % j.t_blocks * is::kTileT, s0 = t / j.t_blocks % j.s_blocks * is::kTileS;
-  return {t / j.t_blocks / j.s_blocks, t0, s0, std::min(is::kTileT, j.pr.t - t0),
-          std::min(is::kTileS, j.pr.s - s0)};
+  const int64_t bi = t / j.t_blocks / j.s_blocks;
+  return {bi, t0, s0, std::min(is::kTileT, j.pr.t - t0), std::min(is::kTileS, j.pr.s - s0),
+          j.out + (bi * j.pr.s + s0) * j.pr.t + t0, j.pr.t};
 }
 
 // A task's tile (its block of query rows against its key tile), with the keys each row
@@ -101,7 +115,7 @@ inline TaskTile task_tile(const Job& j, size_t task) {
 inline is::Tile task_view(const Job& j, const TaskTile& tt, const float* const* blocks) {
   const int64_t first_row = tt.bi * j.pr.s + tt.s0;
   return {&j.pr, j.qt + first_row * j.pr.d * j.hp, j.wt + first_row * j.hp, j.hp, blocks,
-          tt.cols, j.out + first_row * j.pr.t + tt.t0,
+          tt.cols, tt.out, tt.out_stride,
           j.cand != nullptr ? j.cand + first_row * j.pr.t + tt.t0 : nullptr,
           j.lengths != nullptr ? j.lengths + tt.s0 : nullptr, tt.t0};
 }
@@ -139,12 +153,11 @@ __attribute__((always_inline)) inline const float* key_block(const Job& j, int64
 // padded with zero rows) into row-major scratch; then each query row of the block runs over
 // them.
 template <typename V>
-__attribute__((always_inline)) inline void tiled_task(const Job& j, size_t task,
+__attribute__((always_inline)) inline void tiled_task(const Job& j, const TaskTile& tt,
                                                       std::vector<float>& scratch) {
   constexpr int64_t kKeys = is::Cfg<V>::kKeys;
   static_assert(is::kTileT % kKeys == 0, "a tile is whole key blocks");
   const is::Problem& pr = j.pr;
-  const TaskTile tt = task_tile(j, task);
   const int64_t bi = tt.bi, t0 = tt.t0, cols = tt.cols, rows = tt.rows;
   const size_t need = static_cast<size_t>(is::kTileT * pr.d + kKeys * j.hp);
   if (scratch.size() < need) scratch.resize(need);
@@ -161,15 +174,15 @@ __attribute__((always_inline)) inline void tiled_task(const Job& j, size_t task,
   for (int64_t r = 0; r < rows; ++r) is::tile_row<V>(tile, r, terms);
 }
 
-__attribute__((flatten)) void tiled_scalar(const Job& j, size_t t, std::vector<float>& s) {
+__attribute__((flatten)) void tiled_scalar(const Job& j, const TaskTile& t, std::vector<float>& s) {
   tiled_task<is::tv::VScalar>(j, t, s);
 }
 #ifdef CSA_X86
-CSA_TARGET_AVX512 __attribute__((flatten)) void tiled_avx512(const Job& j, size_t t,
+CSA_TARGET_AVX512 __attribute__((flatten)) void tiled_avx512(const Job& j, const TaskTile& t,
                                                              std::vector<float>& s) {
   tiled_task<is::tv::VAvx512>(j, t, s);
 }
-CSA_TARGET_AVX2 __attribute__((flatten)) void tiled_avx2(const Job& j, size_t t,
+CSA_TARGET_AVX2 __attribute__((flatten)) void tiled_avx2(const Job& j, const TaskTile& t,
                                                          std::vector<float>& s) {
   tiled_task<is::tv::VAvx2>(j, t, s);
 }
@@ -178,13 +191,12 @@ CSA_TARGET_AVX2 __attribute__((flatten)) void tiled_avx2(const Job& j, size_t t,
 #ifdef CSA_X86
 // tiled_task on the avx512bf16 path: the tile's key blocks also as swapped pairs (with their
 // fitness), each query row against each block on vdpbf16ps where both allow it.
-CSA_TARGET_AVX512BF16 __attribute__((flatten)) void tiled_avx512bf16(const Job& j, size_t task,
+CSA_TARGET_AVX512BF16 __attribute__((flatten)) void tiled_avx512bf16(const Job& j, const TaskTile& tt,
                                                                      std::vector<float>& scratch) {
   using V = is::tv::VAvx512;
   constexpr int64_t kKeys = is::Cfg<V>::kKeys, kBlocks = is::kTileT / kKeys;
   const is::Problem& pr = j.pr;
   const int64_t half = pr.d / 2;
-  const TaskTile tt = task_tile(j, task);
   const int64_t bi = tt.bi, t0 = tt.t0, s0 = tt.s0, cols = tt.cols, rows = tt.rows;
   const size_t need = static_cast<size_t>(is::kTileT * pr.d + kKeys * j.hp + is::kTileT * half);
   if (scratch.size() < need) scratch.resize(need);
@@ -242,13 +254,12 @@ CSA_TARGET_AVX512BF16 __attribute__((flatten)) void tiled_avx512bf16(const Job& 
 // range), each query row against each block on integer dots where both allow it; a block's
 // floats are unpacked only for a row that cannot.
 template <typename V>
-__attribute__((always_inline)) inline void tiled_int8(const Job& j, size_t task,
+__attribute__((always_inline)) inline void tiled_int8(const Job& j, const TaskTile& tt,
                                                       std::vector<float>& scratch) {
   constexpr int64_t kKeys = is::Cfg<V>::kKeys, kBlocks = is::kTileT / kKeys;
   constexpr int kGroup = std::is_same_v<V, is::tv::VAvx512> ? 4 : 2;
   const is::Problem& pr = j.pr;
   const int64_t per_key = pr.d / kGroup, nb = pr.d / is::int8::kBlock;
-  const TaskTile tt = task_tile(j, task);
   const int64_t bi = tt.bi, t0 = tt.t0, s0 = tt.s0, cols = tt.cols, rows = tt.rows;
   const size_t need =
       static_cast<size_t>(is::kTileT * pr.d + kKeys * j.hp + is::kTileT * (per_key + nb));
@@ -289,11 +300,11 @@ __attribute__((always_inline)) inline void tiled_int8(const Job& j, size_t task,
   is::int8_counts.fmaf.fetch_add(on_fma, std::memory_order_relaxed);
 }
 
-CSA_TARGET_AVX2 __attribute__((flatten)) void tiled_avx2_int8(const Job& j, size_t t,
+CSA_TARGET_AVX2 __attribute__((flatten)) void tiled_avx2_int8(const Job& j, const TaskTile& t,
                                                               std::vector<float>& s) {
   tiled_int8<is::tv::VAvx2>(j, t, s);
 }
-CSA_TARGET_AVX512_VNNI __attribute__((flatten)) void tiled_avx512_int8(const Job& j, size_t t,
+CSA_TARGET_AVX512_VNNI __attribute__((flatten)) void tiled_avx512_int8(const Job& j, const TaskTile& t,
                                                                        std::vector<float>& s) {
   tiled_int8<is::tv::VAvx512>(j, t, s);
 }
@@ -314,7 +325,7 @@ AmxCounts amx_counts;
 // scores of a group are computed after the next group's tile dots are issued (1-3% faster
 // than right after its own, measured). The tiles are configured at the task's first group
 // on them and released after it.
-CSA_TARGET_AMX_INT8 __attribute__((flatten)) void tiled_amx(const Job& j, size_t task,
+CSA_TARGET_AMX_INT8 __attribute__((flatten)) void tiled_amx(const Job& j, const TaskTile& tt,
                                                             std::vector<float>& scratch) {
   using V = is::tv::VAvx512;
   namespace amx = is::int8::amx;
@@ -322,7 +333,6 @@ CSA_TARGET_AMX_INT8 __attribute__((flatten)) void tiled_amx(const Job& j, size_t
   static_assert(kGroup == 2 * kKeys && is::kTileT % kGroup == 0, "groups of two blocks of 8");
   const is::Problem& pr = j.pr;
   const int64_t quarter = pr.d / 4, nb = pr.d / is::int8::kBlock;
-  const TaskTile tt = task_tile(j, task);
   const int64_t bi = tt.bi, t0 = tt.t0, s0 = tt.s0, cols = tt.cols, rows = tt.rows;
   // scratch: unpacked [kTileT][D], terms [kKeys][hp], kt [kTileT / 16][D/4][16], st
   // [kTileT / 16][D/32][16], a group's quads [16][D/4] and scales [16][D/32], two groups'
@@ -411,7 +421,7 @@ CSA_TARGET_AMX_INT8 __attribute__((flatten)) void tiled_amx(const Job& j, size_t
     const float* w = tile.w + r * j.hp;
     bool w_finite = true;
     for (int64_t hh = 0; hh < pr.h; ++hh) w_finite = w_finite && std::isfinite(w[hh]);
-    float* out = tile.out + r * pr.t;
+    float* out = tile.out + r * tile.out_stride;
     const is::RowKeys keys = tile.row_keys(r);
     for (int64_t c = 0; c < cols; c += kGroup) {
       uint32_t lanes = 0;
@@ -471,7 +481,7 @@ CSA_TARGET_AMX_INT8 __attribute__((flatten)) void tiled_amx(const Job& j, size_t
   if (!every)  // the keys a row does not score among those its tile groups computed
     for (int64_t r = 0; r < rows; ++r) {
       const is::RowKeys keys = tile.row_keys(r);
-      float* out = tile.out + r * pr.t;
+      float* out = tile.out + r * tile.out_stride;
       for (int64_t c = 0; c < cols; c += kGroup)
         if ((scored[r] >> (c / kGroup)) & 1u)
           for (int64_t k = c; k < std::min(c + kGroup, cols); ++k)
@@ -614,9 +624,22 @@ Isa select_path() {
   return Isa::kAvx512;
 }
 
+// One call's scoring: the job, and the query rows' layouts it points into.
+struct Scoring {
+  Job job;
+  std::vector<float> qt, wt;
+#ifdef CSA_X86
+  std::vector<uint32_t> q2;
+  std::vector<is::pairs::Range> q_range;
+  std::optional<Int8Queries> q8;
+#endif
+};
+
+// IndexerScore's and IndexerTopK's inputs, attributes and path: both score alike, bit for bit.
 template <typename K>
-struct IndexerScoreKernel {
+struct ScoringKernel {
   static constexpr bool kPacked = std::is_same_v<K, uint8_t>;
+  const char* op;
   Isa isa;
   bool forced;  // a path named by CSA_INDEXER_SCORE_ISA or CSA2ONNX_ISA, taken as named
   // The integer dots on AMX-INT8 tiles: named ("amx"), or unforced where the CPU has them
@@ -625,82 +648,75 @@ struct IndexerScoreKernel {
   bool amx;
   packed::Format format = packed::Format::kFp4E8m0;
 
-  IndexerScoreKernel(const OrtApi*, const OrtKernelInfo* info)
-      : isa(select_path()),
+  ScoringKernel(const OrtKernelInfo* info, const char* op_name, size_t outputs)
+      : op(op_name),
+        isa(select_path()),
         forced(isa_forced(kIsaVariable)),
         amx_named_(amx_named()),
         amx(amx_named_ || (!forced && amx_usable())) {
-    require_node_io(info, kOp, 4, 1);  // Lengths and Candidates are optional
+    require_node_io(info, op, 4, outputs);  // Lengths and Candidates are optional
     // onnxruntime's lite API cannot take an optional input left out before a given one (it
     // reads the missing value): Candidates come with Lengths
     const Ort::ConstKernelInfo ki(info);
     if (ki.GetInputCount() > 5 && ki.GetInputName(4).empty() && !ki.GetInputName(5).empty())
-      fail(kOp, "Candidates (input 5) need Lengths (input 4): give each query row's reachable "
-                "keys (Width for all of them)");
-    const auto name = optional_attribute<std::string>(info, kOp, "keys_format", "a string");
+      fail(op, "Candidates (input 5) need Lengths (input 4): give each query row's reachable "
+               "keys (Width for all of them)");
+    const auto name = optional_attribute<std::string>(info, op, "keys_format", "a string");
     if (kPacked && !name.has_value())
-      fail(kOp, std::string("uint8 Keys (packed rows) need the attribute keys_format (") +
-                    packed::kFormatChoices + ")");
+      fail(op, std::string("uint8 Keys (packed rows) need the attribute keys_format (") +
+                   packed::kFormatChoices + ")");
     if (!kPacked && name.has_value())
-      fail(kOp, "keys_format \"" + *name + "\" names a packed format but Keys are float rows");
+      fail(op, "keys_format \"" + *name + "\" names a packed format but Keys are float rows");
     if (name.has_value() && !packed::parse_format(*name, &format))
-      fail(kOp, "unknown keys_format \"" + *name + "\" (expected " + packed::kFormatChoices + ")");
+      fail(op, "unknown keys_format \"" + *name + "\" (expected " + packed::kFormatChoices + ")");
   }
 
-  Ort::Status Compute(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& q,
-                      const Ort::Custom::Tensor<float>& w, const Ort::Custom::Tensor<K>& keys,
-                      const Ort::Custom::Tensor<int64_t>& width,
-                      std::optional<const Ort::Custom::Tensor<int64_t>*> lengths,
-                      std::optional<const Ort::Custom::Tensor<bool>*> candidates,
-                      Ort::Custom::Tensor<float>& score) {
-    return status_of([&] { Run(ctx, q, w, keys, width, lengths, candidates, score); });
-  }
-
-  void Run(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& q,
-           const Ort::Custom::Tensor<float>& w, const Ort::Custom::Tensor<K>& keys,
-           const Ort::Custom::Tensor<int64_t>& width,
-           std::optional<const Ort::Custom::Tensor<int64_t>*> lengths,
-           std::optional<const Ort::Custom::Tensor<bool>*> candidates,
-           Ort::Custom::Tensor<float>& score) {
+  // Checks the inputs and fills sc.job (all but its output) and, for a call with scores to
+  // compute, the path and the query layouts.
+  void Prepare(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& q,
+               const Ort::Custom::Tensor<float>& w, const Ort::Custom::Tensor<K>& keys,
+               const Ort::Custom::Tensor<int64_t>& width,
+               std::optional<const Ort::Custom::Tensor<int64_t>*> lengths,
+               std::optional<const Ort::Custom::Tensor<bool>*> candidates, Scoring& sc) const {
     const std::vector<int64_t> qs = q.Shape(), ws = w.Shape(), ks = keys.Shape();
-    if (qs.size() != 4) fail(kOp, "Q must be [b, s, H, D], got " + shape_string(qs));
+    if (qs.size() != 4) fail(op, "Q must be [b, s, H, D], got " + shape_string(qs));
     const int64_t b = qs[0], s = qs[1], h = qs[2], d = qs[3];
-    if (h < 1) fail(kOp, "Q " + shape_string(qs) + " has no heads");
+    if (h < 1) fail(op, "Q " + shape_string(qs) + " has no heads");
     if (d < 1 || d > is::kMaxDim)
-      fail(kOp, "Q's head dim D must be in [1, " + std::to_string(is::kMaxDim) +
-                    "] (onnxruntime's MatMul sums larger D in several chains, which this op "
-                    "does not reproduce), got Q " + shape_string(qs));
+      fail(op, "Q's head dim D must be in [1, " + std::to_string(is::kMaxDim) +
+                   "] (onnxruntime's MatMul sums larger D in several chains, which this op "
+                   "does not reproduce), got Q " + shape_string(qs));
     if (ws.size() != 3 || ws[0] != b || ws[1] != s || ws[2] != h)
-      fail(kOp, "W must be [b, s, H] = [" + std::to_string(b) + ", " + std::to_string(s) + ", " +
-                    std::to_string(h) + "] (Q is " + shape_string(qs) + "), got " +
-                    shape_string(ws));
+      fail(op, "W must be [b, s, H] = [" + std::to_string(b) + ", " + std::to_string(s) + ", " +
+                   std::to_string(h) + "] (Q is " + shape_string(qs) + "), got " +
+                   shape_string(ws));
     int64_t row_bytes = d;
     if (kPacked) {
       if (!packed::dim_fits(format, d))
-        fail(kOp, std::string("keys_format ") + packed::format_name(format) + " packs blocks of " +
-                      std::to_string(packed::block_of(format)) +
-                      " values, which do not divide D = " + std::to_string(d));
+        fail(op, std::string("keys_format ") + packed::format_name(format) + " packs blocks of " +
+                     std::to_string(packed::block_of(format)) +
+                     " values, which do not divide D = " + std::to_string(d));
       row_bytes = packed::row_bytes(format, d);
     }
     if (ks.size() != 3 || ks[0] != b || ks[2] != row_bytes)
-      fail(kOp, std::string("Keys must be [b, R, ") + (kPacked ? "row_bytes" : "D") + "] = [" +
-                    std::to_string(b) + ", R, " + std::to_string(row_bytes) + "]" +
-                    (kPacked ? std::string(" (") + packed::format_name(format) +
-                                   " rows of D = " + std::to_string(d) + ")"
-                             : std::string()) +
-                    " (Q is " + shape_string(qs) + "), got " + shape_string(ks));
+      fail(op, std::string("Keys must be [b, R, ") + (kPacked ? "row_bytes" : "D") + "] = [" +
+                   std::to_string(b) + ", R, " + std::to_string(row_bytes) + "]" +
+                   (kPacked ? std::string(" (") + packed::format_name(format) +
+                                  " rows of D = " + std::to_string(d) + ")"
+                            : std::string()) +
+                   " (Q is " + shape_string(qs) + "), got " + shape_string(ks));
     if (width.NumberOfElement() != 1)
-      fail(kOp, "Width must hold one element, got shape " + shape_string(width.Shape()));
+      fail(op, "Width must hold one element, got shape " + shape_string(width.Shape()));
     const int64_t t = width.Data()[0];
     if (t < 0 || t > ks[1])
-      fail(kOp, "Width " + std::to_string(t) + " must be in [0, R = " + std::to_string(ks[1]) +
-                    "] (Keys " + shape_string(ks) + ")");
+      fail(op, "Width " + std::to_string(t) + " must be in [0, R = " + std::to_string(ks[1]) +
+                   "] (Keys " + shape_string(ks) + ")");
     const uint8_t* cand = nullptr;
     if (candidates.has_value() && *candidates != nullptr) {
       const std::vector<int64_t> cs = (*candidates)->Shape();
       if (cs.size() != 3 || cs[0] != b || cs[1] != s || cs[2] != t)
-        fail(kOp, "Candidates must be [b, s, Width] = [" + std::to_string(b) + ", " +
-                      std::to_string(s) + ", " + std::to_string(t) + "], got " + shape_string(cs));
+        fail(op, "Candidates must be [b, s, Width] = [" + std::to_string(b) + ", " +
+                     std::to_string(s) + ", " + std::to_string(t) + "], got " + shape_string(cs));
       static_assert(sizeof(bool) == 1, "bool tensors are read as bytes");
       cand = reinterpret_cast<const uint8_t*>((*candidates)->Data());
     }
@@ -708,13 +724,11 @@ struct IndexerScoreKernel {
     if (lengths.has_value() && *lengths != nullptr) {
       const std::vector<int64_t> ls = (*lengths)->Shape();
       if (ls.size() != 1 || ls[0] != s)
-        fail(kOp, "Lengths must be [s] = [" + std::to_string(s) + "], got " + shape_string(ls));
+        fail(op, "Lengths must be [s] = [" + std::to_string(s) + "], got " + shape_string(ls));
       reachable = (*lengths)->Data();
     }
-    float* out = score.Allocate({b, s, t});
-    if (b == 0 || s == 0 || t == 0) return;
 
-    Job job;
+    Job& job = sc.job;
     job.pr = is::Problem{b, s, h, d, t};
     job.r = ks[1];
     job.q = q.Data();
@@ -728,77 +742,267 @@ struct IndexerScoreKernel {
     }
     job.cand = cand;
     job.lengths = reachable;
-    job.out = out;
     job.s_blocks = (s + is::kTileS - 1) / is::kTileS;
     job.t_blocks = (t + is::kTileT - 1) / is::kTileT;
+    if (b == 0 || s == 0 || t == 0 || isa == Isa::kReference || !job.pr.tiled()) return;
 
-    using Fn = void (*)(const Job&, size_t, std::vector<float>&);
-    Fn fn = row_task;
-    int64_t tasks = b * s;
-    std::vector<float> qt, wt;
+    job.tile_fn = tiled_scalar;
+    int64_t lanes = 1;  // heads are padded to a multiple of the vector width
 #ifdef CSA_X86
-    std::vector<uint32_t> q2;
-    std::vector<is::pairs::Range> q_range;
-    std::optional<Int8Queries> q8;
-#endif
-    if (isa != Isa::kReference && job.pr.tiled()) {
-      fn = tiled_scalar;
-      int64_t width = 1;  // heads are padded to a multiple of the vector width
-#ifdef CSA_X86
-      if (isa == Isa::kAvx512 || isa == Isa::kAvx512Bf16) {
-        fn = tiled_avx512;
-        width = is::tv::VAvx512::W;
-      }
-      // integer dots with packed fp4_e8m0_32 keys (whole blocks of 32): on AVX2, heads 16 to
-      // an int16 vector; on AVX512-VNNI (the avx512 path, and the default where the CPU has
-      // it: faster than vdpbf16ps), 16 to an int32 vector; on AMX-INT8 (unforced where the
-      // CPU has it, or named), tiles of 16 heads x 16 keys
-      const bool fp4_keys = kPacked && format == packed::Format::kFp4E8m0;
-      const bool vnni = cpu_has_avx512vnni() &&
-                        (isa == Isa::kAvx512 || (isa == Isa::kAvx512Bf16 && !forced));
-      const bool integer_dots = fp4_keys && (isa == Isa::kAvx2 || vnni);
-      const bool on_amx = amx && (amx_named_ || (s >= kAmxMinQueries && cand == nullptr));
-      if (isa == Isa::kAvx512Bf16 && d % 32 == 0 && !integer_dots) {  // pairs of 32 values
-        fn = tiled_avx512bf16;
-        pair_queries(job.q, b * s, h, d, (h + width - 1) / width * width, q2, q_range);
-        job.q2 = q2.data();
-        job.q_range = q_range.data();
-      }
-      if (isa == Isa::kAvx2) {
-        fn = tiled_avx2;
-        width = is::tv::VAvx2::W;
-      }
-      int group = 2;
-      if (integer_dots && isa == Isa::kAvx2) {
-        fn = tiled_avx2_int8;
-        width = is::int8::kHeads;
-      } else if (integer_dots) {
-        fn = on_amx ? tiled_amx : tiled_avx512_int8;
-        width = is::tv::VAvx512::W;
-        group = on_amx ? is::int8::kRowMajor : 4;
-      }
-#endif
-      job.hp = (h + width - 1) / width * width;
-#ifdef CSA_X86
-      if (integer_dots) {
-        q8.emplace(ctx, job.q, b * s, h, d, job.hp, group);
-        job.q8 = q8->q.data();
-        job.q8_base = q8->base.data();
-        job.q8_scale = q8->scale.data();
-        job.q8_range = q8->range.data();
-        job.q8m = q8->qm.data();
-        job.q8m_unit = q8->unit.data();
-        job.q8m_ok = q8->merged.data();
-      }
-#endif
-      transpose_queries(job.q, job.w, b * s, h, d, job.hp, qt, wt);
-      job.qt = qt.data();
-      job.wt = wt.data();
-      tasks = b * job.s_blocks * job.t_blocks;
+    if (isa == Isa::kAvx512 || isa == Isa::kAvx512Bf16) {
+      job.tile_fn = tiled_avx512;
+      lanes = is::tv::VAvx512::W;
     }
-    run_tasks_with_scratch(ctx, b * s * h * t * d, serial_below::kMultiplyAdds,
-                           static_cast<size_t>(tasks), fn, job);
-    if (job.out_of_memory) ORT_CXX_API_THROW(std::string(kOp) + ": out of memory", ORT_FAIL);
+    // integer dots with packed fp4_e8m0_32 keys (whole blocks of 32): on AVX2, heads 16 to
+    // an int16 vector; on AVX512-VNNI (the avx512 path, and the default where the CPU has
+    // it: faster than vdpbf16ps), 16 to an int32 vector; on AMX-INT8 (unforced where the
+    // CPU has it, or named), tiles of 16 heads x 16 keys
+    const bool fp4_keys = kPacked && format == packed::Format::kFp4E8m0;
+    const bool vnni = cpu_has_avx512vnni() &&
+                      (isa == Isa::kAvx512 || (isa == Isa::kAvx512Bf16 && !forced));
+    const bool integer_dots = fp4_keys && (isa == Isa::kAvx2 || vnni);
+    const bool on_amx = amx && (amx_named_ || (s >= kAmxMinQueries && cand == nullptr));
+    if (isa == Isa::kAvx512Bf16 && d % 32 == 0 && !integer_dots) {  // pairs of 32 values
+      job.tile_fn = tiled_avx512bf16;
+      pair_queries(job.q, b * s, h, d, (h + lanes - 1) / lanes * lanes, sc.q2, sc.q_range);
+      job.q2 = sc.q2.data();
+      job.q_range = sc.q_range.data();
+    }
+    if (isa == Isa::kAvx2) {
+      job.tile_fn = tiled_avx2;
+      lanes = is::tv::VAvx2::W;
+    }
+    int group = 2;
+    if (integer_dots && isa == Isa::kAvx2) {
+      job.tile_fn = tiled_avx2_int8;
+      lanes = is::int8::kHeads;
+    } else if (integer_dots) {
+      job.tile_fn = on_amx ? tiled_amx : tiled_avx512_int8;
+      lanes = is::tv::VAvx512::W;
+      group = on_amx ? is::int8::kRowMajor : 4;
+    }
+#endif
+    job.hp = (h + lanes - 1) / lanes * lanes;
+#ifdef CSA_X86
+    if (integer_dots) {
+      sc.q8.emplace(ctx, job.q, b * s, h, d, job.hp, group);
+      job.q8 = sc.q8->q.data();
+      job.q8_base = sc.q8->base.data();
+      job.q8_scale = sc.q8->scale.data();
+      job.q8_range = sc.q8->range.data();
+      job.q8m = sc.q8->qm.data();
+      job.q8m_unit = sc.q8->unit.data();
+      job.q8m_ok = sc.q8->merged.data();
+    }
+#endif
+    transpose_queries(job.q, job.w, b * s, h, d, job.hp, sc.qt, sc.wt);
+    job.qt = sc.qt.data();
+    job.wt = sc.wt.data();
+  }
+};
+
+// Tiled task t of the whole Score (task_tile).
+void tile_task(const Job& j, size_t task, std::vector<float>& scratch) {
+  j.tile_fn(j, task_tile(j, task), scratch);
+}
+
+// Every score into `out` [b, s, T]: the tiles in parallel, or the definition row by row.
+void score_all(OrtKernelContext* ctx, const char* op, Scoring& sc, float* out) {
+  Job& job = sc.job;
+  const is::Problem& pr = job.pr;
+  job.out = out;
+  const int64_t tasks =
+      job.tile_fn != nullptr ? pr.b * job.s_blocks * job.t_blocks : pr.b * pr.s;
+  run_tasks_with_scratch(ctx, pr.b * pr.s * pr.h * pr.t * pr.d, serial_below::kMultiplyAdds,
+                         static_cast<size_t>(tasks), job.tile_fn != nullptr ? tile_task : row_task,
+                         job);
+  if (job.out_of_memory) ORT_CXX_API_THROW(std::string(op) + ": out of memory", ORT_FAIL);
+}
+
+template <typename K>
+struct IndexerScoreKernel : ScoringKernel<K> {
+  IndexerScoreKernel(const OrtApi*, const OrtKernelInfo* info)
+      : ScoringKernel<K>(info, kOp, 1) {}
+
+  Ort::Status Compute(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& q,
+                      const Ort::Custom::Tensor<float>& w, const Ort::Custom::Tensor<K>& keys,
+                      const Ort::Custom::Tensor<int64_t>& width,
+                      std::optional<const Ort::Custom::Tensor<int64_t>*> lengths,
+                      std::optional<const Ort::Custom::Tensor<bool>*> candidates,
+                      Ort::Custom::Tensor<float>& score) {
+    return status_of([&] {
+      Scoring sc;
+      this->Prepare(ctx, q, w, keys, width, lengths, candidates, sc);
+      const is::Problem& pr = sc.job.pr;
+      float* out = score.Allocate({pr.b, pr.s, pr.t});
+      if (pr.b > 0 && pr.s > 0 && pr.t > 0) score_all(ctx, kOp, sc, out);
+    });
+  }
+};
+
+// IndexerTopK: a score row's top k is torch's partial_sort branch (k * 64 <= T) fed the row's
+// scores tile by tile, in key order (torch_topk.h HeapSelect): the [b, s, T] scores are not
+// kept. A call whose scores fit kMaterializedScores, or that torch ranks otherwise (k * 64 >
+// T: nth_element over the whole row), or on the definition's path, scores every row first
+// (score_all, all tasks in parallel) and ranks each row as TorchTopK does: a decode step's one
+// row of a million keys needs the whole pool for its scores.
+constexpr const char* kTopKOp = "IndexerTopK";
+constexpr int64_t kMaterializedScores = int64_t{1} << 24;  // floats: 64 MiB
+// For tests (read when a session creates the kernel): "always" streams every call that can
+// (a tiled path, k * 64 <= T), "never" none; unset, by kMaterializedScores.
+constexpr const char* kStreamVariable = "CSA_INDEXER_TOPK_STREAM";
+enum class Streaming { kAuto, kAlways, kNever };
+Streaming streaming_setting() {
+  const char* v = std::getenv(kStreamVariable);
+  if (v == nullptr || *v == '\0') return Streaming::kAuto;
+  if (std::strcmp(v, "always") == 0) return Streaming::kAlways;
+  if (std::strcmp(v, "never") == 0) return Streaming::kNever;
+  fail(kTopKOp, std::string(kStreamVariable) + " must be \"always\" or \"never\", got \"" + v +
+                    "\"");
+}
+
+struct TopKJob {
+  const Job* job = nullptr;
+  int64_t k = 0;                    // per row: min(attribute k, T)
+  int64_t block = 0, nb = 0;        // block_size and blocks a row (0: no BlockScores)
+  int64_t rows_per = 0, s_blocks = 0;  // streamed: query rows a task, tasks a batch entry
+  const float* scores = nullptr;    // materialised [b, s, T], or null (streamed)
+  int64_t* indices = nullptr;       // [b, s, k]
+  uint32_t* block_scores = nullptr;  // [b, s, nb], or null
+  std::atomic<bool> out_of_memory{false};
+};
+
+using LargestFirst = HeapSelect<TopKF32, TopKLargestFirst>;
+
+// Materialised: row `task` of the scores, ranked as TorchTopK (largest, unsorted) ranks it,
+// its block maxes as BlockMax takes them.
+void topk_row(const TopKJob& tj, size_t task, std::vector<float>& scratch) {
+  const int64_t t = tj.job->pr.t, i = static_cast<int64_t>(task);
+  const float* row = tj.scores + i * t;
+  thread_local std::vector<TopKPair> pairs;
+  if (pairs.size() < static_cast<size_t>(t)) pairs.resize(static_cast<size_t>(t));
+  if (scratch.size() < static_cast<size_t>(tj.k)) scratch.resize(static_cast<size_t>(tj.k));
+  torch_topk_row<TopKF32>(row, t, tj.k, /*largest=*/true, /*sorted=*/false, pairs.data(),
+                          scratch.data(), tj.indices + i * tj.k);
+  if (tj.block_scores != nullptr)
+    block_max::blocks_of_row(reinterpret_cast<const uint32_t*>(row), t, tj.block, 0, tj.nb,
+                             tj.block_scores + i * tj.nb);
+}
+
+// Streamed: task = (batch entry, block of rows_per query rows), its rows' scores made a key
+// tile at a time in key order and fed to each row's heap (and block maxes) as they come.
+void topk_streamed(const TopKJob& tj, size_t task, std::vector<float>& scratch) {
+  const Job& j = *tj.job;
+  const is::Problem& pr = j.pr;
+  const int64_t bi = static_cast<int64_t>(task) / tj.s_blocks;
+  const int64_t s0 = static_cast<int64_t>(task) % tj.s_blocks * tj.rows_per;
+  const int64_t rows = std::min(tj.rows_per, pr.s - s0), first_row = bi * pr.s + s0;
+  thread_local std::vector<float> tile_scores;  // [rows][kTileT]
+  thread_local std::vector<TopKPair> heaps;     // [rows][k]
+  tile_scores.resize(static_cast<size_t>(rows * is::kTileT));
+  heaps.resize(static_cast<size_t>(rows * tj.k));
+  std::vector<LargestFirst> select;
+  std::vector<block_max::RowStream> blocks;
+  for (int64_t r = 0; r < rows; ++r) {
+    select.push_back({heaps.data() + r * tj.k, tj.k});
+    if (tj.block_scores != nullptr)
+      blocks.push_back({tj.block_scores + (first_row + r) * tj.nb, tj.block});
+  }
+  for (int64_t t0 = 0; t0 < pr.t; t0 += is::kTileT) {
+    const int64_t cols = std::min(is::kTileT, pr.t - t0);
+    j.tile_fn(j, TaskTile{bi, t0, s0, cols, rows, tile_scores.data(), is::kTileT}, scratch);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* row = tile_scores.data() + r * is::kTileT;
+      select[r].push(row, cols);
+      if (!blocks.empty()) blocks[r].push(reinterpret_cast<const uint32_t*>(row), cols);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    select[r].finish();
+    int64_t* out = tj.indices + (first_row + r) * tj.k;
+    for (int64_t i = 0; i < tj.k; ++i) out[i] = select[r].heap[i].index;
+    if (!blocks.empty()) blocks[r].finish();
+  }
+}
+
+template <typename K>
+struct IndexerTopKKernel : ScoringKernel<K> {
+  int64_t k;
+  int64_t block;  // BlockScores' block size, 0: no BlockScores
+  Streaming streaming;
+
+  IndexerTopKKernel(const OrtApi*, const OrtKernelInfo* info)
+      : ScoringKernel<K>(info, kTopKOp, 1),
+        k(required_attribute<int64_t>(info, kTopKOp, "k", "an int")),
+        block(optional_attribute<int64_t>(info, kTopKOp, "block_size", "an int").value_or(0)),
+        streaming(streaming_setting()) {
+    if (k < 1) fail(kTopKOp, "k must be >= 1, got " + std::to_string(k));
+    if (block < 0)
+      fail(kTopKOp, "block_size must be >= 1 (or 0: no BlockScores), got " +
+                        std::to_string(block));
+    const Ort::ConstKernelInfo ki(info);
+    const bool wanted = ki.GetOutputCount() > 1 && !ki.GetOutputName(1).empty();
+    if (wanted != (block > 0))
+      fail(kTopKOp, block > 0 ? "block_size " + std::to_string(block) +
+                                    " asks for the output BlockScores, which the node leaves out"
+                              : std::string("the output BlockScores needs block_size >= 1"));
+  }
+
+  Ort::Status Compute(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& q,
+                      const Ort::Custom::Tensor<float>& w, const Ort::Custom::Tensor<K>& keys,
+                      const Ort::Custom::Tensor<int64_t>& width,
+                      std::optional<const Ort::Custom::Tensor<int64_t>*> lengths,
+                      std::optional<const Ort::Custom::Tensor<bool>*> candidates,
+                      Ort::Custom::Tensor<int64_t>& indices,
+                      std::optional<Ort::Custom::Tensor<float>*> block_scores) {
+    return status_of([&] { Run(ctx, q, w, keys, width, lengths, candidates, indices,
+                               block_scores); });
+  }
+
+  void Run(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& q,
+           const Ort::Custom::Tensor<float>& w, const Ort::Custom::Tensor<K>& keys,
+           const Ort::Custom::Tensor<int64_t>& width,
+           std::optional<const Ort::Custom::Tensor<int64_t>*> lengths,
+           std::optional<const Ort::Custom::Tensor<bool>*> candidates,
+           Ort::Custom::Tensor<int64_t>& indices,
+           std::optional<Ort::Custom::Tensor<float>*> block_scores) const {
+    Scoring sc;
+    this->Prepare(ctx, q, w, keys, width, lengths, candidates, sc);
+    const is::Problem& pr = sc.job.pr;
+    TopKJob tj;
+    tj.job = &sc.job;
+    tj.k = std::min(k, pr.t);
+    tj.block = block;
+    tj.nb = block > 0 ? (pr.t + block - 1) / block : 0;
+    tj.indices = indices.Allocate({pr.b, pr.s, tj.k});
+    if (block > 0) {
+      const std::vector<int64_t> shape{pr.b, pr.s, tj.nb};
+      if (!block_scores.has_value() || !has_output(ctx, 1, shape))
+        fail(kTopKOp, "block_size " + std::to_string(block) + " needs the output BlockScores");
+      static_assert(sizeof(float) == sizeof(uint32_t), "block maxes written as their bits");
+      tj.block_scores = reinterpret_cast<uint32_t*>((*block_scores)->Allocate(shape));
+    }
+    if (pr.b == 0 || pr.s == 0 || pr.t == 0) return;
+    const int64_t rows = pr.b * pr.s;
+    const bool can_stream = sc.job.tile_fn != nullptr && tj.k * 64 <= pr.t;
+    const bool stream = can_stream && streaming != Streaming::kNever &&
+                        (streaming == Streaming::kAlways || rows * pr.t > kMaterializedScores);
+    if (!stream) {
+      std::vector<float> scores(static_cast<size_t>(rows * pr.t));
+      score_all(ctx, kTopKOp, sc, scores.data());
+      tj.scores = scores.data();
+      run_tasks_with_scratch(ctx, rows * pr.t, serial_below::kElements,
+                             static_cast<size_t>(rows), topk_row, tj);
+    } else {
+      // At least 4 tasks where the rows allow (a 128-row chunk on 2 threads: 4 of 32), up
+      // to kTileS rows each (a task's key tiles serve all its rows).
+      const int64_t quarter = (rows + 3) / 4;
+      tj.rows_per = std::min(is::kTileS, std::max(int64_t{16}, (quarter + 15) / 16 * 16));
+      tj.s_blocks = (pr.s + tj.rows_per - 1) / tj.rows_per;
+      run_tasks_with_scratch(ctx, rows * pr.h * pr.t * pr.d, serial_below::kMultiplyAdds,
+                             static_cast<size_t>(pr.b * tj.s_blocks), topk_streamed, tj);
+    }
+    if (tj.out_of_memory) ORT_CXX_API_THROW(std::string(kTopKOp) + ": out of memory", ORT_FAIL);
   }
 };
 
@@ -825,6 +1029,10 @@ void AppendIndexerScoreOps(std::vector<std::unique_ptr<Ort::Custom::OrtLiteCusto
       kOp, "CPUExecutionProvider"));
   ops.emplace_back(Ort::Custom::CreateLiteCustomOp<IndexerScoreKernel<uint8_t>>(
       kOp, "CPUExecutionProvider"));
+  ops.emplace_back(Ort::Custom::CreateLiteCustomOp<IndexerTopKKernel<float>>(
+      kTopKOp, "CPUExecutionProvider"));
+  ops.emplace_back(Ort::Custom::CreateLiteCustomOp<IndexerTopKKernel<uint8_t>>(
+      kTopKOp, "CPUExecutionProvider"));
 }
 
 }  // namespace csa

@@ -8,6 +8,6 @@ struct OrtLiteCustomOp;
 }
 
 namespace csa {
-// Appends the IndexerScore kernels (float or packed uint8 keys, CPU) to `ops`.
+// Appends the IndexerScore and IndexerTopK kernels (float or packed uint8 keys, CPU) to `ops`.
 void AppendIndexerScoreOps(std::vector<std::unique_ptr<Ort::Custom::OrtLiteCustomOp>>& ops);
 }  // namespace csa

@@ -4,9 +4,9 @@
 // What that context can say limits what is set here: it passes an input without a known
 // shape as rank 0 (so a rank-0 input counts as unknown, never as a scalar), it cannot take
 // an unknown dimension in an output (an output is set only when every dimension is a size or
-// a symbolic name), it passes no input values (TorchTopK's K; IndexerScore's Width, so that
-// op has no rule: its Score [b, s, Width] always has one dimension neither a size nor a
-// name), and it cannot tell how many outputs a node has (Fp4QuantDequant's optional Scale is
+// a symbolic name), it passes no input values (TorchTopK's K; IndexerScore's and
+// IndexerTopK's Width, so those ops have no rule: each output has a dimension neither a size
+// nor a name), and it cannot tell how many outputs a node has (Fp4QuantDequant's optional Scale is
 // left alone). Whatever is not set, onnxruntime leaves unknown, as it did before. A status returned here is only logged by
 // onnxruntime: the kernels check every shape when they run.
 #include "shape_inference.h"

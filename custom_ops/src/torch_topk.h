@@ -327,17 +327,37 @@ CSA_HD void nth_element(E* first, E* nth, E* last, C comp) {
 // heap_select then sort_heap, and heap_select only moves a pair past k into the heap, when it
 // goes before the top (pop_heap: the top lands where that pair was, a place nothing reads
 // again). So the pairs past k are made one at a time, tested against the top and dropped:
-// the same heap moves as on the full queue, without writing n pairs.
+// the same heap moves as on the full queue, without writing n pairs. The row may come in
+// pieces, in order (`push`): IndexerTopK feeds it scores as it computes them, so that a
+// row's scores never exist all at once.
+template <typename Fmt, typename C>
+struct HeapSelect {
+  TopKPair* heap;  // k entries
+  int64_t k;
+  int64_t seen = 0;  // values pushed so far: the next one's index in the row
+
+  CSA_HD void push(const typename Fmt::Storage* values, int64_t n) {
+    const C comp{};
+    for (int64_t j = 0; j < n; ++j, ++seen) {
+      const TopKPair pair{Fmt::key(values[j]), seen};
+      if (seen < k) {
+        heap[seen] = pair;
+        if (seen == k - 1) libstdcxx::make_heap(heap, heap + k, comp);
+      } else if (comp(pair, heap[0])) {
+        libstdcxx::adjust_heap(heap, int64_t{0}, k, pair, comp);
+      }
+    }
+  }
+  // After the whole row (at least k values): heap[0..k) is torch's output, in order.
+  CSA_HD void finish() { libstdcxx::sort_heap(heap, heap + k, C{}); }
+};
+
 template <typename Fmt, typename C>
 CSA_HD void partial_sort_streamed(const typename Fmt::Storage* row, int64_t n, int64_t k,
-                                  TopKPair* heap, C comp) {
-  for (int64_t j = 0; j < k; ++j) heap[j] = TopKPair{Fmt::key(row[j]), j};
-  libstdcxx::make_heap(heap, heap + k, comp);
-  for (int64_t j = k; j < n; ++j) {
-    const TopKPair pair{Fmt::key(row[j]), j};
-    if (comp(pair, heap[0])) libstdcxx::adjust_heap(heap, int64_t{0}, k, pair, comp);
-  }
-  libstdcxx::sort_heap(heap, heap + k, comp);
+                                  TopKPair* heap, C) {
+  HeapSelect<Fmt, C> select{heap, k};
+  select.push(row, n);
+  select.finish();
 }
 
 // torch's selection of row[0..n), 1 <= k <= n: afterwards q[0..k) is its output, in order

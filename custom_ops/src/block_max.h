@@ -1,0 +1,62 @@
+// The block max of BlockMax (block_max_op.cc), shared with IndexerTopK's block scores: the
+// largest value of a block with +0 above -0 (IEEE 754-2019 maximum), NaN (0x7FC00000) for a
+// block holding one; defined whatever the order of the comparisons.
+#pragma once
+
+#include <cstdint>
+
+namespace csa {
+namespace block_max {
+
+// A float's place in the total order -inf < ... < -0 < +0 < ... < +inf, as an int32 (NaN is
+// kept apart): negative floats have their magnitude bits flipped. Its own inverse.
+inline int32_t order_key(uint32_t bits) {
+  const int32_t b = static_cast<int32_t>(bits);
+  return b ^ static_cast<int32_t>((static_cast<uint32_t>(b >> 31)) >> 1);
+}
+inline bool is_nan(uint32_t bits) { return (bits & 0x7FFFFFFFu) > 0x7F800000u; }
+inline uint32_t result(int32_t best, bool nan) {
+  return nan ? 0x7FC00000u : static_cast<uint32_t>(order_key(static_cast<uint32_t>(best)));
+}
+
+// Y[block] for `count` consecutive blocks of one row, from X's first value of the first.
+inline void blocks_of_row(const uint32_t* x, int64_t width, int64_t block, int64_t first,
+                          int64_t count, uint32_t* y) {
+  for (int64_t j = first; j < first + count; ++j) {
+    const int64_t lo = j * block, hi = lo + block < width ? lo + block : width;
+    int32_t best = order_key(x[lo]);
+    bool nan = false;
+    for (int64_t i = lo; i < hi; ++i) {
+      const int32_t k = order_key(x[i]);
+      best = k > best ? k : best;
+      nan = nan || is_nan(x[i]);
+    }
+    y[j] = result(best, nan);
+  }
+}
+
+// A row's block maxes with the row fed in pieces, in order: y[j] is written when block j is
+// whole, the last (shorter) block by `finish`.
+struct RowStream {
+  uint32_t* y;
+  int64_t block;
+  int64_t seen = 0;  // values pushed so far
+  int32_t best = 0;
+  bool nan = false;
+
+  void push(const uint32_t* x, int64_t n) {
+    for (int64_t i = 0; i < n; ++i, ++seen) {
+      const int64_t at = seen % block;
+      const int32_t k = order_key(x[i]);
+      best = at == 0 || k > best ? k : best;
+      nan = (at != 0 && nan) || is_nan(x[i]);
+      if (at == block - 1) y[seen / block] = result(best, nan);
+    }
+  }
+  void finish() const {
+    if (seen % block != 0) y[seen / block] = result(best, nan);
+  }
+};
+
+}  // namespace block_max
+}  // namespace csa
