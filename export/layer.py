@@ -200,8 +200,10 @@ class AttentionLayer(nn.Module):
             if p.index_source:
                 selection = self.indexer.select(
                     op, x, qr, slots.index_k, candidates=slots.candidates, mode=mode,
-                    start_pos=pos, window_rows=op.Slice(op.Shape(window_rows), [1], [2]))
-                debug("index_score", selection.score)
+                    start_pos=pos, window_rows=op.Slice(op.Shape(window_rows), [1], [2]),
+                    keep_score=debug.enabled)  # else no [b, s, T] scores (IndexerTopK)
+                if selection.score is not None:
+                    debug("index_score", selection.score)
                 debug("index_topk_idxs", selection.topk_idxs)
                 topk, candidates = selection.topk_idxs, selection.candidates
                 if candidates is not None:

@@ -13,7 +13,7 @@ hand them to the owner's write as ordering edges (`reads_before_write`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import onnx_ir as ir
@@ -111,37 +111,43 @@ class Slots:
 
 @dataclass
 class KeySlotRead:
-    """The index_k slot as one indexer reads it (graphs.indexer.KeyCacheChoice): the score
-    is computed in an If branch per candidate cache, on that cache in place, so only the
-    [b, s, T] scores leave the branches: the caches (O(context) rows) are never copied."""
+    """The index_k slot as one indexer reads it (graphs.indexer.KeyCacheChoice): the scoring
+    runs in an If branch per candidate cache, on that cache in place, so only its results
+    leave the branches: the caches (O(context) rows) are never copied."""
 
     slots: Slots
     owners: list[tuple[int, ir.Value]]  # (layer, its cache), chosen when publisher == layer
     fallback: ir.Value  # chosen when no owner is named
 
-    def apply(self, op: OpBuilder, fn: Callable[[OpBuilder, ir.Value], ir.Value]) -> ir.Value:
-        def choose(o: OpBuilder, owners: list[tuple[int, ir.Value]]) -> ir.Value:
+    def apply(self, op: OpBuilder, fn: Callable[[OpBuilder, ir.Value], Sequence[ir.Value]],
+              outputs: Sequence[tuple[str, ir.DataType]]) -> tuple[ir.Value, ...]:
+        def choose(o: OpBuilder, owners: list[tuple[int, ir.Value]]) -> tuple[ir.Value, ...]:
             if not owners:
-                return fn(o, self.fallback)
+                return tuple(fn(o, self.fallback))
             (layer, cache), rest = owners[0], owners[1:]
             return _if(o, o.Equal(self.slots.publisher, layer), lambda b: fn(b, cache),
-                       lambda b: choose(b, rest))
+                       lambda b: choose(b, rest), outputs)
 
-        result = choose(op, self.owners)
-        self.slots.note_key_read(result)
-        return result
+        results = choose(op, self.owners)
+        self.slots.note_key_read(results[0])
+        return results
 
 
-def _if(op: OpBuilder, condition: ir.Value, then: Callable[[OpBuilder], ir.Value],
-        otherwise: Callable[[OpBuilder], ir.Value]) -> ir.Value:
-    """If(condition) then `then` else `otherwise`, each a subgraph of one float output (the
-    candidate caches differ in rows, so Where cannot choose between them)."""
+def _if(op: OpBuilder, condition: ir.Value, then: Callable[[OpBuilder], Sequence[ir.Value]],
+        otherwise: Callable[[OpBuilder], Sequence[ir.Value]],
+        outputs: Sequence[tuple[str, ir.DataType]]) -> tuple[ir.Value, ...]:
+    """If(condition) then `then` else `otherwise`, each a subgraph of the named outputs, each
+    [b, s, ?] (the candidate caches differ in rows, so Where cannot choose between them)."""
     builder = op.builder
-    then_graph = builder.subgraph(then, inputs=[], outputs=[ir.Value(name="score")],
-                                  name="slot_is_this_owner")
-    else_graph = builder.subgraph(otherwise, inputs=[], outputs=[ir.Value(name="score")],
-                                  name="slot_is_another")
-    result = op.If(op.Squeeze(condition, [0]), then_branch=then_graph, else_branch=else_graph)
-    result.type = ir.TensorType(ir.DataType.FLOAT)  # the indexer's scores [b, s, T]
-    result.shape = ir.Shape([None, None, None])
-    return result
+
+    def branch(fn: Callable[[OpBuilder], Sequence[ir.Value]], name: str) -> ir.Graph:
+        return builder.subgraph(lambda b: list(fn(b)), inputs=[],
+                                outputs=[ir.Value(name=n) for n, _ in outputs], name=name)
+
+    results = op.If(op.Squeeze(condition, [0]), then_branch=branch(then, "slot_is_this_owner"),
+                    else_branch=branch(otherwise, "slot_is_another"), _outputs=len(outputs))
+    results = (results,) if isinstance(results, ir.Value) else tuple(results)
+    for result, (_, dtype) in zip(results, outputs, strict=True):
+        result.type = ir.TensorType(dtype)
+        result.shape = ir.Shape([None, None, None])
+    return results

@@ -35,17 +35,23 @@ def select_candidate_blocks(op: OpBuilder, logits: ir.Value, compress_lens: ir.V
     """logits [b, s, T] f32 (-inf where unreachable); compress_lens int64 broadcastable to
     [b, s] (reachable positions per query). T and the sizes are dynamic; T = 0 gives an
     empty mask. (A portable graph swaps torch's tie order for ONNX TopK's.)"""
-    if topk_blocks <= 0:
-        raise ValueError(f"candidate_topk_blocks must be > 0, got {topk_blocks}")
-    if block_size <= 0:
-        raise ValueError(f"candidate_block_size must be > 0, got {block_size}")
-    zero, one = op.Constant(value_int=0), op.Constant(value_int=1)
-    shape = op.Shape(logits)
-    width = op.Slice(shape, [2], [3])
-    n_blocks = op.Div(op.Add(width, block_size - 1), block_size)
-
+    _check_sizes(topk_blocks, block_size)
     # A block's score is its max (the last block as if padded with -inf), read in place.
-    block_scores = block_max(op, logits, block_size)
+    width = op.Slice(op.Shape(logits), [2], [3])
+    return candidates_of_blocks(op, block_max(op, logits, block_size), width, compress_lens,
+                                topk_blocks, block_size)
+
+
+def candidates_of_blocks(op: OpBuilder, block_scores: ir.Value, width: ir.Value,
+                         compress_lens: ir.Value, topk_blocks: int,
+                         block_size: int) -> CandidateBlocks:
+    """select_candidate_blocks from the logits' block maxes [b, s, ceil(T / block_size)]
+    (BlockMax's, or IndexerTopK's BlockScores: the logits themselves need not exist);
+    width int64 [1] is T."""
+    _check_sizes(topk_blocks, block_size)
+    zero, one = op.Constant(value_int=0), op.Constant(value_int=1)
+    rows = op.Slice(op.Shape(block_scores), [0], [2])  # [b, s]
+    n_blocks = op.Slice(op.Shape(block_scores), [2], [3])
 
     # Force the block of the newest reachable position: (compress_lens - 1) // block_size,
     # floor division, so compress_lens == 0 gives -1 and forces nothing (ONNX Div truncates).
@@ -63,7 +69,7 @@ def select_candidate_blocks(op: OpBuilder, logits: ir.Value, compress_lens: ir.V
     # marks into zeros [b, s, nb] (the k indices of a row are distinct, so the scatter is
     # exact); a position inherits its block's mark.
     keep = op.Cast(op.Greater(values, op.Constant(value_float=NEG_INF)), to=FLOAT)
-    zeros = op.ConstantOfShape(op.Concat(op.Slice(shape, [0], [2]), n_blocks, axis=0))
+    zeros = op.ConstantOfShape(op.Concat(rows, n_blocks, axis=0))
     kept = op.Greater(op.ScatterElements(zeros, indices, keep, axis=2),
                       op.Constant(value_float=0.0))
     # Each block's mark repeated over its block_size positions, cut to the width: block_size
@@ -73,6 +79,13 @@ def select_candidate_blocks(op: OpBuilder, logits: ir.Value, compress_lens: ir.V
     # element at a time), this 0.6.
     copies = op.Expand(op.Unsqueeze(kept, [0]), op.Constant(value_ints=[block_size, 1, 1, 1]))
     marks = op.Transpose(copies, perm=[1, 2, 3, 0])  # [b, s, nb, block_size]
-    positions = op.Reshape(marks, op.Concat(op.Slice(shape, [0], [2]), [-1], axis=0))
+    positions = op.Reshape(marks, op.Concat(rows, [-1], axis=0))
     candidates = op.Slice(positions, [0], width, [2])
     return CandidateBlocks(candidates, block_scores, values, indices)
+
+
+def _check_sizes(topk_blocks: int, block_size: int) -> None:
+    if topk_blocks <= 0:
+        raise ValueError(f"candidate_topk_blocks must be > 0, got {topk_blocks}")
+    if block_size <= 0:
+        raise ValueError(f"candidate_block_size must be > 0, got {block_size}")

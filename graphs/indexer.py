@@ -5,13 +5,14 @@ Two entry points, both through the module's __call__ (so parameter names get its
   pre-RoPE latents (the caller writes them to its key cache and publishes the slot).
 - `select(op, x, qr, index_k, ...)`: scores the queries against the first end_pos // r rows
   of `index_k` (whatever key cache the shared slot holds, possibly another layer's, read
-  packed in place by the IndexerScore op) and returns the top-k selection, offset past the
-  window rows.
+  packed in place) and returns the top-k selection, offset past the window rows. The scores
+  and their top-k are one IndexerTopK op (no [b, s, T] scores: a GiB for a 256-token chunk at
+  1M keys); keep_score adds the scores themselves, for inspection, from IndexerScore.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -22,12 +23,13 @@ from onnxscript import OpBuilder, nn
 from csa2onnx.custom_ops.constants import INDEXER_SCORE_MAX_DIM
 from csa2onnx.custom_ops.ops import (
     indexer_score,
+    indexer_topk,
     mask_scores,
     pack_quantized,
     torch_topk,
     unpack_quantized,
 )
-from csa2onnx.graphs.candidates import select_candidate_blocks
+from csa2onnx.graphs.candidates import candidates_of_blocks, select_candidate_blocks
 from csa2onnx.graphs.common import Mode, scalar_i64
 from csa2onnx.graphs.kv_cache import INDEX_KEY_FORMAT
 from csa2onnx.graphs.numerics import (
@@ -45,11 +47,12 @@ from csa2onnx.graphs.rope import FreqsCis, RopeParams, apply_rotary_emb, token_p
 
 class KeyCacheChoice(Protocol):
     """A key cache chosen at run time among several (the shared index_k slot,
-    export/slots.py): `apply(op, fn)` is fn(op, cache) for whichever cache it is, each
-    candidate read in place, so that no cache is copied to be chosen."""
+    export/slots.py): `apply(op, fn, outputs)` is fn(op, cache) for whichever cache it is,
+    each candidate read in place, so that no cache is copied to be chosen; `outputs` names
+    fn's results and their types (each [b, s, ?])."""
 
-    def apply(self, op: OpBuilder,
-              fn: Callable[[OpBuilder, ir.Value], ir.Value]) -> ir.Value: ...
+    def apply(self, op: OpBuilder, fn: Callable[[OpBuilder, ir.Value], Sequence[ir.Value]],
+              outputs: Sequence[tuple[str, ir.DataType]]) -> tuple[ir.Value, ...]: ...
 
 
 @dataclass(frozen=True)
@@ -76,12 +79,12 @@ class IndexKeyRows(NamedTuple):
 class IndexerOutput(NamedTuple):
     """topk_idxs int64 [b, s, min(index_topk, end_pos // r)]: ascending compressed
     positions + offset, -1 where unreachable; score f32 [b, s, end_pos // r] as handed to
-    top-k; candidates bool [b, s, end_pos // r] (candidate source only, else None); the
-    rest are intermediates for inspection: the queries before / after fp4 [b, s, H, D] and
-    top-k's raw indices in its returned order."""
+    top-k (None unless select() kept it); candidates bool [b, s, end_pos // r] (candidate
+    source only, else None); the rest are intermediates for inspection: the queries before /
+    after fp4 [b, s, H, D] and top-k's raw indices in its returned order."""
 
     topk_idxs: ir.Value
-    score: ir.Value
+    score: ir.Value | None
     candidates: ir.Value | None
     q_rope_prequant: ir.Value
     q_rope: ir.Value
@@ -169,21 +172,25 @@ class Indexer(nn.Module):
     def select(self, op: OpBuilder, x: ir.Value, qr: ir.Value,
                index_k: ir.Value | KeyCacheChoice, *,
                start_pos: ir.Value | None = None, candidates: ir.Value | None = None,
-               window_rows: ir.Value | None = None, mode: Mode = "prefill") -> IndexerOutput:
+               window_rows: ir.Value | None = None, mode: Mode = "prefill",
+               keep_score: bool = True) -> IndexerOutput:
         """x [b, s, dim], qr [b, s, q_lora_rank]; index_k the key cache in the shared slot,
         float [b, R, D] or packed (uint8 [b, R, row_bytes], INDEX_KEY_FORMAT, read in place)
         (R >= end_pos // r), or a KeyCacheChoice among such caches; start_pos int64 scalar
         or [1] (decode; in prefill only when continuing a sequence, else 0); candidates
         bool [b, s, end_pos // r] when uses_candidates; window_rows int64 [1]: how many
         window rows precede the compressed ones in this call's KV list (the selection's
-        offset; default s in prefill, the window size in decode)."""
+        offset; default s in prefill, the window size in decode). keep_score: return the
+        [b, s, T] scores too (for inspection: IndexerScore beside the selection's
+        IndexerTopK, which never holds them whole)."""
         if mode not in ("prefill", "decode"):
             raise ValueError(f"mode must be 'prefill' or 'decode', got {mode!r}")
         if mode == "decode" and start_pos is None:
             raise ValueError("start_pos is required in decode")
         if self.uses_candidates != (candidates is not None):
             raise ValueError("candidates must be given exactly when uses_candidates is set")
-        return self(op, x, qr, index_k, start_pos, candidates, window_rows, mode=mode)
+        return self(op, x, qr, index_k, start_pos, candidates, window_rows, mode=mode,
+                    keep_score=keep_score)
 
     def _rope(self, op: OpBuilder, x: ir.Value, positions: ir.Value) -> ir.Value:
         cos, sin = self.freqs_cis(op, positions)
@@ -199,8 +206,10 @@ class Indexer(nn.Module):
         no [b, s, H, T] intermediate, and no dot computed where the score is -inf), or those
         standard ops where D is past the op's limit."""
         if not isinstance(index_k, ir.Value):  # chosen at run time: scored where it lies
-            return index_k.apply(
-                op, lambda o, cache: self._score(o, q, w, cache, width, candidates, lengths))
+            (score,) = index_k.apply(
+                op, lambda o, cache: (self._score(o, q, w, cache, width, candidates, lengths),),
+                [("score", ir.DataType.FLOAT)])
+            return score
         packed = index_k.dtype == ir.DataType.UINT8
         if self.head_dim <= INDEXER_SCORE_MAX_DIM:
             return indexer_score(op, q, w, index_k, width, INDEX_KEY_FORMAT if packed else None,
@@ -213,10 +222,32 @@ class Indexer(nn.Module):
         score = round_bf16(op, reduce_axis(op, "Sum", weighted, 2))
         return mask_scores(op, score, width, candidates, lengths)
 
+    def _top_k(self, op: OpBuilder, q: ir.Value, w: ir.Value,
+               index_k: ir.Value | KeyCacheChoice, width: ir.Value,
+               candidates: ir.Value | None, lengths: ir.Value | None,
+               block_size: int) -> tuple[ir.Value, ir.Value | None]:
+        """_score's scores, top-k'd as torch.topk(score, min(index_topk, T), sorted=False)
+        (its indices in its order) and with block_size their block maxes [b, s, T/bs]: one
+        IndexerTopK (the scores never whole), reading the packed cache in place."""
+        if not isinstance(index_k, ir.Value):  # chosen at run time: ranked where it lies
+            outputs = [("raw_indices", ir.DataType.INT64)]
+            if block_size:
+                outputs.append(("block_scores", ir.DataType.FLOAT))
+            results = index_k.apply(
+                op, lambda o, cache: [v for v in self._top_k(
+                    o, q, w, cache, width, candidates, lengths, block_size) if v is not None],
+                outputs)
+            return results[0], results[1] if block_size else None
+        packed = index_k.dtype == ir.DataType.UINT8
+        return indexer_topk(op, q, w, index_k, width, self.index_topk,
+                            INDEX_KEY_FORMAT if packed else None, self.head_dim, candidates,
+                            lengths, block_size)
+
     def forward(self, op: OpBuilder, x: ir.Value, qr: ir.Value,
                 index_k: ir.Value | KeyCacheChoice,
                 start_pos: ir.Value | None, candidates: ir.Value | None,
-                window_rows: ir.Value | None, *, mode: Mode) -> IndexerOutput:
+                window_rows: ir.Value | None, *, mode: Mode,
+                keep_score: bool = True) -> IndexerOutput:
         """select(): called through __call__, so the parameters are realised in scope."""
         s = op.Slice(op.Shape(qr), [1], [2])
         start = op.Constant(value_ints=[0]) if start_pos is None else scalar_i64(op, start_pos)
@@ -242,17 +273,26 @@ class Indexer(nn.Module):
             offset = self.window_size if window_rows is None else window_rows
         # Level two (a later index source): non-candidates score -inf too (none of these
         # is computed) but stay selectable (reference quirk 2).
-        score = self._score(op, q, w, index_k, width, candidates,
-                            lens if mode == "prefill" else None)  # [b, s, T]
-
-        published = None
-        if self.candidate_config is not None:
-            # From the reachability-masked score (the goldens' block scores say so).
-            published = select_candidate_blocks(
-                op, score, lens, self.candidate_config.topk_blocks,
-                self.candidate_config.block_size).candidates
+        reach = lens if mode == "prefill" else None
         k_sel = op.Min(width, op.Constant(value_ints=[self.index_topk]))
-        _, raw = torch_topk(op, score, k_sel, largest=True, sorted=False)
+        # The candidate source's blocks come from the reachability-masked score (the goldens'
+        # block scores say so).
+        cc = self.candidate_config
+        published = score = None
+        if self.head_dim > INDEXER_SCORE_MAX_DIM:  # standard ops: every score, then top-k
+            score = self._score(op, q, w, index_k, width, candidates, reach)  # [b, s, T]
+            if cc is not None:
+                published = select_candidate_blocks(op, score, lens, cc.topk_blocks,
+                                                    cc.block_size).candidates
+            _, raw = torch_topk(op, score, k_sel, largest=True, sorted=False)
+        else:
+            raw, block_scores = self._top_k(op, q, w, index_k, width, candidates, reach,
+                                            cc.block_size if cc is not None else 0)
+            if cc is not None:
+                published = candidates_of_blocks(op, block_scores, width, lens, cc.topk_blocks,
+                                                 cc.block_size).candidates
+            if keep_score:  # for inspection only: the selection above does not read it
+                score = self._score(op, q, w, index_k, width, candidates, reach)
         ascending, _ = op.TopK(raw, k_sel, axis=-1, largest=0, sorted=1, _outputs=2)
         reachable = op.Less(ascending, op.Unsqueeze(lens, [-1]))
         topk_idxs = op.Where(reachable, op.Add(ascending, offset), op.Constant(value_int=-1))

@@ -124,35 +124,47 @@ def case1_exports(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, Path]:
 def test_an_exported_stack_differs_only_where_a_body_cannot_serve(case1_exports) -> None:
     """Default and portable artifacts hold the same custom nodes, but RopeCosSin (replaced by
     Gathers from tables), the packed-cache SparseAttention (its 5-input node becomes the
-    4-input one over one more UnpackQuantized's rows), IndexerScore over the packed key
-    cache (the float-key node over one more UnpackQuantized's rows) and wo_a's grouped
-    TorchLinear (a node per group, each reading its own initializer). The exporter computes
-    identical nodes once, so readers of one packed cache share one UnpackQuantized there."""
+    4-input one over one more UnpackQuantized's rows), IndexerTopK (written as IndexerScore,
+    TorchTopK and, with block_size, BlockMax; its packed key cache read as the float-key node
+    over one more UnpackQuantized's rows) and wo_a's grouped TorchLinear (a node per group,
+    each reading its own initializer). The exporter computes identical nodes once, so readers
+    of one packed cache share one UnpackQuantized there."""
     args = golden("case1_r2_r1").model_args
     extra_linears = len(args["compress_ratios"]) * (args["o_groups"] - 1)
+
+    def packed_keys(n: onnx.NodeProto) -> bool:
+        return (n.op_type in ("IndexerScore", "IndexerTopK")
+                and any(a.name == "keys_format" for a in n.attribute))
+
     for mode in ("prefill", "decode"):
-        count, packed_reads, packed_sources = {}, {}, {}
+        count, packed_reads, packed_sources, blocks = {}, {}, {}, 0
         for portable, folder in case1_exports.items():
             graph = onnx.load(str(folder / f"{mode}.onnx"), load_external_data=False).graph
             nodes = [n for n in _all_nodes(graph) if n.domain == "csa2onnx"]
             count[portable] = collections.Counter(n.op_type for n in nodes)
             packed_reads[portable] = sum(
-                (n.op_type == "SparseAttention" and len(n.input) == 5) or
-                (n.op_type == "IndexerScore" and any(a.name == "keys_format" for a in n.attribute))
+                (n.op_type == "SparseAttention" and len(n.input) == 5) or packed_keys(n)
                 for n in nodes)
             packed_sources[portable] = (  # what one unpack reads: a cache (keys: and width)
                 {tuple(n.input[4:]) for n in nodes
                  if n.op_type == "SparseAttention" and len(n.input) == 5} |
-                {tuple(n.input[2:4]) for n in nodes if n.op_type == "IndexerScore"
-                 and any(a.name == "keys_format" for a in n.attribute)})
+                {tuple(n.input[2:4]) for n in nodes if packed_keys(n)})
+            if not portable:
+                blocks = sum(n.op_type == "IndexerTopK" and any(
+                    a.name == "block_size" for a in n.attribute) for n in nodes)
         default, portable = count[False], count[True]
         assert default["RopeCosSin"] > 0 and portable["RopeCosSin"] == 0
-        assert default["IndexerScore"] > 0
-        assert packed_reads[True] == 0 and packed_reads[False] > default["IndexerScore"]
+        fused = default["IndexerTopK"]
+        assert fused > 0 and default["IndexerScore"] == 0 and portable["IndexerTopK"] == 0
+        assert portable["IndexerScore"] == fused
+        assert portable["TorchTopK"] - default["TorchTopK"] == fused
+        assert portable["BlockMax"] - default["BlockMax"] == blocks
+        assert packed_reads[True] == 0 and packed_reads[False] > fused
         assert 0 < len(packed_sources[False]) <= packed_reads[False]
         assert (portable["UnpackQuantized"] - default["UnpackQuantized"]
                 == len(packed_sources[False]))
         assert portable["TorchLinear"] - default["TorchLinear"] == extra_linears
         for op in set(default) | set(portable):
-            if op not in ("RopeCosSin", "UnpackQuantized", "TorchLinear"):
+            if op not in ("RopeCosSin", "UnpackQuantized", "TorchLinear", "IndexerTopK",
+                          "IndexerScore", "TorchTopK", "BlockMax"):
                 assert default[op] == portable[op], (mode, op)
