@@ -1,6 +1,6 @@
 """Fuzz every csa2onnx custom op (Fp4QuantDequant, TorchTopK, Fp8Linear, SparseAttention,
-WriteRows, PackQuantized, UnpackQuantized, TorchLinear, IndexerScore, ApplyRope, RopeCosSin,
-TorchRMSNorm) under AddressSanitizer and UBSan.
+WriteRows, PackQuantized, UnpackQuantized, TorchLinear, IndexerScore, IndexerTopK, ApplyRope,
+RopeCosSin, TorchRMSNorm) under AddressSanitizer and UBSan.
 
     python tools/fuzz_ops.py --build --cases 30000 --seed 1
 
@@ -10,19 +10,20 @@ kernels). The cases run in a worker subprocess with the sanitizer runtimes prelo
 itself is not instrumented, so they must come first) and `CSA2ONNX_OPS_LIBRARY` pointing at
 that library.
 Each case is a random model and input: shapes with 0-sized and huge dims, valid and invalid
-attributes, K of every value and shape, every dtype, NaN/inf/subnormal/random-bit data, 1 or
-2 threads; for Fp8Linear also W constant or fed, plain or pairs16, every code (NaN codes,
-blocks too wide for int16), scales of every kind, rows on the few-rows and the tile paths;
-for SparseAttention indices in and out of range (-1 included, int64 and int32), packed
-compressed caches of each format (random bytes included); for the row ops RowStart anywhere,
-float and uint8 caches, every format, d and dim; for TorchLinear float and bf16 W, plain and
-panels64, constant or fed, 1-3 groups; for IndexerScore float and packed keys, Width
-anywhere, Lengths and Candidates or none; for ApplyRope, RopeCosSin and TorchRMSNorm every
-layout they take; and each forced instruction-set path the CPU has (SparseAttention,
-TorchLinear, IndexerScore and ApplyRope checked against their own definition paths; the
-others against the NumPy definitions of custom_ops/reference.py, the C library's cosf/sinf,
-or a float64 evaluation for TorchRMSNorm). A case must either return outputs of the right
-shape (checked against an oracle where the input is valid) or raise an onnxruntime error.
+attributes, K of every value and shape, every dtype, NaN/inf/subnormal/random-bit data, 1 or 2
+threads; for Fp8Linear also W constant or fed, plain or pairs16, every code (NaN codes, blocks
+too wide for int16), scales of every kind, rows on the few-rows and the tile paths; for
+SparseAttention indices in and out of range (-1 included, int64 and int32), packed compressed
+caches of each format (random bytes included); for the row ops RowStart anywhere, float and
+uint8 caches, every format, d and dim; for TorchLinear float and bf16 W, plain and panels64,
+constant or fed, 1-3 groups; for IndexerScore float and packed keys, Width anywhere, Lengths
+and Candidates or none (IndexerTopK the same, with k and block_size of every kind, BlockScores
+asked for or not, streamed or not); for ApplyRope, RopeCosSin and TorchRMSNorm every layout
+they take; and each forced instruction-set path the CPU has (SparseAttention, TorchLinear,
+IndexerScore, IndexerTopK and ApplyRope checked against their own definition paths; the others
+against the NumPy definitions of custom_ops/reference.py, the C library's cosf/sinf, or a
+float64 evaluation for TorchRMSNorm). A case must either return outputs of the right shape
+(checked against an oracle where the input is valid) or raise an onnxruntime error.
 Findings: a crash, a sanitizer report, a hang, a wrong shape or value, a valid input
 rejected or an invalid one accepted. A crashed worker is restarted after the case that
 killed it, so one run reports them all.
@@ -134,6 +135,7 @@ class Case:
     constants: tuple[str, ...] = ()  # those of `more` given as initializers, not fed
     expect_ok: bool | None = None  # None: no prediction, only crash and shape checks
     notes: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)  # set while the session is created
 
     def describe(self) -> str:
         k = "" if self.k is None else f" K={self.k.tolist()!r}:{self.k.dtype}"
@@ -478,9 +480,11 @@ def fp8_case(rng: np.random.Generator, index: int, omit_inputs: bool) -> Case:
 ISA_VARIABLES = {"fp8": "CSA_FP8_LINEAR_ISA", "sa": "CSA_SPARSE_ATTENTION_ISA",
                  "pack": "CSA_PACK_QUANTIZED_ISA", "unpack": "CSA_UNPACK_QUANTIZED_ISA",
                  "linear": "CSA_TORCH_LINEAR_ISA", "indexer": "CSA_INDEXER_SCORE_ISA",
-                 "rope": "CSA_APPLY_ROPE_ISA", "blockmax": "CSA_BLOCK_MAX_ISA"}
+                 "rope": "CSA_APPLY_ROPE_ISA", "blockmax": "CSA_BLOCK_MAX_ISA",
+                 "itopk": "CSA_INDEXER_SCORE_ISA"}
 # op -> its output, checked against the same call on the op's definition path
-REFERENCE_CHECKED = {"sa": "O", "linear": "Y", "indexer": "Score", "rope": "Y"}
+REFERENCE_CHECKED = {"sa": "O", "linear": "Y", "indexer": "Score", "rope": "Y",
+                     "itopk": "Indices"}
 REFERENCE_PATH = {"rope": "scalar"}  # the others': "reference"
 SA_WORK = 1 << 21  # SparseAttention cases: b * s * h * k * d at most (ASan is slow)
 
@@ -783,12 +787,24 @@ def indexer_case(rng: np.random.Generator, index: int, omit_inputs: bool) -> Cas
             keep = np.repeat(keep[..., ::8], 8, axis=-1)[..., :t]
         more["Candidates"] = (BOOL, np.ascontiguousarray(keep))
         ok = ok and lengths  # Candidates come with Lengths
-    return Case(index, "indexer", FLOAT, q, attributes, ["Score"], int(rng.integers(1, 3)),
-                expect_ok=ok,
-                isa=forced_isa(rng, ("scalar", "avx2", "avx512", "avx512bf16", "amx")),
-                more=more,
-                notes=[f"R={r} T={width} packed={packed} lengths={lengths} "
-                       f"candidates={candidates}"])
+    notes = [f"R={r} T={width} packed={packed} lengths={lengths} candidates={candidates}"]
+    isa = forced_isa(rng, ("scalar", "avx2", "avx512", "avx512bf16", "amx"))
+    if rng.random() < 0.5:
+        return Case(index, "indexer", FLOAT, q, attributes, ["Score"],
+                    int(rng.integers(1, 3)), expect_ok=ok, isa=isa, more=more, notes=notes)
+    # IndexerTopK: the same inputs ranked; k and block_size of every kind, BlockScores asked
+    # for or not (it must be exactly when block_size >= 1), streamed (forced) or not
+    k = choose(rng, [1, 2, 3, 64, 600]) if rng.random() < 0.9 else choose(rng, [0, -1])
+    attributes["k"] = k
+    block = choose(rng, [1, 3, 8]) if rng.random() < 0.6 else choose(rng, [0, -1])
+    if block != 0 or rng.random() < 0.5:  # 0 given, or left to the default
+        attributes["block_size"] = block
+    outputs = ["Indices", "BlockScores"] if rng.random() < (0.9 if block > 0 else 0.1) \
+        else ["Indices"]
+    ok = ok and k >= 1 and block >= 0 and (len(outputs) == 2) == (block > 0)
+    env = {"CSA_INDEXER_TOPK_STREAM": "always"} if rng.random() < 0.5 else {}
+    return Case(index, "itopk", FLOAT, q, attributes, outputs, int(rng.integers(1, 3)),
+                expect_ok=ok, isa=isa, more=more, notes=notes, env=env)
 
 
 def rope_case(rng: np.random.Generator, index: int, omit_inputs: bool) -> Case:
@@ -1116,13 +1132,15 @@ class Runner:
                 "rope": ("ApplyRope", {"Y": FLOAT}, ["X", "Cos", "Sin"]),
                 "cossin": ("RopeCosSin", {"Cos": FLOAT, "Sin": FLOAT}, ["X"]),
                 "rmsnorm": ("TorchRMSNorm", {"Y": FLOAT}, ["X", "W"])}[case.op]
-        elif case.op in ("linear", "indexer"):
+        elif case.op in ("linear", "indexer", "itopk"):
+            scoring = ["Q", "W", "Keys", "Width", *(
+                ["Lengths" if "Lengths" in case.more else "", "Candidates"]
+                if "Candidates" in case.more else ["Lengths"] if "Lengths" in case.more else [])]
             op_type, out_types, node_inputs = {
                 "linear": ("TorchLinear", {"Y": FLOAT}, ["X", "W"]),
-                "indexer": ("IndexerScore", {"Score": FLOAT}, ["Q", "W", "Keys", "Width", *(
-                    ["Lengths" if "Lengths" in case.more else "", "Candidates"]
-                    if "Candidates" in case.more
-                    else ["Lengths"] if "Lengths" in case.more else [])])}[case.op]
+                "indexer": ("IndexerScore", {"Score": FLOAT}, scoring),
+                "itopk": ("IndexerTopK", {"Indices": INT64, "BlockScores": FLOAT},
+                          scoring)}[case.op]
         elif case.op == "sa":
             op_type, out_types = "SparseAttention", {"O": FLOAT}
             node_inputs = case.inputs or ["Q", "KV", "Sink", "Idx", *(
@@ -1156,23 +1174,25 @@ class Runner:
         return model.SerializeToString(), graph_outputs
 
     def session(self, model: bytes, threads: int, isa: str | None = None,
-                variable: str = "") -> Any:
+                variable: str = "", env: dict[str, str] | None = None) -> Any:
         """`isa`: the path forced through the environment `variable` (read when the session
-        creates the kernel)."""
-        key = (model, threads, isa)
+        creates the kernel); `env`: more such settings."""
+        env = dict(env or {})
+        if isa is not None:
+            env[variable] = isa
+        key = (model, threads, tuple(sorted(env.items())))
         if key in self.sessions:
             self.sessions.move_to_end(key)
             return self.sessions[key]
         options = self.session_options(threads)
         options.log_severity_level = 4
-        if isa is not None:
-            os.environ[variable] = isa
+        os.environ.update(env)
         try:
             session = self.ort.InferenceSession(model, sess_options=options,
                                                 providers=["CPUExecutionProvider"])
         finally:
-            if isa is not None:
-                del os.environ[variable]
+            for name in env:
+                del os.environ[name]
         self.sessions[key] = session
         if len(self.sessions) > 48:
             self.sessions.popitem(last=False)
@@ -1191,9 +1211,9 @@ class Runner:
         model, names = self.model(case)
         try:
             variable = ISA_VARIABLES.get(case.op, "")
-            session = self.session(model, case.threads, case.isa, variable)
+            session = self.session(model, case.threads, case.isa, variable, case.env)
             feeds = {}
-            x_name = "Q" if case.op in ("sa", "indexer") else "X"
+            x_name = "Q" if case.op in ("sa", "indexer", "itopk") else "X"
             if x_name in (case.inputs or [x_name]):  # as is: ascontiguousarray makes 0-d 1-d
                 feeds[x_name] = self.feed(case.x, case.x_type)
             for name, (onnx_type, array) in case.more.items():
@@ -1235,6 +1255,15 @@ class Runner:
             want_shape = case.x.shape
         elif case.op == "indexer":
             want_shape = (*case.x.shape[:2], int(case.more["Width"][1][0]))
+        elif case.op == "itopk":
+            t = int(case.more["Width"][1][0])
+            want_shape = (*case.x.shape[:2], min(case.attributes["k"], t))
+            if "BlockScores" in outputs:
+                block = case.attributes["block_size"]
+                blocks = (*case.x.shape[:2], -(-t // block))
+                if outputs["BlockScores"].shape != blocks:
+                    return f"BlockScores shape {list(outputs['BlockScores'].shape)}, expected " \
+                           f"{list(blocks)}"
         else:
             n = case.attributes.get("out_features", case.more["W"][1].shape[0] //
                                     case.attributes.get("groups", 1))
@@ -1245,7 +1274,15 @@ class Runner:
             return None
         path = REFERENCE_PATH.get(case.op, "reference")
         reference = self.session(model, 1, path, ISA_VARIABLES[case.op])
-        want = reference.run_with_ort_values(names, feeds)[0].numpy()
+        wants = [v.numpy() for v in reference.run_with_ort_values(names, feeds)]
+        want = wants[0]
+        if case.op == "itopk":
+            for out, (got_i, want_i) in zip(names, zip(outputs.values(), wants, strict=True),
+                                            strict=True):
+                same = (got_i == want_i).all() if out == "Indices" else same_floats(got_i, want_i)
+                if not same:
+                    return f"{out} differs from the reference path"
+            return None
         if not same_floats(got, want):
             bad = int(np.sum(~((got.view(np.uint32) == want.view(np.uint32)) |
                                (np.isnan(got) & np.isnan(want)))))
