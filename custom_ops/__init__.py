@@ -17,6 +17,7 @@ C++ kernels in `libcsa2onnx_ops.so` (README "The custom ops"):
 - `WriteRows`: cache rows written in place when the runtime binds the cache's buffer.
 - `PackQuantized` / `UnpackQuantized`: state rows quantised and packed, and back.
 - `BlockMax`: the max of each block of the last axis (candidate blocks' scores), in place.
+- `CandidateMask`: the candidate source's mask from the blocks it picked, written once.
 
 `library_path()` finds the build and `make_session()` creates sessions with it registered.
 Importing this package registers the ops' ONNX schemas (`schemas.py`: types, attributes,

@@ -121,6 +121,16 @@ def block_max(op: OpBuilder, x: ir.Value, block_size: int) -> ir.Value:
     return _csa(op).BlockMax(x, block_size=block_size)
 
 
+def candidate_mask(op: OpBuilder, blocks: ir.Value, keep: ir.Value, width: ir.Value,
+                   block_size: int) -> ir.Value:
+    """bool [..., width]: position t is true iff block t // block_size is among its row's
+    `blocks` (int64 [..., k], distinct) with `keep` (bool [..., k]) true: the picks' marks
+    scattered into zeros, each position inheriting its block's, written once."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be > 0, got {block_size}")
+    return _csa(op).CandidateMask(blocks, keep, width, block_size=block_size)
+
+
 def split_groups(op: OpBuilder, x: ir.Value, groups: int, axis: int = -1) -> list[ir.Value]:
     """x's `groups` equal slices along `axis`."""
     return list(op.Split(x, axis=axis, num_outputs=groups, _outputs=groups))

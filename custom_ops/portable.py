@@ -43,6 +43,11 @@ each body computes against its kernel (tests/test_*: each "portable" test):
   except the sign of a zero maximum where a block holds both zeros (ReduceMax returns
   either; the kernel +0), and it copies X once.
 
+- CandidateMask: the standard ops it replaced (graphs/candidates.py before the op: the keep
+  marks ScatterElements'd into zeros, Expanded to block_size copies, Reshaped and Sliced to the
+  width): exact for valid Blocks (in range, distinct in a row; the kernel refuses others), but
+  it writes four tensors of the mask's size where the kernel writes the mask once.
+
 - ApplyRope: the standard ops it replaced (graphs/rope.py's apply_rotary_emb before the op:
   Slices, Mul, Sub, Add, Concat, Cast to bf16 and back): bit-exact, NaN signs aside where
   both operands of a Mul or of the Add are NaN (tests/test_apply_rope.py), but it copies X
@@ -58,7 +63,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import onnx
-from onnxscript import FLOAT, INT64, script
+from onnxscript import BOOL, FLOAT, INT64, script
 from onnxscript import opset21 as op
 from onnxscript.values import Opset
 
@@ -363,6 +368,21 @@ def BlockMax(X: FLOAT, block_size: int) -> FLOAT:
 
 
 @script(csa2onnx)
+def CandidateMask(Blocks: INT64, Keep: BOOL, Width: INT64, block_size: int) -> BOOL:
+    # The marks scattered into zeros [..., nb], block_size copies of each, cut to the width.
+    block = op.Reshape(op.Constant(value_int=block_size), [1])
+    rows = op.Slice(op.Shape(Blocks), [0], [-1])
+    width = op.Reshape(Width, [1])
+    n = op.Div(op.Add(width, op.Sub(block, [1])), block)
+    zeros = op.ConstantOfShape(op.Concat(rows, n, axis=0))
+    marks = op.ScatterElements(zeros, Blocks, op.Cast(Keep, to=onnx.TensorProto.FLOAT), axis=-1)
+    copies = op.Expand(op.Unsqueeze(op.Greater(marks, [0.0]), [-1]),
+                       op.Concat(rows, n, block, axis=0))
+    positions = op.Reshape(copies, op.Concat(rows, [-1], axis=0), allowzero=1)
+    return op.Slice(positions, [0], width, [-1])
+
+
+@script(csa2onnx)
 def WriteRows(Cache, Rows, RowStart: INT64, After: INT64):
     # Any element type (float caches, uint8 packed rows). After only orders the write after
     # its producers; the copy needs no ordering.
@@ -551,4 +571,5 @@ def portable_functions() -> list[onnx.FunctionProto]:
     return [f.to_function_proto() for f in (Fp4QuantDequant, TorchTopK, TorchLinear,
                                              TorchRMSNorm, SparseAttention, Fp8Linear,
                                              IndexerScore, WriteRows, PackQuantized,
-                                             UnpackQuantized, ApplyRope, BlockMax)]
+                                             UnpackQuantized, ApplyRope, BlockMax,
+                                             CandidateMask)]

@@ -273,3 +273,14 @@ def block_max(x: np.ndarray, block_size: int) -> np.ndarray:
     top = keys.max(axis=-1, initial=np.iinfo(np.int32).min)
     out = np.where(top < 0, top ^ np.int32(0x7FFFFFFF), top).astype(np.int32).view(np.float32)
     return np.where(np.isnan(blocks).any(axis=-1), np.uint32(0x7FC00000).view(np.float32), out)
+
+
+def candidate_mask(blocks: np.ndarray, keep: np.ndarray, width: int,
+                   block_size: int) -> np.ndarray:
+    """CandidateMask: bool [..., width], position t true iff block t // block_size is among
+    its row's `blocks` (int64 [..., k], distinct, each in [0, ceil(width / block_size))) with
+    `keep` true: the picks' marks scattered into zeros, each position inheriting its block's."""
+    n = -(-width // block_size)
+    marks = np.zeros((*blocks.shape[:-1], n), bool)
+    np.put_along_axis(marks, blocks, keep, axis=-1)
+    return marks[..., np.arange(width) // block_size]

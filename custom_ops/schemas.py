@@ -243,6 +243,10 @@ def _infer_indexer_topk(ctx: InferenceContext) -> None:
     _set(ctx, 1, TensorProto.FLOAT, None if rows is None else [*rows, blocks])
 
 
+def _infer_candidate_mask(ctx: InferenceContext) -> None:
+    _set(ctx, 0, TensorProto.BOOL, _last_replaced(_dims(_input(ctx, 0)), _constant_int(ctx, 2)))
+
+
 def _infer_unpack(ctx: InferenceContext) -> None:
     _set(ctx, 0, TensorProto.FLOAT,
          _last_replaced(_dims(_input(ctx, 0)), _int_attr(ctx, "dim")))
@@ -326,6 +330,12 @@ SIGNATURES: tuple[OpSignature, ...] = (
         _infer_indexer_topk, (("TK", (_FLOAT, _UINT8)),),
         (Attribute("k", _Attr.INT, required=True), Attribute("block_size", _Attr.INT, default=0),
          Attribute("keys_format", _Attr.STRING))),
+    OpSignature(
+        "CandidateMask", "select_candidate_blocks' mask: position t is true iff block "
+        "t // block_size is among its row's Blocks with Keep true.",
+        (Param("Blocks", _INT64), Param("Keep", "tensor(bool)"), Param("Width", _INT64)),
+        (Param("Mask", "tensor(bool)"),), _infer_candidate_mask,
+        attributes=(Attribute("block_size", _Attr.INT, required=True),)),
     OpSignature(
         "RopeCosSin", "cosf / sinf of f32(position) * f_i: freqs_cis rows, no table.",
         (Param("Positions", _INT64),), (Param("Cos", _FLOAT), Param("Sin", _FLOAT)),

@@ -12,9 +12,8 @@ from typing import NamedTuple
 import onnx_ir as ir
 from onnxscript import OpBuilder
 
-from csa2onnx.custom_ops.ops import block_max, torch_topk
+from csa2onnx.custom_ops.ops import block_max, candidate_mask, torch_topk
 from csa2onnx.graphs.common import NEG_INF
-from csa2onnx.graphs.numerics import FLOAT
 
 POS_INF = float("inf")
 
@@ -50,7 +49,6 @@ def candidates_of_blocks(op: OpBuilder, block_scores: ir.Value, width: ir.Value,
     width int64 [1] is T."""
     _check_sizes(topk_blocks, block_size)
     zero, one = op.Constant(value_int=0), op.Constant(value_int=1)
-    rows = op.Slice(op.Shape(block_scores), [0], [2])  # [b, s]
     n_blocks = op.Slice(op.Shape(block_scores), [2], [3])
 
     # Force the block of the newest reachable position: (compress_lens - 1) // block_size,
@@ -67,20 +65,9 @@ def candidates_of_blocks(op: OpBuilder, block_scores: ir.Value, width: ir.Value,
 
     # A block is kept iff picked with a value > -inf: the reference's scatter of the picks'
     # marks into zeros [b, s, nb] (the k indices of a row are distinct, so the scatter is
-    # exact); a position inherits its block's mark.
-    keep = op.Cast(op.Greater(values, op.Constant(value_float=NEG_INF)), to=FLOAT)
-    zeros = op.ConstantOfShape(op.Concat(rows, n_blocks, axis=0))
-    kept = op.Greater(op.ScatterElements(zeros, indices, keep, axis=2),
-                      op.Constant(value_float=0.0))
-    # Each block's mark repeated over its block_size positions, cut to the width: block_size
-    # copies of the marks, then the copy axis moved last. At T = 1M on the AVX2 EPYC a decode
-    # step's Gather of kept by position // block_size (an int64 Range and Div of T elements)
-    # took 9.6 ms, an Expand of kept [b, s, nb, 1] to block_size on the last axis 4.4 (one
-    # element at a time), this 0.6.
-    copies = op.Expand(op.Unsqueeze(kept, [0]), op.Constant(value_ints=[block_size, 1, 1, 1]))
-    marks = op.Transpose(copies, perm=[1, 2, 3, 0])  # [b, s, nb, block_size]
-    positions = op.Reshape(marks, op.Concat(rows, [-1], axis=0))
-    candidates = op.Slice(positions, [0], width, [2])
+    # exact); a position inherits its block's mark (CandidateMask writes that mask at once).
+    keep = op.Greater(values, op.Constant(value_float=NEG_INF))
+    candidates = candidate_mask(op, indices, keep, width, block_size)
     return CandidateBlocks(candidates, block_scores, values, indices)
 
 

@@ -671,6 +671,34 @@ def blockmax_case(rng: np.random.Generator, index: int, omit_inputs: bool) -> Ca
                 int(rng.integers(1, 3)), expect_ok=ok, isa=forced_isa(rng, ("scalar", "avx512")))
 
 
+def mask_case(rng: np.random.Generator, index: int, omit_inputs: bool) -> Case:
+    """CandidateMask: any rank (0 refused), width (0 included), block_size from 1 to past the
+    width; distinct picks, or ones out of range or repeated (refused); Keep of another shape."""
+    lead = tuple(int(v) for v in rng.choice([0, 1, 2, 3, 17], int(rng.integers(0, 3))))
+    t = int(rng.choice([0, 1, 7, 8, 9, 17, 64, 1000, 4099]))
+    block = int(rng.choice([1, 3, 8, 5000, 1 << 40])) if rng.random() < 0.95 else 0
+    n = -(-t // block) if block > 0 else t
+    k = int(rng.integers(0, n + 1))
+    blocks = np.argsort(rng.random((*lead, n)), axis=-1)[..., :k].astype(np.int64)
+    if blocks.size and rng.random() < 0.1:  # one pick out of range, or repeated
+        blocks.reshape(-1)[0] = (n, -1, 1 << 62, int(blocks.reshape(-1)[-1]))[
+            int(rng.integers(0, 4))]
+    keep = rng.random(blocks.shape) < float(rng.choice([0.0, 0.5, 1.0]))
+    if rng.random() < 0.03:
+        keep = keep[..., :-1] if k else np.ones((*lead, 1), bool)
+    if rng.random() < 0.03:
+        blocks, keep = np.zeros((), np.int64), np.ones((), bool)
+    ordered = np.sort(blocks, axis=-1) if blocks.ndim else blocks
+    ok = (block > 0 and blocks.ndim > 0 and keep.shape == blocks.shape
+          and not ((blocks < 0) | (blocks >= n)).any()
+          and not (ordered[..., 1:] == ordered[..., :-1]).any())
+    # as they are: ascontiguousarray would make the rank-0 ones rank 1
+    return Case(index, "mask", INT64, blocks.copy(),
+                {"block_size": block}, ["Mask"], int(rng.integers(1, 3)), expect_ok=ok,
+                more={"Keep": (BOOL, keep.copy()),
+                      "Width": (INT64, np.array([t], np.int64))}, notes=[f"T={t}"])
+
+
 LINEAR_WORK = 1 << 21  # TorchLinear cases: rows * G * N * K at most (reference path, ASan)
 
 
@@ -915,7 +943,8 @@ def make_case(seed: int, index: int, omit_inputs: bool = False) -> Case:
     u = rng.random()
     make = (fp4_case if u < 0.14 else topk_case if u < 0.28 else fp8_case if u < 0.43
             else sa_case if u < 0.58 else rows_case if u < 0.69 else linear_case if u < 0.81
-            else indexer_case if u < 0.9 else blockmax_case if u < 0.93 else rope_case)
+            else indexer_case if u < 0.9 else blockmax_case if u < 0.92
+            else mask_case if u < 0.94 else rope_case)
     return make(rng, index, omit_inputs)
 
 
@@ -1066,6 +1095,18 @@ def check_blockmax(case: Case, outputs: dict[str, np.ndarray]) -> str | None:
         "Y differs from the definition"
 
 
+def check_mask(case: Case, outputs: dict[str, np.ndarray]) -> str | None:
+    """CandidateMask: the NumPy definition."""
+    from csa2onnx.custom_ops.reference import candidate_mask
+
+    got = outputs["Mask"]
+    want = candidate_mask(case.x, case.more["Keep"][1], int(case.more["Width"][1][0]),
+                          case.attributes["block_size"])
+    if got.shape != want.shape:
+        return f"Mask shape {list(got.shape)}, expected {list(want.shape)}"
+    return None if np.array_equal(got, want) else "Mask differs from the definition"
+
+
 def check_fp8(case: Case, outputs: dict[str, np.ndarray]) -> str | None:
     """Exact numerics (or a forced path, which always is): the NumPy definition bit for bit;
     fast numerics: the shape, and NaN exactly where the definition has it."""
@@ -1121,8 +1162,9 @@ class Runner:
         elif case.op == "fp8":
             op_type, out_types = "Fp8Linear", {"Y": FLOAT}
             node_inputs = case.inputs or ["X", "W", "WScale"]
-        elif case.op in ("write", "pack", "unpack", "blockmax"):
+        elif case.op in ("write", "pack", "unpack", "blockmax", "mask"):
             op_type, out_types, node_inputs = {
+                "mask": ("CandidateMask", {"Mask": BOOL}, ["X", "Keep", "Width"]),
                 "write": ("WriteRows", {"CacheOut": case.x_type}, ["X", "Rows", "RowStart"]),
                 "pack": ("PackQuantized", {"P": UINT8}, ["X"]),
                 "unpack": ("UnpackQuantized", {"Y": FLOAT}, ["X"]),
@@ -1239,7 +1281,7 @@ class Runner:
         else:
             check = {"fp4": check_fp4, "topk": check_topk, "fp8": check_fp8,
                      "write": check_rows, "pack": check_rows, "unpack": check_rows,
-                     "blockmax": check_blockmax, "cossin": check_rope,
+                     "blockmax": check_blockmax, "mask": check_mask, "cossin": check_rope,
                      "rmsnorm": check_rope}[case.op]
             problem = check(case, outputs)
         return ("finding", problem) if problem else ("ok", "checked")

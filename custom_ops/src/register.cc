@@ -8,6 +8,7 @@
 
 #include "apply_rope_op.h"
 #include "block_max_op.h"
+#include "candidate_mask_op.h"
 #include "fp4_op.h"
 #include "fp8_linear_op.h"
 #include "indexer_score_op.h"
@@ -41,6 +42,7 @@ struct Library {
     csa::AppendIndexerScoreOps(ops);
     csa::AppendApplyRopeOps(ops);
     csa::AppendBlockMaxOps(ops);
+    csa::AppendCandidateMaskOps(ops);
     for (auto& op : ops) {
       op->InferOutputShapeFn = csa::shape_inference_for(op->GetName(op.get()));
       domain.Add(op.get());
