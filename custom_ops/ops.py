@@ -325,21 +325,31 @@ def indexer_score(op: OpBuilder, q: ir.Value, w: ir.Value, keys: ir.Value, width
 def indexer_topk(op: OpBuilder, q: ir.Value, w: ir.Value, keys: ir.Value, width: ir.Value, k: int,
                  keys_format: PackedFormat | None = None, head_dim: int | None = None,
                  candidates: ir.Value | None = None, lengths: ir.Value | None = None,
-                 block_size: int = 0) -> tuple[ir.Value, ir.Value | None]:
+                 block_size: int = 0,
+                 force_newest_block: bool = False) -> tuple[ir.Value, ir.Value | None]:
     """`indexer_score`'s scores (same inputs) ranked as torch_topk(score, min(k, width),
     largest, unsorted) ranks them: its int64 indices [b, s, min(k, width)], in its order; and
     with `block_size` the scores' block_max [b, s, ceil(width / block_size)]; never the
-    [b, s, width] scores (a long prefill chunk's are a GiB). A portable graph spells it as
-    those three ops."""
+    [b, s, width] scores (a long prefill chunk's are a GiB). force_newest_block: the block
+    scores as select_candidate_blocks ranks them, +inf at the block of each query's last
+    reachable key (`newest_block_forced`). A portable graph spells it as those ops."""
     if k <= 0:
         raise ValueError(f"top-k k must be > 0, got {k}")
     if block_size < 0:
         raise ValueError(f"block_size must be >= 0 (0: no block scores), got {block_size}")
+    if force_newest_block and not block_size:
+        raise ValueError("force_newest_block needs block_size >= 1 (it sets a block score)")
     if is_portable(op):
         score = indexer_score(op, q, w, keys, width, keys_format, head_dim, candidates, lengths)
         _, indices = torch_topk(op, score, op.Min(width, op.Constant(value_ints=[k])),
                                 largest=True, sorted=False)
-        return indices, block_max(op, score, block_size) if block_size else None
+        if not block_size:
+            return indices, None
+        block_scores = block_max(op, score, block_size)
+        if force_newest_block:
+            block_scores = newest_block_forced(op, block_scores, width if lengths is None
+                                               else lengths, block_size)
+        return indices, block_scores
     if keys_format is not None:
         _check_packed_format(keys_format)
     if candidates is not None and lengths is None:  # the op takes Candidates after Lengths
@@ -350,12 +360,30 @@ def indexer_topk(op: OpBuilder, q: ir.Value, w: ir.Value, keys: ir.Value, width:
     attributes: dict[str, Any] = {"k": k}
     if block_size:
         attributes["block_size"] = block_size
+    if force_newest_block:
+        attributes["force_newest_block"] = 1
     if keys_format is not None:
         attributes["keys_format"] = keys_format
     if not block_size:
         return _csa(op).IndexerTopK(*inputs, **attributes), None
     indices, block_scores = _csa(op).IndexerTopK(*inputs, **attributes, _outputs=2)
     return indices, block_scores
+
+
+def newest_block_forced(op: OpBuilder, block_scores: ir.Value, reach: ir.Value,
+                        block_size: int) -> ir.Value:
+    """block_scores [b, s, nb] with +inf at block (reach - 1) // block_size of each query
+    (reach int64 broadcastable to [b, s]: its reachable keys), none where reach <= 0:
+    select_candidate_blocks forces the block of the newest reachable position in (floor
+    division, so reach 0 gives -1 and forces nothing; ONNX Div truncates)."""
+    zero, one = op.Constant(value_int=0), op.Constant(value_int=1)
+    reach = op.Unsqueeze(reach, [-1])
+    newest = op.Where(op.Greater(reach, zero), op.Div(op.Sub(reach, one), block_size),
+                      op.Constant(value_int=-1))
+    n_blocks = op.Squeeze(op.Slice(op.Shape(block_scores), [2], [3]), [0])
+    block_ids = op.Range(zero, n_blocks, one)
+    return op.Where(op.Equal(block_ids, newest), op.Constant(value_float=float("inf")),
+                    block_scores)
 
 
 def mask_scores(op: OpBuilder, score: ir.Value, width: ir.Value, candidates: ir.Value | None,

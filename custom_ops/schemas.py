@@ -329,6 +329,7 @@ SIGNATURES: tuple[OpSignature, ...] = (
         (Param("Indices", _INT64), Param("BlockScores", _FLOAT, optional=True)),
         _infer_indexer_topk, (("TK", (_FLOAT, _UINT8)),),
         (Attribute("k", _Attr.INT, required=True), Attribute("block_size", _Attr.INT, default=0),
+         Attribute("force_newest_block", _Attr.INT, default=0),
          Attribute("keys_format", _Attr.STRING))),
     OpSignature(
         "CandidateMask", "select_candidate_blocks' mask: position t is true iff block "

@@ -12,10 +12,13 @@ from typing import NamedTuple
 import onnx_ir as ir
 from onnxscript import OpBuilder
 
-from csa2onnx.custom_ops.ops import block_max, candidate_mask, torch_topk
+from csa2onnx.custom_ops.ops import (
+    block_max,
+    candidate_mask,
+    newest_block_forced,
+    torch_topk,
+)
 from csa2onnx.graphs.common import NEG_INF
-
-POS_INF = float("inf")
 
 
 class CandidateBlocks(NamedTuple):
@@ -42,23 +45,17 @@ def select_candidate_blocks(op: OpBuilder, logits: ir.Value, compress_lens: ir.V
 
 
 def candidates_of_blocks(op: OpBuilder, block_scores: ir.Value, width: ir.Value,
-                         compress_lens: ir.Value, topk_blocks: int,
-                         block_size: int) -> CandidateBlocks:
+                         compress_lens: ir.Value, topk_blocks: int, block_size: int, *,
+                         forced: bool = False) -> CandidateBlocks:
     """select_candidate_blocks from the logits' block maxes [b, s, ceil(T / block_size)]
     (BlockMax's, or IndexerTopK's BlockScores: the logits themselves need not exist);
-    width int64 [1] is T."""
+    width int64 [1] is T. `forced`: the block scores already hold the +inf below
+    (IndexerTopK's force_newest_block)."""
     _check_sizes(topk_blocks, block_size)
-    zero, one = op.Constant(value_int=0), op.Constant(value_int=1)
     n_blocks = op.Slice(op.Shape(block_scores), [2], [3])
-
-    # Force the block of the newest reachable position: (compress_lens - 1) // block_size,
-    # floor division, so compress_lens == 0 gives -1 and forces nothing (ONNX Div truncates).
-    lens = op.Unsqueeze(compress_lens, [-1])
-    newest = op.Where(op.Greater(lens, zero), op.Div(op.Sub(lens, one), block_size),
-                      op.Constant(value_int=-1))
-    block_ids = op.Range(zero, op.Squeeze(n_blocks, [0]), one)
-    block_scores = op.Where(op.Equal(block_ids, newest), op.Constant(value_float=POS_INF),
-                            block_scores)
+    # Force the block of the newest reachable position in.
+    if not forced:
+        block_scores = newest_block_forced(op, block_scores, compress_lens, block_size)
 
     k = op.Min(n_blocks, op.Constant(value_ints=[topk_blocks]))
     values, indices = torch_topk(op, block_scores, k, largest=True, sorted=True)

@@ -227,7 +227,8 @@ class Indexer(nn.Module):
                candidates: ir.Value | None, lengths: ir.Value | None,
                block_size: int) -> tuple[ir.Value, ir.Value | None]:
         """_score's scores, top-k'd as torch.topk(score, min(index_topk, T), sorted=False)
-        (its indices in its order) and with block_size their block maxes [b, s, T/bs]: one
+        (its indices in its order) and with block_size their block maxes [b, s, T/bs], the
+        newest reachable block forced to +inf (select_candidate_blocks' ranking): one
         IndexerTopK (the scores never whole), reading the packed cache in place."""
         if not isinstance(index_k, ir.Value):  # chosen at run time: ranked where it lies
             outputs = [("raw_indices", ir.DataType.INT64)]
@@ -241,7 +242,7 @@ class Indexer(nn.Module):
         packed = index_k.dtype == ir.DataType.UINT8
         return indexer_topk(op, q, w, index_k, width, self.index_topk,
                             INDEX_KEY_FORMAT if packed else None, self.head_dim, candidates,
-                            lengths, block_size)
+                            lengths, block_size, force_newest_block=block_size > 0)
 
     def forward(self, op: OpBuilder, x: ir.Value, qr: ir.Value,
                 index_k: ir.Value | KeyCacheChoice,
@@ -290,7 +291,7 @@ class Indexer(nn.Module):
                                             cc.block_size if cc is not None else 0)
             if cc is not None:
                 published = candidates_of_blocks(op, block_scores, width, lens, cc.topk_blocks,
-                                                 cc.block_size).candidates
+                                                 cc.block_size, forced=True).candidates
             if keep_score:  # for inspection only: the selection above does not read it
                 score = self._score(op, q, w, index_k, width, candidates, reach)
         ascending, _ = op.TopK(raw, k_sel, axis=-1, largest=0, sorted=1, _outputs=2)

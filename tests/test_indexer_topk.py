@@ -35,10 +35,11 @@ def inputs(packed: bool, masks: str) -> tuple[list, list[str]]:
 
 
 def fused_model(packed: bool, k: int, block: int, masks: str = "", *, portable: bool = False,
-                outputs: int | None = None) -> bytes:
+                outputs: int | None = None, force: bool = False) -> bytes:
     vis, names = inputs(packed, masks)
     attrs = {"k": k, **({"block_size": block} if block else {}),
-             **({"keys_format": FORMAT} if packed else {})}
+             **({"keys_format": FORMAT} if packed else {}),
+             **({"force_newest_block": 1} if force else {})}
     outs = ["I", "B"][:outputs or (2 if block else 1)]
     node = helper.make_node("IndexerTopK", names, outs, domain="csa2onnx", **attrs)
     graph = helper.make_graph([node], "indexer_topk", vis,
@@ -80,9 +81,18 @@ def session(monkeypatch, model: bytes, key: tuple, isa: str | None, threads: int
     return _sessions[key]
 
 
+def forced(block_scores: np.ndarray, reach: np.ndarray, block: int) -> np.ndarray:
+    """select_candidate_blocks' +inf at the block of each row's last reachable key."""
+    out = block_scores.copy()
+    newest = np.where(reach > 0, (reach - 1) // block, -1)  # [s]
+    hit = np.arange(out.shape[-1]) == newest[:, None]
+    out[:, hit] = np.inf
+    return out
+
+
 def check(monkeypatch, q, w, keys, packed, t: int, k: int, block: int, *,
           lengths=None, candidates=None, paths=PATHS, threads=(1, 2),
-          streams=("always", "never")) -> None:
+          streams=("always", "never"), force: bool = False) -> None:
     masks = ("L" if lengths is not None else "") + ("C" if candidates is not None else "")
     feeds = {"Q": q, "W": w, "T": np.array([t], np.int64)}
     if lengths is not None:
@@ -95,11 +105,15 @@ def check(monkeypatch, q, w, keys, packed, t: int, k: int, block: int, *,
         want_model = composed_model(is_packed, k, block, masks)
         want = session(monkeypatch, want_model, ("composed", is_packed, k, block, masks),
                        "reference", 1).run(None, feeds | {"K": kv})
+        if force:
+            reach = lengths if lengths is not None else np.full(q.shape[1], t, np.int64)
+            want[1] = forced(want[1], reach, block)
         for isa in paths:
             for n in threads:
                 for stream in streams:
-                    got = session(monkeypatch, fused_model(is_packed, k, block, masks),
-                                  ("fused", is_packed, k, block, masks, isa, n, stream),
+                    got = session(monkeypatch, fused_model(is_packed, k, block, masks,
+                                                           force=force),
+                                  ("fused", is_packed, k, block, masks, isa, n, stream, force),
                                   isa, n, stream).run(None, feeds | {"K": kv})
                     where = f"{isa} threads={n} {stream} packed={is_packed} q{q.shape} T={t} k={k}"
                     assert got[0].shape == want[0].shape, where
@@ -145,6 +159,23 @@ def test_masks_tie_at_minus_inf(monkeypatch, masks):
         candidates = np.repeat(blocks, 8, axis=2)[:, :, :t]
     check(monkeypatch, q, w, keys, packed, t, k, 8, lengths=lengths, candidates=candidates,
           threads=(2,))
+
+
+@pytest.mark.parametrize("masks", ["", "L", "LC"])
+def test_newest_block_forced(monkeypatch, masks):
+    """force_newest_block: +inf at the block of each row's last reachable key (Lengths - 1,
+    or Width - 1), none where Lengths <= 0 or past the blocks (as the graph's Where)."""
+    b, s, h, r, t, k = 1, 12, 4, 300, 290, 3
+    q, w, keys, packed = tie_case(9, b, s, h, r)
+    lengths = candidates = None
+    if masks:
+        lengths = np.array([0, -3, 1, 8, 9, 100, 289, 290, 291, 400, 17, 5], np.int64)
+    if "C" in masks:
+        rng = np.random.default_rng(10)
+        candidates = np.repeat(rng.random((b, s, (t + 7) // 8)) < 0.3, 8, axis=2)[:, :, :t]
+    for block in (8, 7):
+        check(monkeypatch, q, w, keys, packed, t, k, block, lengths=lengths,
+              candidates=candidates, threads=(2,), force=True)
 
 
 def test_adversarial_values_and_nan_keys(monkeypatch):
@@ -209,6 +240,8 @@ def test_errors_name_the_problem(monkeypatch):
         run(fused_model(False, 2, 8, outputs=1), feeds)
     with pytest.raises(Exception, match="the output BlockScores needs block_size >= 1"):
         run(fused_model(False, 2, 0, outputs=2), feeds)
+    with pytest.raises(Exception, match="force_newest_block needs block_size >= 1"):
+        run(fused_model(False, 2, 0, force=True), feeds)
     monkeypatch.setenv(STREAM, "sometimes")
     with pytest.raises(Exception, match=f'{STREAM} must be "always" or "never", got "sometimes"'):
         run(fused_model(False, 2, 0), feeds)

@@ -827,9 +827,14 @@ def indexer_case(rng: np.random.Generator, index: int, omit_inputs: bool) -> Cas
     block = choose(rng, [1, 3, 8]) if rng.random() < 0.6 else choose(rng, [0, -1])
     if block != 0 or rng.random() < 0.5:  # 0 given, or left to the default
         attributes["block_size"] = block
+    # force_newest_block (below) needs block_size >= 1
     outputs = ["Indices", "BlockScores"] if rng.random() < (0.9 if block > 0 else 0.1) \
         else ["Indices"]
+    force = rng.random() < 0.3
+    if force:
+        attributes["force_newest_block"] = 1
     ok = ok and k >= 1 and block >= 0 and (len(outputs) == 2) == (block > 0)
+    ok = ok and (block > 0 or not force)
     env = {"CSA_INDEXER_TOPK_STREAM": "always"} if rng.random() < 0.5 else {}
     return Case(index, "itopk", FLOAT, q, attributes, outputs, int(rng.integers(1, 3)),
                 expect_ok=ok, isa=isa, more=more, notes=notes, env=env)

@@ -865,6 +865,7 @@ struct TopKJob {
   const Job* job = nullptr;
   int64_t k = 0;                    // per row: min(attribute k, T)
   int64_t block = 0, nb = 0;        // block_size and blocks a row (0: no BlockScores)
+  bool force_newest = false;        // force_newest_block
   int64_t rows_per = 0, s_blocks = 0;  // streamed: query rows a task, tasks a batch entry
   const float* scores = nullptr;    // materialised [b, s, T], or null (streamed)
   int64_t* indices = nullptr;       // [b, s, k]
@@ -873,6 +874,16 @@ struct TopKJob {
 };
 
 using LargestFirst = HeapSelect<TopKF32, TopKLargestFirst>;
+
+// force_newest_block: +inf for the block of query row i's last reachable key (select_candidate
+// blocks forces it in): Lengths[q] - 1, or Width - 1 without Lengths; none where that is < 0
+// or past the blocks, as the graph's Where of the block ids against it does.
+void force_newest(const TopKJob& tj, int64_t i, uint32_t* row_blocks) {
+  const Job& j = *tj.job;
+  const int64_t reach = j.lengths != nullptr ? j.lengths[i % j.pr.s] : j.pr.t;
+  if (reach > 0 && (reach - 1) / tj.block < tj.nb)
+    row_blocks[(reach - 1) / tj.block] = 0x7F800000u;
+}
 
 // Materialised: row `task` of the scores, ranked as TorchTopK (largest, unsorted) ranks it,
 // its block maxes as BlockMax takes them.
@@ -884,9 +895,11 @@ void topk_row(const TopKJob& tj, size_t task, std::vector<float>& scratch) {
   if (scratch.size() < static_cast<size_t>(tj.k)) scratch.resize(static_cast<size_t>(tj.k));
   torch_topk_row<TopKF32>(row, t, tj.k, /*largest=*/true, /*sorted=*/false, pairs.data(),
                           scratch.data(), tj.indices + i * tj.k);
-  if (tj.block_scores != nullptr)
+  if (tj.block_scores != nullptr) {
     block_max::blocks_of_row(reinterpret_cast<const uint32_t*>(row), t, tj.block, 0, tj.nb,
                              tj.block_scores + i * tj.nb);
+    if (tj.force_newest) force_newest(tj, i, tj.block_scores + i * tj.nb);
+  }
 }
 
 // Streamed: task = (batch entry, block of rows_per query rows), its rows' scores made a key
@@ -921,7 +934,10 @@ void topk_streamed(const TopKJob& tj, size_t task, std::vector<float>& scratch) 
     select[r].finish();
     int64_t* out = tj.indices + (first_row + r) * tj.k;
     for (int64_t i = 0; i < tj.k; ++i) out[i] = select[r].heap[i].index;
-    if (!blocks.empty()) blocks[r].finish();
+    if (!blocks.empty()) {
+      blocks[r].finish();
+      if (tj.force_newest) force_newest(tj, first_row + r, blocks[r].y);
+    }
   }
 }
 
@@ -929,17 +945,23 @@ template <typename K>
 struct IndexerTopKKernel : ScoringKernel<K> {
   int64_t k;
   int64_t block;  // BlockScores' block size, 0: no BlockScores
+  bool force_newest_block;
   Streaming streaming;
 
   IndexerTopKKernel(const OrtApi*, const OrtKernelInfo* info)
       : ScoringKernel<K>(info, kTopKOp, 1),
         k(required_attribute<int64_t>(info, kTopKOp, "k", "an int")),
         block(optional_attribute<int64_t>(info, kTopKOp, "block_size", "an int").value_or(0)),
+        force_newest_block(
+            optional_attribute<int64_t>(info, kTopKOp, "force_newest_block", "an int")
+                .value_or(0) != 0),
         streaming(streaming_setting()) {
     if (k < 1) fail(kTopKOp, "k must be >= 1, got " + std::to_string(k));
     if (block < 0)
       fail(kTopKOp, "block_size must be >= 1 (or 0: no BlockScores), got " +
                         std::to_string(block));
+    if (force_newest_block && block == 0)
+      fail(kTopKOp, "force_newest_block needs block_size >= 1 (it sets a block score)");
     const Ort::ConstKernelInfo ki(info);
     const bool wanted = ki.GetOutputCount() > 1 && !ki.GetOutputName(1).empty();
     if (wanted != (block > 0))
@@ -974,6 +996,7 @@ struct IndexerTopKKernel : ScoringKernel<K> {
     tj.k = std::min(k, pr.t);
     tj.block = block;
     tj.nb = block > 0 ? (pr.t + block - 1) / block : 0;
+    tj.force_newest = force_newest_block;
     tj.indices = indices.Allocate({pr.b, pr.s, tj.k});
     if (block > 0) {
       const std::vector<int64_t> shape{pr.b, pr.s, tj.nb};
