@@ -5,6 +5,12 @@
 
 #include <cstdint>
 
+#include "simd.h"
+
+#ifdef CSA_X86
+#include <immintrin.h>
+#endif
+
 namespace csa {
 namespace block_max {
 
@@ -34,6 +40,33 @@ inline void blocks_of_row(const uint32_t* x, int64_t width, int64_t block, int64
     y[j] = result(best, nan);
   }
 }
+
+#ifdef CSA_X86
+// Pairs of whole blocks of 8 from x on AVX-512, one pair a vector: the order keys' max by
+// three swaps within each half (128-bit lanes, 64-bit halves, neighbours), a NaN by a compare.
+CSA_TARGET_AVX512 inline void pairs_of_8(const uint32_t* x, int64_t pairs, uint32_t* y) {
+  for (int64_t p = 0; p < pairs; ++p) {
+    constexpr __mmask16 kAll = 0xFFFF;
+    const __m512i b = _mm512_loadu_si512(x + 16 * p);
+    // order_key. The masked forms with every lane set: the plain ones pass GCC 12 an
+    // "undefined" source that it then warns about
+    const __m512i key = _mm512_xor_si512(
+        b, _mm512_maskz_srli_epi32(kAll, _mm512_maskz_srai_epi32(kAll, b, 31), 1));
+    __m512i m = _mm512_maskz_max_epi32(
+        kAll, key, _mm512_maskz_shuffle_i32x4(kAll, key, key, _MM_SHUFFLE(2, 3, 0, 1)));
+    m = _mm512_maskz_max_epi32(kAll, m, _mm512_maskz_shuffle_epi32(kAll, m, _MM_PERM_BADC));
+    m = _mm512_maskz_max_epi32(kAll, m, _mm512_maskz_shuffle_epi32(kAll, m, _MM_PERM_CDAB));
+    const __m512 v = _mm512_castsi512_ps(b);
+    const unsigned nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    const int32_t first = _mm512_cvtsi512_si32(m);
+    const int32_t second = _mm_cvtsi128_si32(_mm512_maskz_extracti32x4_epi32(0xF, m, 2));
+    y[2 * p] = (nan & 0xFFu) != 0 ? 0x7FC00000u : static_cast<uint32_t>(order_key(
+                                                      static_cast<uint32_t>(first)));
+    y[2 * p + 1] = (nan >> 8) != 0 ? 0x7FC00000u : static_cast<uint32_t>(order_key(
+                                                       static_cast<uint32_t>(second)));
+  }
+}
+#endif
 
 // A row's block maxes with the row fed in pieces, in order: y[j] is written when block j is
 // whole, the last (shorter) block by `finish`.

@@ -866,6 +866,7 @@ struct TopKJob {
   int64_t k = 0;                    // per row: min(attribute k, T)
   int64_t block = 0, nb = 0;        // block_size and blocks a row (0: no BlockScores)
   bool force_newest = false;        // force_newest_block
+  bool vector_scan = false;         // AVX-512: heaps fed through scan_above, blocks of 8
   int64_t rows_per = 0, s_blocks = 0;  // streamed: query rows a task, tasks a batch entry
   const float* scores = nullptr;    // materialised [b, s, T], or null (streamed)
   int64_t* indices = nullptr;       // [b, s, k]
@@ -874,6 +875,54 @@ struct TopKJob {
 };
 
 using LargestFirst = HeapSelect<TopKF32, TopKLargestFirst>;
+
+#ifdef CSA_X86
+// The first of v[0..n) whose torch order key (TopKF32::key, IeeeOrder) is above `top`, or n:
+// 16 keys a compare.
+CSA_TARGET_AVX512 int64_t scan_above(const float* v, int64_t n, uint32_t top) {
+  const __m512i limit = _mm512_set1_epi32(static_cast<int32_t>(top));
+  const __m512i sign = _mm512_set1_epi32(INT32_MIN), abs_mask = _mm512_set1_epi32(INT32_MAX);
+  const __m512i inf = _mm512_set1_epi32(0x7F800000), nan_key = _mm512_set1_epi32(-1);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512i bits = _mm512_loadu_si512(v + i);
+    const __m512i magnitude = _mm512_and_si512(bits, abs_mask);
+    // positives: sign | bits; negatives: INT32_MAX - magnitude; zeros: sign; NaN: all ones
+    __m512i key = _mm512_mask_sub_epi32(_mm512_or_si512(bits, sign),
+                                        _mm512_movepi32_mask(bits), abs_mask, magnitude);
+    key = _mm512_mask_mov_epi32(key, _mm512_cmpeq_epi32_mask(magnitude, _mm512_setzero_si512()),
+                                sign);
+    key = _mm512_mask_mov_epi32(key, _mm512_cmpgt_epu32_mask(magnitude, inf), nan_key);
+    const __mmask16 above = _mm512_cmpgt_epu32_mask(key, limit);
+    if (above != 0) return i + __builtin_ctz(above);
+  }
+  for (; i < n; ++i)
+    if (TopKF32::key(v[i]) > top) return i;
+  return n;
+}
+#endif
+
+// select.push(v, n), skipping on a vector scan the values a full heap drops untouched.
+void feed(const TopKJob& tj, LargestFirst& select, const float* v, int64_t n) {
+#ifdef CSA_X86
+  if (tj.vector_scan) {
+    int64_t i = 0;
+    if (!select.full()) {
+      i = std::min(n, select.k - select.seen);
+      select.push(v, i);
+    }
+    while (i < n) {
+      const int64_t next = i + scan_above(v + i, n - i, select.heap[0].key);
+      select.skip(next - i);
+      if (next == n) return;
+      select.push(v + next, 1);
+      i = next + 1;
+    }
+    return;
+  }
+#endif
+  select.push(v, n);
+}
 
 // force_newest_block: +inf for the block of query row i's last reachable key (select_candidate
 // blocks forces it in): Lengths[q] - 1, or Width - 1 without Lengths; none where that is < 0
@@ -892,13 +941,28 @@ void topk_row(const TopKJob& tj, size_t task, std::vector<float>& scratch) {
   const float* row = tj.scores + i * t;
   thread_local std::vector<TopKPair> pairs;
   if (pairs.size() < static_cast<size_t>(t)) pairs.resize(static_cast<size_t>(t));
-  if (scratch.size() < static_cast<size_t>(tj.k)) scratch.resize(static_cast<size_t>(tj.k));
-  torch_topk_row<TopKF32>(row, t, tj.k, /*largest=*/true, /*sorted=*/false, pairs.data(),
-                          scratch.data(), tj.indices + i * tj.k);
+  if (tj.k * 64 <= t) {  // torch's heap (torch_topk_select), fed through `feed`
+    LargestFirst select{pairs.data(), tj.k};
+    feed(tj, select, row, t);
+    select.finish();
+    for (int64_t j = 0; j < tj.k; ++j) tj.indices[i * tj.k + j] = pairs[j].index;
+  } else {
+    if (scratch.size() < static_cast<size_t>(tj.k)) scratch.resize(static_cast<size_t>(tj.k));
+    torch_topk_row<TopKF32>(row, t, tj.k, /*largest=*/true, /*sorted=*/false, pairs.data(),
+                            scratch.data(), tj.indices + i * tj.k);
+  }
   if (tj.block_scores != nullptr) {
-    block_max::blocks_of_row(reinterpret_cast<const uint32_t*>(row), t, tj.block, 0, tj.nb,
-                             tj.block_scores + i * tj.nb);
-    if (tj.force_newest) force_newest(tj, i, tj.block_scores + i * tj.nb);
+    const auto* bits = reinterpret_cast<const uint32_t*>(row);
+    uint32_t* out = tj.block_scores + i * tj.nb;
+    int64_t done = 0;
+#ifdef CSA_X86
+    if (tj.vector_scan && tj.block == 8) {  // BlockMax's vector blocks of 8
+      block_max::pairs_of_8(bits, t / 16, out);
+      done = t / 16 * 2;
+    }
+#endif
+    block_max::blocks_of_row(bits, t, tj.block, done, tj.nb - done, out);
+    if (tj.force_newest) force_newest(tj, i, out);
   }
 }
 
@@ -926,7 +990,7 @@ void topk_streamed(const TopKJob& tj, size_t task, std::vector<float>& scratch) 
     j.tile_fn(j, TaskTile{bi, t0, s0, cols, rows, tile_scores.data(), is::kTileT}, scratch);
     for (int64_t r = 0; r < rows; ++r) {
       const float* row = tile_scores.data() + r * is::kTileT;
-      select[r].push(row, cols);
+      feed(tj, select[r], row, cols);
       if (!blocks.empty()) blocks[r].push(reinterpret_cast<const uint32_t*>(row), cols);
     }
   }
@@ -997,6 +1061,7 @@ struct IndexerTopKKernel : ScoringKernel<K> {
     tj.block = block;
     tj.nb = block > 0 ? (pr.t + block - 1) / block : 0;
     tj.force_newest = force_newest_block;
+    tj.vector_scan = this->isa == Isa::kAvx512 || this->isa == Isa::kAvx512Bf16;
     tj.indices = indices.Allocate({pr.b, pr.s, tj.k});
     if (block > 0) {
       const std::vector<int64_t> shape{pr.b, pr.s, tj.nb};

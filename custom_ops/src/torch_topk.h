@@ -348,6 +348,11 @@ struct HeapSelect {
       }
     }
   }
+  // Once the heap is full, a value that does not go before heap[0] is dropped untouched:
+  // a caller that found the next n values all do not may skip them (IndexerTopK's vector
+  // scan).
+  CSA_HD bool full() const { return seen >= k; }
+  CSA_HD void skip(int64_t n) { seen += n; }
   // After the whole row (at least k values): heap[0..k) is torch's output, in order.
   CSA_HD void finish() { libstdcxx::sort_heap(heap, heap + k, C{}); }
 };
