@@ -63,7 +63,11 @@ the baseline is left out where one such intermediate would pass --indexer-baseli
 (default 1.5). Outputs checked bit for bit; the two run interleaved; "scores/s" counts b*s*T
 outputs. Then "IndexerScore candidates": a later index source's level two (T = 64K..1M
 keys, 2048 candidate blocks of 8 per query row, as released), the op given Candidates against
-every score and a Where (the layer before the op took them).
+every score and a Where (the layer before the op took them). Then "IndexerTopK": the candidate
+source's selection at 1M keys (k = 512, block scores of 8 with the newest block forced), a
+decode row and a 256-token prefill chunk, against IndexerScore, TorchTopK, BlockMax and the
+forcing Where (the layer before the op), outputs checked equal; peak memory is not measured
+here (the chunk's composed ops hold a [256, 1M] float32 intermediate, 1 GiB).
 
 ApplyRope (--only rope): milliseconds per call on the released q and o ([1, s, 64, 512], rd 64;
 s = 1, 256, 1024) against the standard ops it replaced, which are its portable body
@@ -687,6 +691,8 @@ INDEXER_SHAPES = [(1, 1, 8192), (4, 1, 8192), (1, 1, 32768), (1, 1024, 8192),
 # A later index source's level two at long contexts (ratio 1: T = context): the released
 # candidate_topk_blocks 2048 of candidate_block_size 8 per query row.
 CANDIDATE_SHAPES = [(1, 1, 65536), (1, 1, 262144), (1, 1, 1048576), (1, 64, 65536)]
+TOPK_SHAPES = [(1, 1, 1048576), (1, 256, 1048576)]  # the candidate source, layer 20 at 1M
+INDEX_TOPK = 512
 CANDIDATE_BLOCKS, CANDIDATE_BLOCK_SIZE = 2048, 8
 
 
@@ -714,6 +720,42 @@ def indexer_candidate_models(d: int) -> tuple[bytes, bytes]:
     return tuple(helper.make_model(helper.make_graph(nodes, "indexer", inputs, out, inits),
                                    opset_imports=OPSETS, ir_version=IR_VERSION).SerializeToString()
                  for nodes in (given, where))
+
+
+def indexer_topk_models(d: int) -> tuple[bytes, bytes]:
+    """IndexerTopK as the candidate source runs it, and the ops it replaced: IndexerScore,
+    TorchTopK (largest, unsorted), BlockMax and the Where forcing the newest block (every
+    key reachable: the newest is block (T - 1) // 8)."""
+    vi = helper.make_tensor_value_info
+    inputs = indexer_inputs(d)
+    out = [vi("I", TensorProto.INT64, ["b", "s", "k"]), vi("B", TensorProto.FLOAT, None)]
+    fused = [helper.make_node("IndexerTopK", ["Q", "W", "K", "T"], ["I", "B"], domain="csa2onnx",
+                              keys_format="fp4_e8m0_32", k=INDEX_TOPK,
+                              block_size=CANDIDATE_BLOCK_SIZE, force_newest_block=1)]
+    composed = [
+        helper.make_node("IndexerScore", ["Q", "W", "K", "T"], ["S"], domain="csa2onnx",
+                         keys_format="fp4_e8m0_32"),
+        helper.make_node("Min", ["T", "k"], ["kk"]),
+        helper.make_node("TorchTopK", ["S", "kk"], ["V", "I"], domain="csa2onnx", largest=1,
+                         sorted=0),
+        helper.make_node("BlockMax", ["S"], ["maxes"], domain="csa2onnx",
+                         block_size=CANDIDATE_BLOCK_SIZE),
+        helper.make_node("Shape", ["maxes"], ["shape"], start=2),
+        helper.make_node("Squeeze", ["shape"], ["nb"]),
+        helper.make_node("Range", ["zero", "nb", "one"], ["ids"]),
+        helper.make_node("Sub", ["T", "one1"], ["last"]),
+        helper.make_node("Div", ["last", "eight"], ["newest"]),
+        helper.make_node("Equal", ["ids", "newest"], ["hit"]),
+        helper.make_node("Where", ["hit", "inf", "maxes"], ["B"])]
+    inits = [helper.make_tensor("k", TensorProto.INT64, [1], [INDEX_TOPK]),
+             helper.make_tensor("zero", TensorProto.INT64, [], [0]),
+             helper.make_tensor("one", TensorProto.INT64, [], [1]),
+             helper.make_tensor("one1", TensorProto.INT64, [1], [1]),
+             helper.make_tensor("eight", TensorProto.INT64, [1], [CANDIDATE_BLOCK_SIZE]),
+             helper.make_tensor("inf", TensorProto.FLOAT, [], [np.inf])]
+    return tuple(helper.make_model(helper.make_graph(nodes, "indexer_topk", inputs, out, given),
+                                   opset_imports=OPSETS, ir_version=IR_VERSION).SerializeToString()
+                 for nodes, given in ((fused, []), (composed, inits)))
 
 
 def indexer_models(d: int) -> tuple[bytes, bytes]:
@@ -797,6 +839,22 @@ def bench_indexer_score(args: argparse.Namespace, threads: int,
         repeat = args.repeat * 5 if s == 1 else args.repeat
         for impl, seconds in interleaved_medians(fns, repeat).items():
             rows.append(("IndexerScore candidates", f"b={b} s={s} T={t}", impl, seconds,
+                         b * s * t / seconds, "scores/s"))
+    fused, composed = (make_session(m, options=options) for m in indexer_topk_models(d))
+    for b, s, t in TOPK_SHAPES:
+        q = fp4_round_trip(rng.standard_normal((b, s, h, d)).astype(np.float32), 32, "e8m0")[0]
+        w = (rng.standard_normal((b, s, h)) * 0.02).astype(np.float32)
+        cache = pack_quantized(rng.standard_normal((b, t, d)).astype(np.float32), "fp4_e8m0_32")
+        feeds = {"Q": q, "W": w, "K": cache, "T": np.array([t], np.int64)}
+        got, want = fused.run(None, feeds), composed.run(None, feeds)
+        if not (np.array_equal(got[0], want[0]) and same_bits(got[1], want[1])):
+            print(f"warning: IndexerTopK b={b} s={s} T={t} differs from the ops it replaced",
+                  file=sys.stderr)
+        fns = {"onnxruntime kernel": lambda f=feeds: fused.run(None, f),
+               "IndexerScore, TorchTopK, BlockMax": lambda f=feeds: composed.run(None, f)}
+        repeat = args.repeat * 5 if s == 1 else args.repeat
+        for impl, seconds in interleaved_medians(fns, repeat).items():
+            rows.append(("IndexerTopK k512 blocks8", f"b={b} s={s} T={t}", impl, seconds,
                          b * s * t / seconds, "scores/s"))
     return rows
 

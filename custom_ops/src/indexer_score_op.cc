@@ -939,9 +939,12 @@ void force_newest(const TopKJob& tj, int64_t i, uint32_t* row_blocks) {
 void topk_row(const TopKJob& tj, size_t task, std::vector<float>& scratch) {
   const int64_t t = tj.job->pr.t, i = static_cast<int64_t>(task);
   const float* row = tj.scores + i * t;
+  // torch's heap takes k pairs, nth_element all t (kept per thread, as TorchTopK's scratch)
+  const bool heap = tj.k * 64 <= t;
   thread_local std::vector<TopKPair> pairs;
-  if (pairs.size() < static_cast<size_t>(t)) pairs.resize(static_cast<size_t>(t));
-  if (tj.k * 64 <= t) {  // torch's heap (torch_topk_select), fed through `feed`
+  if (pairs.size() < static_cast<size_t>(heap ? tj.k : t))
+    pairs.resize(static_cast<size_t>(heap ? tj.k : t));
+  if (heap) {  // torch's heap (torch_topk_select), fed through `feed`
     LargestFirst select{pairs.data(), tj.k};
     feed(tj, select, row, t);
     select.finish();
