@@ -1,7 +1,8 @@
 """New cases made by the UPSTREAM reference (../shared/reference) on this machine, verified
 end to end: prefills shorter than the window (1, win-1, win) followed by decode steps
 across two wraps of the ring, where the decode window row lists the filling ring oldest
-first with -1 for the empty slots (reference.md, Attention.forward step 2)."""
+first with -1 for the empty slots (reference.md, Attention.forward step 2); and a case whose
+top-k torch ranks by its heap (k * 64 <= T), the branch IndexerTopK streams, no golden's."""
 
 from __future__ import annotations
 
@@ -79,3 +80,38 @@ def test_oracle_reproduces_upstream_case(upstream_cases: dict[int, Path], prefil
     path = upstream_cases[prefill]
     ok, _ = torch_reference.check_case(path.parent, path.stem, rule=live_rule(path))
     assert ok
+
+
+def heap_spec(small: dict) -> dict:
+    """index_topk 4 over up to 300 compressed positions (ratio 1): from 256 positions torch
+    ranks a row by its heap (k * 64 <= T), the branch IndexerTopK streams. Layer 1 is also
+    the candidate source (1 block of 2), so layer 3 has 2 finite scores a row and picks 2 of
+    its -inf reachable positions (reference quirk 2): which ones, the heap's ties decide."""
+    return dict(
+        name="heap_topk", description="index_topk 4 over up to 300 positions: torch's heap",
+        args=dict(small, index_topk=4, compress_ratios=(0, 1, 1, 1, 1, 0),
+                  kv_source_layers=(1,), index_source_layers=(1, 3), candidate_source_layer=1,
+                  candidate_topk_blocks=1, candidate_block_size=2),
+        batch=1, prefill=300, decode_steps=2, seed=4242)
+
+
+@pytest.fixture(scope="module")
+def heap_case(tmp_path_factory: pytest.TempPathFactory, upstream_tools: ModuleType) -> Path:
+    make_goldens = upstream_tools.make_goldens_module()
+    folder = tmp_path_factory.mktemp("upstream_heap")
+    make_goldens.run_case(heap_spec(make_goldens.SMALL), folder)
+    return folder / "heap_topk.json"
+
+
+@pytest.mark.parametrize("stream", ["always", "never"])
+def test_heap_branch_selections_are_upstreams(heap_case: Path, stream: str,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Streamed into the heap tile by tile, or every score first: each selection and mask
+    equals upstream's exactly (not only a valid top-k)."""
+    monkeypatch.setenv("CSA_INDEXER_TOPK_STREAM", stream)  # read when a session is created
+    report = verify_case(heap_case, rule=live_rule(heap_case))
+    assert report.ok, report.table()
+    picks = [r for r in report.rows
+             if r.array in ("index_topk_idxs", "attn_topk_idxs", "candidates")]
+    assert {r.array for r in picks} == {"index_topk_idxs", "attn_topk_idxs", "candidates"}
+    assert all(r.result.exact for r in picks), report.table()
