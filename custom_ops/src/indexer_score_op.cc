@@ -30,6 +30,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdint>
 #include <cstring>
 #include <optional>
 #include <string>
@@ -806,6 +807,14 @@ void tile_task(const Job& j, size_t task, std::vector<float>& scratch) {
   j.tile_fn(j, task_tile(j, task), scratch);
 }
 
+// A call's multiply-adds, b * s * H * T * D, saturated (it only decides serial or pool).
+int64_t multiply_adds(const is::Problem& pr) {
+  int64_t n = 1;
+  for (const int64_t f : {pr.b, pr.s, pr.h, pr.t, pr.d})
+    if (__builtin_mul_overflow(n, f, &n)) return INT64_MAX;
+  return n;
+}
+
 // Every score into `out` [b, s, T]: the tiles in parallel, or the definition row by row.
 void score_all(OrtKernelContext* ctx, const char* op, Scoring& sc, float* out) {
   Job& job = sc.job;
@@ -813,7 +822,7 @@ void score_all(OrtKernelContext* ctx, const char* op, Scoring& sc, float* out) {
   job.out = out;
   const int64_t tasks =
       job.tile_fn != nullptr ? pr.b * job.s_blocks * job.t_blocks : pr.b * pr.s;
-  run_tasks_with_scratch(ctx, pr.b * pr.s * pr.h * pr.t * pr.d, serial_below::kMultiplyAdds,
+  run_tasks_with_scratch(ctx, multiply_adds(pr), serial_below::kMultiplyAdds,
                          static_cast<size_t>(tasks), job.tile_fn != nullptr ? tile_task : row_task,
                          job);
   if (job.out_of_memory) ORT_CXX_API_THROW(std::string(op) + ": out of memory", ORT_FAIL);
@@ -1075,14 +1084,18 @@ struct IndexerTopKKernel : ScoringKernel<K> {
     }
     if (pr.b == 0 || pr.s == 0 || pr.t == 0) return;
     const int64_t rows = pr.b * pr.s;
+    int64_t scores = 0;  // what every score at once would take (the materialised path)
+    if (__builtin_mul_overflow(rows, pr.t, &scores))
+      fail(kTopKOp, "b * s * Width overflows int64 (Q " + shape_string(q.Shape()) + ", Width " +
+                        std::to_string(pr.t) + ")");
     const bool can_stream = sc.job.tile_fn != nullptr && tj.k * 64 <= pr.t;
     const bool stream = can_stream && streaming != Streaming::kNever &&
-                        (streaming == Streaming::kAlways || rows * pr.t > kMaterializedScores);
+                        (streaming == Streaming::kAlways || scores > kMaterializedScores);
     if (!stream) {
-      std::vector<float> scores(static_cast<size_t>(rows * pr.t));
-      score_all(ctx, kTopKOp, sc, scores.data());
-      tj.scores = scores.data();
-      run_tasks_with_scratch(ctx, rows * pr.t, serial_below::kElements,
+      std::vector<float> all(static_cast<size_t>(scores));
+      score_all(ctx, kTopKOp, sc, all.data());
+      tj.scores = all.data();
+      run_tasks_with_scratch(ctx, scores, serial_below::kElements,
                              static_cast<size_t>(rows), topk_row, tj);
     } else {
       // At least 4 tasks where the rows allow (a 128-row chunk on 2 threads: 4 of 32), up
@@ -1090,7 +1103,7 @@ struct IndexerTopKKernel : ScoringKernel<K> {
       const int64_t quarter = (rows + 3) / 4;
       tj.rows_per = std::min(is::kTileS, std::max(int64_t{16}, (quarter + 15) / 16 * 16));
       tj.s_blocks = (pr.s + tj.rows_per - 1) / tj.rows_per;
-      run_tasks_with_scratch(ctx, rows * pr.h * pr.t * pr.d, serial_below::kMultiplyAdds,
+      run_tasks_with_scratch(ctx, multiply_adds(pr), serial_below::kMultiplyAdds,
                              static_cast<size_t>(pr.b * tj.s_blocks), topk_streamed, tj);
     }
     if (tj.out_of_memory) ORT_CXX_API_THROW(std::string(kTopKOp) + ": out of memory", ORT_FAIL);
