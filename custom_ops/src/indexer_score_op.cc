@@ -850,15 +850,19 @@ struct IndexerScoreKernel : ScoringKernel<K> {
 };
 
 // IndexerTopK: a score row's top k is torch's partial_sort branch (k * 64 <= T) fed the row's
-// scores tile by tile, in key order (torch_topk.h HeapSelect): the [b, s, T] scores are not
-// kept. A call whose scores fit kMaterializedScores, or that torch ranks otherwise (k * 64 >
+// scores in key order (torch_topk.h HeapSelect), a window of keys at a time: the window's
+// scores (kWindowScores for all rows, so that they stay in the caches) on IndexerScore's
+// tiles, every task in parallel, then into each row's heap, the rows in parallel; the
+// [b, s, T] scores are never whole. (Each task streaming its rows' tiles into their heaps was
+// as fast on 2 threads, but gave a 256-row chunk 4 tasks whatever the thread count.) A call whose scores fit kMaterializedScores, or that torch ranks otherwise (k * 64 >
 // T: nth_element over the whole row), or on the definition's path, scores every row first
-// (score_all, all tasks in parallel) and ranks each row as TorchTopK does: a decode step's one
-// row of a million keys needs the whole pool for its scores.
+// (score_all) and ranks each row as TorchTopK does.
 constexpr const char* kTopKOp = "IndexerTopK";
 constexpr int64_t kMaterializedScores = int64_t{1} << 24;  // floats: 64 MiB
+constexpr int64_t kWindowScores = int64_t{1} << 20;  // floats: 4 MiB, to stay in the caches
 // For tests (read when a session creates the kernel): "always" streams every call that can
-// (a tiled path, k * 64 <= T), "never" none; unset, by kMaterializedScores.
+// (a tiled path, k * 64 <= T) in windows of one key tile, "never" none; unset, by
+// kMaterializedScores.
 constexpr const char* kStreamVariable = "CSA_INDEXER_TOPK_STREAM";
 enum class Streaming { kAuto, kAlways, kNever };
 Streaming streaming_setting() {
@@ -876,10 +880,15 @@ struct TopKJob {
   int64_t block = 0, nb = 0;        // block_size and blocks a row (0: no BlockScores)
   bool force_newest = false;        // force_newest_block
   bool vector_scan = false;         // AVX-512: heaps fed through scan_above, blocks of 8
-  int64_t rows_per = 0, s_blocks = 0;  // streamed: query rows a task, tasks a batch entry
   const float* scores = nullptr;    // materialised [b, s, T], or null (streamed)
   int64_t* indices = nullptr;       // [b, s, k]
   uint32_t* block_scores = nullptr;  // [b, s, nb], or null
+  // Streamed: the current window of keys [w0, w0 + cols), its scores [b * s][width], and
+  // each row's heap and block maxes, fed window by window.
+  float* window = nullptr;
+  int64_t width = 0, w0 = 0, cols = 0, w_blocks = 0;
+  HeapSelect<TopKF32, TopKLargestFirst>* select = nullptr;
+  block_max::RowStream* blocks = nullptr;
   std::atomic<bool> out_of_memory{false};
 };
 
@@ -978,42 +987,38 @@ void topk_row(const TopKJob& tj, size_t task, std::vector<float>& scratch) {
   }
 }
 
-// Streamed: task = (batch entry, block of rows_per query rows), its rows' scores made a key
-// tile at a time in key order and fed to each row's heap (and block maxes) as they come.
-void topk_streamed(const TopKJob& tj, size_t task, std::vector<float>& scratch) {
+// Streamed, phase 1 of a window: tiled task (batch entry, block of kTileS queries, key tile
+// of the window), its scores into the window's buffer.
+void window_scores(const TopKJob& tj, size_t task, std::vector<float>& scratch) {
   const Job& j = *tj.job;
   const is::Problem& pr = j.pr;
-  const int64_t bi = static_cast<int64_t>(task) / tj.s_blocks;
-  const int64_t s0 = static_cast<int64_t>(task) % tj.s_blocks * tj.rows_per;
-  const int64_t rows = std::min(tj.rows_per, pr.s - s0), first_row = bi * pr.s + s0;
-  thread_local std::vector<float> tile_scores;  // [rows][kTileT]
-  thread_local std::vector<TopKPair> heaps;     // [rows][k]
-  tile_scores.resize(static_cast<size_t>(rows * is::kTileT));
-  heaps.resize(static_cast<size_t>(rows * tj.k));
-  std::vector<LargestFirst> select;
-  std::vector<block_max::RowStream> blocks;
-  for (int64_t r = 0; r < rows; ++r) {
-    select.push_back({heaps.data() + r * tj.k, tj.k});
-    if (tj.block_scores != nullptr)
-      blocks.push_back({tj.block_scores + (first_row + r) * tj.nb, tj.block});
-  }
-  for (int64_t t0 = 0; t0 < pr.t; t0 += is::kTileT) {
-    const int64_t cols = std::min(is::kTileT, pr.t - t0);
-    j.tile_fn(j, TaskTile{bi, t0, s0, cols, rows, tile_scores.data(), is::kTileT}, scratch);
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* row = tile_scores.data() + r * is::kTileT;
-      feed(tj, select[r], row, cols);
-      if (!blocks.empty()) blocks[r].push(reinterpret_cast<const uint32_t*>(row), cols);
-    }
-  }
-  for (int64_t r = 0; r < rows; ++r) {
-    select[r].finish();
-    int64_t* out = tj.indices + (first_row + r) * tj.k;
-    for (int64_t i = 0; i < tj.k; ++i) out[i] = select[r].heap[i].index;
-    if (!blocks.empty()) {
-      blocks[r].finish();
-      if (tj.force_newest) force_newest(tj, first_row + r, blocks[r].y);
-    }
+  const int64_t t = static_cast<int64_t>(task), tile = t % tj.w_blocks;
+  const int64_t s0 = t / tj.w_blocks % j.s_blocks * is::kTileS, bi = t / tj.w_blocks / j.s_blocks;
+  const int64_t t0 = tj.w0 + tile * is::kTileT;
+  j.tile_fn(j,
+            TaskTile{bi, t0, s0, std::min(is::kTileT, tj.w0 + tj.cols - t0),
+                     std::min(is::kTileS, pr.s - s0),
+                     tj.window + (bi * pr.s + s0) * tj.width + tile * is::kTileT, tj.width},
+            scratch);
+}
+
+// Streamed, phase 2 of a window: query row `task`'s scores of the window, in key order, into
+// its heap and block maxes.
+void window_feed(const TopKJob& tj, size_t task, std::vector<float>&) {
+  const float* row = tj.window + static_cast<int64_t>(task) * tj.width;
+  feed(tj, tj.select[task], row, tj.cols);
+  if (tj.blocks != nullptr) tj.blocks[task].push(reinterpret_cast<const uint32_t*>(row), tj.cols);
+}
+
+// Streamed, at the end: query row `task`'s output.
+void window_finish(const TopKJob& tj, size_t task, std::vector<float>&) {
+  LargestFirst& select = tj.select[task];
+  select.finish();
+  int64_t* out = tj.indices + static_cast<int64_t>(task) * tj.k;
+  for (int64_t i = 0; i < tj.k; ++i) out[i] = select.heap[i].index;
+  if (tj.blocks != nullptr) {
+    tj.blocks[task].finish();
+    if (tj.force_newest) force_newest(tj, static_cast<int64_t>(task), tj.blocks[task].y);
   }
 }
 
@@ -1098,13 +1103,37 @@ struct IndexerTopKKernel : ScoringKernel<K> {
       run_tasks_with_scratch(ctx, scores, serial_below::kElements,
                              static_cast<size_t>(rows), topk_row, tj);
     } else {
-      // At least 4 tasks where the rows allow (a 128-row chunk on 2 threads: 4 of 32), up
-      // to kTileS rows each (a task's key tiles serve all its rows).
-      const int64_t quarter = (rows + 3) / 4;
-      tj.rows_per = std::min(is::kTileS, std::max(int64_t{16}, (quarter + 15) / 16 * 16));
-      tj.s_blocks = (pr.s + tj.rows_per - 1) / tj.rows_per;
-      run_tasks_with_scratch(ctx, multiply_adds(pr), serial_below::kMultiplyAdds,
-                             static_cast<size_t>(pr.b * tj.s_blocks), topk_streamed, tj);
+      // A window of keys at a time, its width whole key tiles within the budget: its scores
+      // made on IndexerScore's tiles, all tasks in parallel, then fed to the rows' heaps in
+      // key order, the rows in parallel (any thread count finds work in both).
+      // (CSA_INDEXER_TOPK_STREAM=always: windows of one tile, as many as can be)
+      tj.width = std::max(is::kTileT, kWindowScores / rows / is::kTileT * is::kTileT);
+      tj.width = std::min(tj.width, (pr.t + is::kTileT - 1) / is::kTileT * is::kTileT);
+      if (streaming == Streaming::kAlways) tj.width = is::kTileT;
+      std::vector<float> window(static_cast<size_t>(rows * tj.width));
+      std::vector<TopKPair> heaps(static_cast<size_t>(rows * tj.k));
+      std::vector<LargestFirst> select;
+      std::vector<block_max::RowStream> blocks;
+      for (int64_t r = 0; r < rows; ++r) {
+        select.push_back({heaps.data() + r * tj.k, tj.k});
+        if (tj.block_scores != nullptr) blocks.push_back({tj.block_scores + r * tj.nb, block});
+      }
+      tj.window = window.data();
+      tj.select = select.data();
+      tj.blocks = blocks.empty() ? nullptr : blocks.data();
+      for (tj.w0 = 0; tj.w0 < pr.t && !tj.out_of_memory; tj.w0 += tj.width) {
+        tj.cols = std::min(tj.width, pr.t - tj.w0);
+        tj.w_blocks = (tj.cols + is::kTileT - 1) / is::kTileT;
+        is::Problem window_pr = pr;
+        window_pr.t = tj.cols;
+        run_tasks_with_scratch(ctx, multiply_adds(window_pr), serial_below::kMultiplyAdds,
+                               static_cast<size_t>(pr.b * sc.job.s_blocks * tj.w_blocks),
+                               window_scores, tj);
+        run_tasks_with_scratch(ctx, rows * tj.cols, serial_below::kElements,
+                               static_cast<size_t>(rows), window_feed, tj);
+      }
+      run_tasks_with_scratch(ctx, rows * tj.k * 16, serial_below::kElements,
+                             static_cast<size_t>(rows), window_finish, tj);
     }
     if (tj.out_of_memory) ORT_CXX_API_THROW(std::string(kTopKOp) + ": out of memory", ORT_FAIL);
   }
