@@ -265,6 +265,11 @@ _W_TYPES = ("tensor(float)", "tensor(bfloat16)")
 _INT64 = "tensor(int64)"
 _UINT8 = "tensor(uint8)"
 
+# IndexerScore's inputs, IndexerTopK's too
+_SCORING_INPUTS = (Param("Q", _FLOAT), Param("W", _FLOAT), Param("Keys", "TK"),
+                   Param("Width", _INT64), Param("Lengths", _INT64, optional=True),
+                   Param("Candidates", "tensor(bool)", optional=True))
+
 SIGNATURES: tuple[OpSignature, ...] = (
     OpSignature(
         "Fp4QuantDequant", "fp4 (e2m1) round trip over blocks of the last axis (README).",
@@ -314,18 +319,14 @@ SIGNATURES: tuple[OpSignature, ...] = (
         "IndexerScore", "The Indexer's scores bf16(sum_h bf16(relu(bf16(q.k)) * w)) of keys "
         "0..Width-1, in onnxruntime's orders for the standard ops; -inf, not computed, past a "
         "query's Lengths or where Candidates (given with Lengths) is false.",
-        (Param("Q", _FLOAT), Param("W", _FLOAT), Param("Keys", "TK"), Param("Width", _INT64),
-         Param("Lengths", _INT64, optional=True),
-         Param("Candidates", "tensor(bool)", optional=True)),
+        _SCORING_INPUTS,
         (Param("Score", _FLOAT),), _infer_indexer_score, (("TK", (_FLOAT, _UINT8)),),
         (Attribute("keys_format", _Attr.STRING),)),
     OpSignature(
         "IndexerTopK", "IndexerScore's scores ranked as TorchTopK(k, largest, unsorted) ranks "
         "them (its indices), and optionally BlockMax(block_size) of them, without the [b, s, "
         "Width] scores.",
-        (Param("Q", _FLOAT), Param("W", _FLOAT), Param("Keys", "TK"), Param("Width", _INT64),
-         Param("Lengths", _INT64, optional=True),
-         Param("Candidates", "tensor(bool)", optional=True)),
+        _SCORING_INPUTS,
         (Param("Indices", _INT64), Param("BlockScores", _FLOAT, optional=True)),
         _infer_indexer_topk, (("TK", (_FLOAT, _UINT8)),),
         (Attribute("k", _Attr.INT, required=True), Attribute("block_size", _Attr.INT, default=0),

@@ -294,3 +294,27 @@ def test_bench_ops_candidate_models_score_alike() -> None:
     a, b = given.run(None, feeds)[0], where.run(None, feeds)[0]
     assert np.isinf(a).any() and np.isfinite(a).any()
     np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+@pytest.mark.parametrize("t", [600, 40000], ids=["nth_element", "heap"])
+def test_bench_ops_topk_models_select_alike(t: int) -> None:
+    """tools/bench_ops.py's IndexerTopK pair (the op, and IndexerScore, TorchTopK, BlockMax and
+    the forcing Where) gives the same indices and block scores, in both of torch's branches."""
+    from csa2onnx.custom_ops import make_session, session_options
+    from csa2onnx.custom_ops.reference import pack_quantized
+
+    pytest.importorskip("torch", reason="tools/bench_ops.py imports torch (its baselines)")
+    tool = load_module(ROOT / "tools" / "bench_ops.py", "bench_ops")
+    fused, composed = (make_session(m, options=session_options(2))
+                       for m in tool.indexer_topk_models(64))
+    rng = np.random.default_rng(1)
+    s = 3
+    feeds = {"Q": rng.standard_normal((1, s, 4, 64)).astype(np.float32),
+             "W": rng.standard_normal((1, s, 4)).astype(np.float32),
+             "K": pack_quantized(rng.standard_normal((1, t, 64)).astype(np.float32),
+                                 "fp4_e8m0_32"),
+             "T": np.array([t], np.int64)}
+    (i, b), (j, c) = fused.run(None, feeds), composed.run(None, feeds)
+    assert i.shape == (1, s, min(t, tool.INDEX_TOPK)) and np.isinf(b).any()
+    np.testing.assert_array_equal(i, j)
+    np.testing.assert_array_equal(b.view(np.uint32), c.view(np.uint32))

@@ -787,6 +787,21 @@ def indexer_models(d: int) -> tuple[bytes, bytes]:
                  for nodes in ([op], standard))
 
 
+def scores_rows(op: str, b: int, s: int, t: int, fns: dict, repeat: int) -> list[Row]:
+    """The rows of one indexer shape: each implementation's median, in scores a second."""
+    return [(op, f"b={b} s={s} T={t}", impl, seconds, b * s * t / seconds, "scores/s")
+            for impl, seconds in interleaved_medians(fns, repeat).items()]
+
+
+def indexer_call(rng: np.random.Generator, b: int, s: int, t: int, h: int,
+                 d: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """fp4 queries [b, s, H, D], head weights [b, s, H], a packed key cache of T rows."""
+    q = fp4_round_trip(rng.standard_normal((b, s, h, d)).astype(np.float32), 32, "e8m0")[0]
+    w = (rng.standard_normal((b, s, h)) * 0.02).astype(np.float32)
+    cache = pack_quantized(rng.standard_normal((b, t, d)).astype(np.float32), "fp4_e8m0_32")
+    return q, w, cache
+
+
 def bench_indexer_score(args: argparse.Namespace, threads: int,
                         rng: np.random.Generator) -> list[Row]:
     h, d = 32, 128
@@ -797,9 +812,7 @@ def bench_indexer_score(args: argparse.Namespace, threads: int,
                            arena=False, spinning=False) if args.baseline_library else None)
     rows = []
     for b, s, t in INDEXER_SHAPES:
-        q = fp4_round_trip(rng.standard_normal((b, s, h, d)).astype(np.float32), 32, "e8m0")[0]
-        w = (rng.standard_normal((b, s, h)) * 0.02).astype(np.float32)
-        cache = pack_quantized(rng.standard_normal((b, t, d)).astype(np.float32), "fp4_e8m0_32")
+        q, w, cache = indexer_call(rng, b, s, t, h, d)
         feeds = {"Q": q, "W": w, "K": cache, "T": np.array([t], np.int64)}
         fns = {"onnxruntime kernel": lambda f=feeds: fused.run(None, f)}
         if base is not None:
@@ -816,14 +829,10 @@ def bench_indexer_score(args: argparse.Namespace, threads: int,
                       file=sys.stderr)
         # decode calls take a millisecond or less: many calls (as SparseAttention's)
         repeat = args.repeat * 20 if s == 1 else args.repeat
-        for impl, seconds in interleaved_medians(fns, repeat).items():
-            rows.append(("IndexerScore H32 D128", f"b={b} s={s} T={t}", impl, seconds,
-                         b * s * t / seconds, "scores/s"))
+        rows += scores_rows("IndexerScore H32 D128", b, s, t, fns, repeat)
     given, where = (make_session(m, options=options) for m in indexer_candidate_models(d))
     for b, s, t in CANDIDATE_SHAPES:
-        q = fp4_round_trip(rng.standard_normal((b, s, h, d)).astype(np.float32), 32, "e8m0")[0]
-        w = (rng.standard_normal((b, s, h)) * 0.02).astype(np.float32)
-        cache = pack_quantized(rng.standard_normal((b, t, d)).astype(np.float32), "fp4_e8m0_32")
+        q, w, cache = indexer_call(rng, b, s, t, h, d)
         blocks = t // CANDIDATE_BLOCK_SIZE
         keep = np.zeros((b * s, blocks), bool)
         for row in keep:
@@ -837,14 +846,10 @@ def bench_indexer_score(args: argparse.Namespace, threads: int,
         fns = {"onnxruntime kernel": lambda f=feeds: given.run(None, f),
                "every score, Where": lambda f=feeds: where.run(None, f)}
         repeat = args.repeat * 5 if s == 1 else args.repeat
-        for impl, seconds in interleaved_medians(fns, repeat).items():
-            rows.append(("IndexerScore candidates", f"b={b} s={s} T={t}", impl, seconds,
-                         b * s * t / seconds, "scores/s"))
+        rows += scores_rows("IndexerScore candidates", b, s, t, fns, repeat)
     fused, composed = (make_session(m, options=options) for m in indexer_topk_models(d))
     for b, s, t in TOPK_SHAPES:
-        q = fp4_round_trip(rng.standard_normal((b, s, h, d)).astype(np.float32), 32, "e8m0")[0]
-        w = (rng.standard_normal((b, s, h)) * 0.02).astype(np.float32)
-        cache = pack_quantized(rng.standard_normal((b, t, d)).astype(np.float32), "fp4_e8m0_32")
+        q, w, cache = indexer_call(rng, b, s, t, h, d)
         feeds = {"Q": q, "W": w, "K": cache, "T": np.array([t], np.int64)}
         got, want = fused.run(None, feeds), composed.run(None, feeds)
         if not (np.array_equal(got[0], want[0]) and same_bits(got[1], want[1])):
@@ -853,9 +858,7 @@ def bench_indexer_score(args: argparse.Namespace, threads: int,
         fns = {"onnxruntime kernel": lambda f=feeds: fused.run(None, f),
                "IndexerScore, TorchTopK, BlockMax": lambda f=feeds: composed.run(None, f)}
         repeat = args.repeat * 5 if s == 1 else args.repeat
-        for impl, seconds in interleaved_medians(fns, repeat).items():
-            rows.append(("IndexerTopK k512 blocks8", f"b={b} s={s} T={t}", impl, seconds,
-                         b * s * t / seconds, "scores/s"))
+        rows += scores_rows("IndexerTopK k512 blocks8", b, s, t, fns, repeat)
     return rows
 
 
