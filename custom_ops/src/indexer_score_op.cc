@@ -192,8 +192,8 @@ CSA_TARGET_AVX2 __attribute__((flatten)) void tiled_avx2(const Job& j, const Tas
 #ifdef CSA_X86
 // tiled_task on the avx512bf16 path: the tile's key blocks also as swapped pairs (with their
 // fitness), each query row against each block on vdpbf16ps where both allow it.
-CSA_TARGET_AVX512BF16 __attribute__((flatten)) void tiled_avx512bf16(const Job& j, const TaskTile& tt,
-                                                                     std::vector<float>& scratch) {
+CSA_TARGET_AVX512BF16 __attribute__((flatten)) void tiled_avx512bf16(
+    const Job& j, const TaskTile& tt, std::vector<float>& scratch) {
   using V = is::tv::VAvx512;
   constexpr int64_t kKeys = is::Cfg<V>::kKeys, kBlocks = is::kTileT / kKeys;
   const is::Problem& pr = j.pr;
@@ -305,7 +305,8 @@ CSA_TARGET_AVX2 __attribute__((flatten)) void tiled_avx2_int8(const Job& j, cons
                                                               std::vector<float>& s) {
   tiled_int8<is::tv::VAvx2>(j, t, s);
 }
-CSA_TARGET_AVX512_VNNI __attribute__((flatten)) void tiled_avx512_int8(const Job& j, const TaskTile& t,
+CSA_TARGET_AVX512_VNNI __attribute__((flatten)) void tiled_avx512_int8(const Job& j,
+                                                                       const TaskTile& t,
                                                                        std::vector<float>& s) {
   tiled_int8<is::tv::VAvx512>(j, t, s);
 }
@@ -854,8 +855,9 @@ struct IndexerScoreKernel : ScoringKernel<K> {
 // scores (kWindowScores for all rows, so that they stay in the caches) on IndexerScore's
 // tiles, every task in parallel, then into each row's heap, the rows in parallel; the
 // [b, s, T] scores are never whole. (Each task streaming its rows' tiles into their heaps was
-// as fast on 2 threads, but gave a 256-row chunk 4 tasks whatever the thread count.) A call whose scores fit kMaterializedScores, or that torch ranks otherwise (k * 64 >
-// T: nth_element over the whole row), or on the definition's path, scores every row first
+// as fast on 2 threads, but gave a 256-row chunk 4 tasks whatever the thread count.) A call
+// whose scores fit kMaterializedScores, or that torch ranks otherwise (k * 64 > T:
+// nth_element over the whole row), or on the definition's path, scores every row first
 // (score_all) and ranks each row as TorchTopK does.
 constexpr const char* kTopKOp = "IndexerTopK";
 constexpr int64_t kMaterializedScores = int64_t{1} << 24;  // floats: 64 MiB
