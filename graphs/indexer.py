@@ -79,9 +79,10 @@ class IndexKeyRows(NamedTuple):
 class IndexerOutput(NamedTuple):
     """topk_idxs int64 [b, s, min(index_topk, end_pos // r)]: ascending compressed
     positions + offset, -1 where unreachable; score f32 [b, s, end_pos // r] as handed to
-    top-k (None unless select() kept it); candidates bool [b, s, end_pos // r] (candidate
-    source only, else None); the rest are intermediates for inspection: the queries before /
-    after fp4 [b, s, H, D] and top-k's raw indices in its returned order."""
+    top-k (None where IndexerTopK ranked it and select() did not keep it); candidates bool
+    [b, s, end_pos // r] (candidate source only, else None); the rest are intermediates for
+    inspection: the queries before / after fp4 [b, s, H, D] and top-k's raw indices in its
+    returned order."""
 
     topk_idxs: ir.Value
     score: ir.Value | None
