@@ -881,7 +881,8 @@ struct TopKJob {
   int64_t k = 0;                    // per row: min(attribute k, T)
   int64_t block = 0, nb = 0;        // block_size and blocks a row (0: no BlockScores)
   bool force_newest = false;        // force_newest_block
-  bool vector_scan = false;         // AVX-512: heaps fed through scan_above, blocks of 8
+  // heaps fed through scan_above on AVX-512 or AVX2; AVX-512 also takes blocks of 8 in pairs
+  Isa vector_scan = Isa::kScalar;
   const float* scores = nullptr;    // materialised [b, s, T], or null (streamed)
   int64_t* indices = nullptr;       // [b, s, k]
   uint32_t* block_scores = nullptr;  // [b, s, nb], or null
@@ -920,19 +921,46 @@ CSA_TARGET_AVX512 int64_t scan_above(const float* v, int64_t n, uint32_t top) {
     if (TopKF32::key(v[i]) > top) return i;
   return n;
 }
+
+// scan_above on AVX2, 8 keys a compare (unsigned, as signed with the sign bits flipped).
+CSA_TARGET_AVX2 int64_t scan_above_avx2(const float* v, int64_t n, uint32_t top) {
+  const __m256i sign = _mm256_set1_epi32(INT32_MIN), abs_mask = _mm256_set1_epi32(INT32_MAX);
+  const __m256i inf = _mm256_set1_epi32(0x7F800000), nan_key = _mm256_set1_epi32(-1);
+  const __m256i limit = _mm256_xor_si256(_mm256_set1_epi32(static_cast<int32_t>(top)), sign);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + i));
+    const __m256i magnitude = _mm256_and_si256(bits, abs_mask);
+    // positives: sign | bits; negatives: INT32_MAX - magnitude; zeros: sign; NaN: all ones
+    __m256i key = _mm256_blendv_epi8(_mm256_or_si256(bits, sign),
+                                     _mm256_sub_epi32(abs_mask, magnitude),
+                                     _mm256_srai_epi32(bits, 31));
+    key = _mm256_blendv_epi8(key, sign, _mm256_cmpeq_epi32(magnitude, _mm256_setzero_si256()));
+    key = _mm256_blendv_epi8(key, nan_key, _mm256_cmpgt_epi32(magnitude, inf));
+    const int above = _mm256_movemask_ps(
+        _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_xor_si256(key, sign), limit)));
+    if (above != 0) return i + __builtin_ctz(static_cast<unsigned>(above));
+  }
+  for (; i < n; ++i)
+    if (TopKF32::key(v[i]) > top) return i;
+  return n;
+}
 #endif
 
 // select.push(v, n), skipping on a vector scan the values a full heap drops untouched.
 void feed(const TopKJob& tj, LargestFirst& select, const float* v, int64_t n) {
 #ifdef CSA_X86
-  if (tj.vector_scan) {
+  if (tj.vector_scan != Isa::kScalar) {
     int64_t i = 0;
     if (!select.full()) {
       i = std::min(n, select.k - select.seen);
       select.push(v, i);
     }
     while (i < n) {
-      const int64_t next = i + scan_above(v + i, n - i, select.heap[0].key);
+      const uint32_t top = select.heap[0].key;
+      const int64_t next = i + (tj.vector_scan == Isa::kAvx512
+                                    ? scan_above(v + i, n - i, top)
+                                    : scan_above_avx2(v + i, n - i, top));
       select.skip(next - i);
       if (next == n) return;
       select.push(v + next, 1);
@@ -979,7 +1007,7 @@ void topk_row(const TopKJob& tj, size_t task, std::vector<float>& scratch) {
     uint32_t* out = tj.block_scores + i * tj.nb;
     int64_t done = 0;
 #ifdef CSA_X86
-    if (tj.vector_scan && tj.block == 8) {  // BlockMax's vector blocks of 8
+    if (tj.vector_scan == Isa::kAvx512 && tj.block == 8) {  // BlockMax's vector blocks of 8
       block_max::pairs_of_8(bits, t / 16, out);
       done = t / 16 * 2;
     }
@@ -1080,7 +1108,9 @@ struct IndexerTopKKernel : ScoringKernel<K> {
     tj.block = block;
     tj.nb = block > 0 ? (pr.t + block - 1) / block : 0;
     tj.force_newest = force_newest_block;
-    tj.vector_scan = this->isa == Isa::kAvx512 || this->isa == Isa::kAvx512Bf16;
+    tj.vector_scan = this->isa == Isa::kAvx512 || this->isa == Isa::kAvx512Bf16 ? Isa::kAvx512
+                     : this->isa == Isa::kAvx2                                  ? Isa::kAvx2
+                                                                                : Isa::kScalar;
     tj.indices = indices.Allocate({pr.b, pr.s, tj.k});
     if (block > 0) {
       const std::vector<int64_t> shape{pr.b, pr.s, tj.nb};
