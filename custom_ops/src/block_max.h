@@ -73,21 +73,26 @@ CSA_TARGET_AVX512 inline void pairs_of_8(const uint32_t* x, int64_t pairs, uint3
 struct RowStream {
   uint32_t* y;
   int64_t block;
-  int64_t seen = 0;  // values pushed so far
+  int64_t at = 0;    // values of the current block seen
+  int64_t done = 0;  // blocks written
   int32_t best = 0;
   bool nan = false;
 
+  // A position counter, not a division per value: this runs on every score of a long
+  // prefill chunk.
   void push(const uint32_t* x, int64_t n) {
-    for (int64_t i = 0; i < n; ++i, ++seen) {
-      const int64_t at = seen % block;
+    for (int64_t i = 0; i < n; ++i) {
       const int32_t k = order_key(x[i]);
       best = at == 0 || k > best ? k : best;
       nan = (at != 0 && nan) || is_nan(x[i]);
-      if (at == block - 1) y[seen / block] = result(best, nan);
+      if (++at == block) {
+        y[done++] = result(best, nan);
+        at = 0;
+      }
     }
   }
   void finish() const {
-    if (seen % block != 0) y[seen / block] = result(best, nan);
+    if (at != 0) y[done] = result(best, nan);
   }
 };
 
