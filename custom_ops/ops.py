@@ -289,7 +289,7 @@ def sparse_attention(op: OpBuilder, q: ir.Value, kv: ir.Value, sink: ir.Value, i
 def indexer_score(op: OpBuilder, q: ir.Value, w: ir.Value, keys: ir.Value, width: ir.Value,
                   keys_format: PackedFormat | None = None, head_dim: int | None = None,
                   candidates: ir.Value | None = None,
-                  lengths: ir.Value | None = None) -> ir.Value:
+                  lengths: ir.Value | None = None, candidate_block_size: int = 1) -> ir.Value:
     """The Indexer's scores (custom_ops/src/indexer_score.h): q [b,s,H,D] (D <= 128), w
     [b,s,H], the first `width` (int64 [1]) rows of keys -> float32 [b, s, width] =
     bf16(sum_h bf16(relu(bf16(q[b,s,h] . k[b,t])) * w[b,s,h])), bit for bit the standard ops
@@ -298,11 +298,13 @@ def indexer_score(op: OpBuilder, q: ir.Value, w: ir.Value, keys: ir.Value, width
     `keys` is float [b, R, D], or with `keys_format` the packed cache [b, R, row_bytes]
     (uint8), read in place. In a portable graph packed keys become UnpackQuantized(Slice)
     (the head dim must then be known): the op's function body takes float rows only.
-    `candidates` (bool [b, s, width]): the score is -inf where it is false, and the op
-    computes no dot there; `lengths` (int64 [s]): query q's keys from lengths[q] on too (a
+    `candidates` (bool [b, s, ceil(width / candidate_block_size)]: a value per block of
+    keys): the score of key t is -inf where value t // candidate_block_size is false, and the
+    op computes no dot there; `lengths` (int64 [s]): query q's keys from lengths[q] on too (a
     portable graph computes every score, then Wheres)."""
     if keys_format is not None:
         _check_packed_format(keys_format)
+    _check_candidate_block(candidate_block_size)
     if is_portable(op):
         if keys_format is not None:
             d = head_dim or _static_last_dim(q)
@@ -310,6 +312,8 @@ def indexer_score(op: OpBuilder, q: ir.Value, w: ir.Value, keys: ir.Value, width
                 raise ValueError("a portable IndexerScore over packed keys needs the head dim: "
                                  "pass head_dim, or give q a static last dimension")
             keys = unpack_quantized(op, op.Slice(keys, [0], width, [1]), keys_format, d)
+        if candidates is not None:
+            candidates = candidates_per_key(op, candidates, width, candidate_block_size)
         return mask_scores(op, _csa(op).IndexerScore(q, w, keys, width), width, candidates,
                            lengths)
     if candidates is not None and lengths is None:  # the op takes Candidates after Lengths
@@ -317,16 +321,19 @@ def indexer_score(op: OpBuilder, q: ir.Value, w: ir.Value, keys: ir.Value, width
     inputs = [q, w, keys, width, lengths, candidates]
     while inputs[-1] is None:  # optional inputs left out at the end
         inputs.pop()
-    if keys_format is None:
-        return _csa(op).IndexerScore(*inputs)
-    return _csa(op).IndexerScore(*inputs, keys_format=keys_format)
+    attributes: dict[str, Any] = {}
+    if keys_format is not None:
+        attributes["keys_format"] = keys_format
+    if candidates is not None and candidate_block_size != 1:
+        attributes["candidate_block_size"] = candidate_block_size
+    return _csa(op).IndexerScore(*inputs, **attributes)
 
 
 def indexer_topk(op: OpBuilder, q: ir.Value, w: ir.Value, keys: ir.Value, width: ir.Value, k: int,
                  keys_format: PackedFormat | None = None, head_dim: int | None = None,
                  candidates: ir.Value | None = None, lengths: ir.Value | None = None,
-                 block_size: int = 0,
-                 force_newest_block: bool = False) -> tuple[ir.Value, ir.Value | None]:
+                 block_size: int = 0, force_newest_block: bool = False,
+                 candidate_block_size: int = 1) -> tuple[ir.Value, ir.Value | None]:
     """`indexer_score`'s scores (same inputs) ranked as torch_topk(score, min(k, width),
     largest, unsorted) ranks them: its int64 indices [b, s, min(k, width)], in its order; and
     with `block_size` the scores' block_max [b, s, ceil(width / block_size)]; never the
@@ -339,8 +346,10 @@ def indexer_topk(op: OpBuilder, q: ir.Value, w: ir.Value, keys: ir.Value, width:
         raise ValueError(f"block_size must be >= 0 (0: no block scores), got {block_size}")
     if force_newest_block and not block_size:
         raise ValueError("force_newest_block needs block_size >= 1 (it sets a block score)")
+    _check_candidate_block(candidate_block_size)
     if is_portable(op):
-        score = indexer_score(op, q, w, keys, width, keys_format, head_dim, candidates, lengths)
+        score = indexer_score(op, q, w, keys, width, keys_format, head_dim, candidates, lengths,
+                              candidate_block_size)
         _, indices = torch_topk(op, score, op.Min(width, op.Constant(value_ints=[k])),
                                 largest=True, sorted=False)
         if not block_size:
@@ -364,6 +373,8 @@ def indexer_topk(op: OpBuilder, q: ir.Value, w: ir.Value, keys: ir.Value, width:
         attributes["force_newest_block"] = 1
     if keys_format is not None:
         attributes["keys_format"] = keys_format
+    if candidates is not None and candidate_block_size != 1:
+        attributes["candidate_block_size"] = candidate_block_size
     if not block_size:
         return _csa(op).IndexerTopK(*inputs, **attributes), None
     indices, block_scores = _csa(op).IndexerTopK(*inputs, **attributes, _outputs=2)
@@ -386,6 +397,17 @@ def newest_block_forced(op: OpBuilder, block_scores: ir.Value, reach: ir.Value,
                     block_scores)
 
 
+def candidates_per_key(op: OpBuilder, candidates: ir.Value, width: ir.Value,
+                       candidate_block_size: int) -> ir.Value:
+    """Candidates of blocks [..., ceil(width / candidate_block_size)] as a value a key
+    [..., width]: key t takes its block's, t // candidate_block_size."""
+    if candidate_block_size == 1:
+        return candidates
+    keys = op.Range(op.Constant(value_int=0), op.Squeeze(width, [0]), op.Constant(value_int=1))
+    return op.Gather(candidates, op.Div(keys, op.Constant(value_int=candidate_block_size)),
+                     axis=-1)
+
+
 def mask_scores(op: OpBuilder, score: ir.Value, width: ir.Value, candidates: ir.Value | None,
                 lengths: ir.Value | None) -> ir.Value:
     """score [b, s, width] with -inf where `candidates` is false and at keys t >= lengths[q]
@@ -398,6 +420,12 @@ def mask_scores(op: OpBuilder, score: ir.Value, width: ir.Value, candidates: ir.
     if candidates is not None:
         score = op.Where(candidates, score, minus_inf)
     return score
+
+
+def _check_candidate_block(candidate_block_size: int) -> None:
+    if candidate_block_size < 1:
+        raise ValueError("candidate_block_size must be >= 1 (keys a candidates value stands "
+                         f"for), got {candidate_block_size}")
 
 
 def _check_packed_format(fmt: str | None) -> None:

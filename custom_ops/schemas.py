@@ -318,10 +318,12 @@ SIGNATURES: tuple[OpSignature, ...] = (
     OpSignature(
         "IndexerScore", "The Indexer's scores bf16(sum_h bf16(relu(bf16(q.k)) * w)) of keys "
         "0..Width-1, in onnxruntime's orders for the standard ops; -inf, not computed, past a "
-        "query's Lengths or where Candidates (given with Lengths) is false.",
+        "query's Lengths or where Candidates (given with Lengths; a value per block of "
+        "candidate_block_size keys) is false.",
         _SCORING_INPUTS,
         (Param("Score", _FLOAT),), _infer_indexer_score, (("TK", (_FLOAT, _UINT8)),),
-        (Attribute("keys_format", _Attr.STRING),)),
+        (Attribute("keys_format", _Attr.STRING),
+         Attribute("candidate_block_size", _Attr.INT, default=1))),
     OpSignature(
         "IndexerTopK", "IndexerScore's scores ranked as TorchTopK(k, largest, unsorted) ranks "
         "them (its indices), and optionally BlockMax(block_size) of them, without the [b, s, "
@@ -331,7 +333,8 @@ SIGNATURES: tuple[OpSignature, ...] = (
         _infer_indexer_topk, (("TK", (_FLOAT, _UINT8)),),
         (Attribute("k", _Attr.INT, required=True), Attribute("block_size", _Attr.INT, default=0),
          Attribute("force_newest_block", _Attr.INT, default=0),
-         Attribute("keys_format", _Attr.STRING))),
+         Attribute("keys_format", _Attr.STRING),
+         Attribute("candidate_block_size", _Attr.INT, default=1))),
     OpSignature(
         "CandidateMask", "select_candidate_blocks' mask: position t is true iff block "
         "t // block_size is among its row's Blocks with Keep true.",

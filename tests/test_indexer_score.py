@@ -69,14 +69,15 @@ def float_inputs() -> list:
 
 
 def op_model(packed: bool, *, portable: bool = False, fmt: str | None = FORMAT,
-             masks: str = "") -> bytes:
+             masks: str = "", candidate_block: int | None = None) -> bytes:
     """masks: the optional inputs given, "L" (Lengths), "LC" (and Candidates), or "C"
-    (Candidates with Lengths left out: an error)."""
+    (Candidates with Lengths left out: an error); candidate_block: the attribute
+    candidate_block_size (None: left out, a Candidates value a key)."""
     inputs = float_inputs()
-    attrs = {}
+    attrs: dict = {} if candidate_block is None else {"candidate_block_size": candidate_block}
     if packed:
         inputs[2] = _vi("K", TensorProto.UINT8, None)
-        attrs = {"keys_format": fmt} if fmt else {}
+        attrs |= {"keys_format": fmt} if fmt else {}
     names = ["Q", "W", "K", "T"]
     if masks:
         names.append("L" if "L" in masks else "")
@@ -141,13 +142,14 @@ def expected(q, w, keys, t: int) -> np.ndarray:
 
 
 def op_session(monkeypatch, packed: bool, isa: str, threads: int,
-               masks: str = "") -> ort.InferenceSession:
-    key = (packed, isa, threads, masks)
+               masks: str = "", candidate_block: int | None = None) -> ort.InferenceSession:
+    key = (packed, isa, threads, masks, candidate_block)
     if key not in _sessions:
         monkeypatch.delenv("CSA2ONNX_ISA", raising=False)
         monkeypatch.setenv("CSA_INDEXER_SCORE_ISA", isa)  # read when the kernel is created
         try:
-            _sessions[key] = make_session(op_model(packed, masks=masks),
+            _sessions[key] = make_session(op_model(packed, masks=masks,
+                                                   candidate_block=candidate_block),
                                           options=session_options(threads))
         finally:
             monkeypatch.delenv("CSA_INDEXER_SCORE_ISA")
@@ -155,9 +157,12 @@ def op_session(monkeypatch, packed: bool, isa: str, threads: int,
 
 
 def check(monkeypatch, q, w, keys, packed, t: int, paths=PATHS, threads=(1, 2),
-          lengths: np.ndarray | None = None, candidates: np.ndarray | None = None) -> None:
+          lengths: np.ndarray | None = None, candidates: np.ndarray | None = None,
+          candidate_block: int | None = None) -> None:
     """The op's bits are the standard ops' (-inf at keys past `lengths` and where
-    `candidates` is false, where given; candidates come with lengths)."""
+    `candidates` is false, where given; candidates come with lengths). candidate_block:
+    the op reads the candidates a value per block of that many keys (they must be whole
+    blocks), block b's value its first key's."""
     want = expected(q, w, keys, t)
     feeds, masks = {}, ""
     if lengths is not None:
@@ -165,11 +170,13 @@ def check(monkeypatch, q, w, keys, packed, t: int, paths=PATHS, threads=(1, 2),
         feeds, masks = {"L": lengths}, "L"
     if candidates is not None:
         want = np.where(candidates, want, np.float32(-np.inf))
-        feeds, masks = feeds | {"C": candidates}, masks + "C"
+        given = candidates[..., ::candidate_block or 1]
+        assert (np.repeat(given, candidate_block or 1, axis=-1)[..., :t] == candidates).all()
+        feeds, masks = feeds | {"C": given}, masks + "C"
     for isa in paths:
         for n in threads:
             for is_packed, k in ((False, keys), (True, packed)):
-                got = op_session(monkeypatch, is_packed, isa, n, masks).run(
+                got = op_session(monkeypatch, is_packed, isa, n, masks, candidate_block).run(
                     None, {"Q": q, "W": w, "K": k, "T": np.array([t], np.int64), **feeds})[0]
                 assert got.shape == want.shape
                 diff = np.flatnonzero(bits(got) != bits(want))
@@ -210,13 +217,15 @@ def test_matches_standard_ops(monkeypatch, shape, adversarial):
     check(monkeypatch, q, w, keys, packed, t)
 
 
-def candidate_mask(rng: np.random.Generator, b: int, s: int, t: int, kind: str) -> np.ndarray:
-    """Candidates [b, s, t]: whole blocks of 8 keys (as select_candidate_blocks publishes
-    them, a tenth of the blocks, each query row its own), single keys, none, or all."""
+def candidate_mask(rng: np.random.Generator, b: int, s: int, t: int, kind: str,
+                   block: int = 8) -> np.ndarray:
+    """Candidates [b, s, t]: whole blocks of `block` keys (as select_candidate_blocks
+    publishes them, a tenth of the blocks, each query row its own), single keys, none, or
+    all."""
     if kind == "blocks":
-        keep = rng.random((b, s, (t + 7) // 8)) < 0.1
+        keep = rng.random((b, s, -(-t // block))) < 0.1
         keep[..., -1] = True  # the last, partial block: the tiles' tail
-        return np.repeat(keep, 8, axis=-1)[..., :t]
+        return np.repeat(keep, block, axis=-1)[..., :t]
     if kind == "keys":
         return rng.random((b, s, t)) < 0.05
     return np.full((b, s, t), kind == "all")
@@ -250,6 +259,22 @@ def test_lengths_and_candidates_mask_and_skip(monkeypatch, shape, reachable, kin
     mask = None if kind is None else candidate_mask(rng, b, s, t, kind)
     check(monkeypatch, q, w, keys, packed, t, lengths=reach(rng, s, t, reachable),
           candidates=mask)
+
+
+# Candidates a value a block (what a stack hands a later index source): blocks of 8 (the
+# released config's), a power of two past the key blocks and tiles (128), and sizes that
+# cross them (5, 24, 3: a division per key, not a shift)
+@pytest.mark.parametrize("block", [8, 128, 5, 24, 3])
+@pytest.mark.parametrize("reachable", ["causal", "random"])
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[1], SHAPES[2], SHAPES[9], DECODE_SHAPES[0],
+                                   DECODE_SHAPES[1], DECODE_SHAPES[15]],
+                         ids=lambda s: "b{}s{}H{}D{}R{}T{}".format(*s))
+def test_candidates_by_block(monkeypatch, shape, reachable, block):
+    b, s, h, d, r, t = shape
+    q, w, keys, packed = case(sum(shape) + block, b, s, h, d, r, adversarial=False)
+    rng = np.random.default_rng(sum(shape) + block)
+    check(monkeypatch, q, w, keys, packed, t, lengths=reach(rng, s, t, reachable),
+          candidates=candidate_mask(rng, b, s, t, "blocks", block), candidate_block=block)
 
 
 def test_candidates_skip_keys_not_kept():
@@ -586,3 +611,12 @@ def test_errors_name_the_problem():
             run_op(op_model(False, masks="L"), dict(feeds, L=np.zeros(shape, np.int64)))
     with pytest.raises(Exception, match=r"Candidates \(input 5\) need Lengths \(input 4\)"):
         run_op(op_model(False, masks="C"), dict(feeds, C=np.ones((1, 2, 8), bool)))
+    for shape in ((1, 2, 8), (1, 2, 2), (1, 2)):  # T = 8 in blocks of 3: 3 values a row
+        with pytest.raises(Exception, match=r"Candidates must be \[b, s, ceil\(Width / "
+                                            r"candidate_block_size 3\)\] = \[1, 2, 3\]"):
+            run_op(op_model(False, masks="LC", candidate_block=3),
+                   dict(feeds, L=lengths, C=np.ones(shape, bool)))
+    for block in (0, -8):
+        with pytest.raises(Exception, match=f"candidate_block_size must be >= 1.*got {block}"):
+            run_op(op_model(False, masks="LC", candidate_block=block),
+                   dict(feeds, L=lengths, C=np.ones((1, 2, 8), bool)))

@@ -35,11 +35,13 @@ def inputs(packed: bool, masks: str) -> tuple[list, list[str]]:
 
 
 def fused_model(packed: bool, k: int, block: int, masks: str = "", *, portable: bool = False,
-                outputs: int | None = None, force: bool = False) -> bytes:
+                outputs: int | None = None, force: bool = False,
+                candidate_block: int = 1) -> bytes:
     vis, names = inputs(packed, masks)
     attrs = {"k": k, **({"block_size": block} if block else {}),
              **({"keys_format": FORMAT} if packed else {}),
-             **({"force_newest_block": 1} if force else {})}
+             **({"force_newest_block": 1} if force else {}),
+             **({"candidate_block_size": candidate_block} if candidate_block != 1 else {})}
     outs = ["I", "B"][:outputs or (2 if block else 1)]
     node = helper.make_node("IndexerTopK", names, outs, domain="csa2onnx", **attrs)
     graph = helper.make_graph([node], "indexer_topk", vis,
@@ -92,13 +94,17 @@ def forced(block_scores: np.ndarray, reach: np.ndarray, block: int) -> np.ndarra
 
 def check(monkeypatch, q, w, keys, packed, t: int, k: int, block: int, *,
           lengths=None, candidates=None, paths=PATHS, threads=(1, 2),
-          streams=("always", "never"), force: bool = False) -> None:
+          streams=("always", "never"), force: bool = False, candidate_block: int = 1) -> None:
+    """candidate_block: the fused op reads the candidates (whole blocks) a value a block."""
     masks = ("L" if lengths is not None else "") + ("C" if candidates is not None else "")
     feeds = {"Q": q, "W": w, "T": np.array([t], np.int64)}
+    fused_feeds = {}
     if lengths is not None:
         feeds["L"] = lengths
     if candidates is not None:
         feeds["C"] = candidates
+        fused_feeds["C"] = candidates[..., ::candidate_block]
+        assert (np.repeat(fused_feeds["C"], candidate_block, -1)[..., :t] == candidates).all()
     for is_packed, kv in ((False, keys), (True, packed)):
         if is_packed and np.isnan(keys).any():
             continue  # the packed cache holds no NaN
@@ -112,9 +118,11 @@ def check(monkeypatch, q, w, keys, packed, t: int, k: int, block: int, *,
             for n in threads:
                 for stream in streams:
                     got = session(monkeypatch, fused_model(is_packed, k, block, masks,
-                                                           force=force),
-                                  ("fused", is_packed, k, block, masks, isa, n, stream, force),
-                                  isa, n, stream).run(None, feeds | {"K": kv})
+                                                           force=force,
+                                                           candidate_block=candidate_block),
+                                  ("fused", is_packed, k, block, masks, isa, n, stream, force,
+                                   candidate_block),
+                                  isa, n, stream).run(None, feeds | fused_feeds | {"K": kv})
                     where = f"{isa} threads={n} {stream} packed={is_packed} q{q.shape} T={t} k={k}"
                     assert got[0].shape == want[0].shape, where
                     assert (got[0] == want[0]).all(), (
@@ -145,20 +153,22 @@ def test_fused_is_the_three_ops(monkeypatch, shape):
     check(monkeypatch, q, w, keys, packed, t, k, block)
 
 
-@pytest.mark.parametrize("masks", ["L", "LC"])
-def test_masks_tie_at_minus_inf(monkeypatch, masks):
+@pytest.mark.parametrize(("masks", "candidate_block"), [("L", 1), ("LC", 1), ("LC", 8), ("LC", 5)])
+def test_masks_tie_at_minus_inf(monkeypatch, masks, candidate_block):
     """A prefill's Lengths (rows with fewer reachable keys than k take -inf ones, in torch's
-    order) and a level-two index source's Candidates (blocks of 8)."""
+    order) and a level-two index source's Candidates (blocks of 8 or 5), a value a key or a
+    value a block (candidate_block_size)."""
     b, s, h, r, t, k = 1, 40, 4, 400, 390, 6
     q, w, keys, packed = tie_case(7, b, s, h, r)
     rng = np.random.default_rng(8)
     lengths = np.minimum(np.arange(s, dtype=np.int64) * 10, t)
     candidates = None
     if "C" in masks:
-        blocks = rng.random((b, s, (t + 7) // 8)) < 0.2
-        candidates = np.repeat(blocks, 8, axis=2)[:, :, :t]
+        size = 8 if candidate_block == 1 else candidate_block
+        blocks = rng.random((b, s, -(-t // size))) < 0.2
+        candidates = np.repeat(blocks, size, axis=2)[:, :, :t]
     check(monkeypatch, q, w, keys, packed, t, k, 8, lengths=lengths, candidates=candidates,
-          threads=(2,))
+          threads=(2,), candidate_block=candidate_block)
 
 
 @pytest.mark.parametrize("masks", ["", "L", "LC"])
@@ -175,7 +185,8 @@ def test_newest_block_forced(monkeypatch, masks):
         candidates = np.repeat(rng.random((b, s, (t + 7) // 8)) < 0.3, 8, axis=2)[:, :, :t]
     for block in (8, 7):
         check(monkeypatch, q, w, keys, packed, t, k, block, lengths=lengths,
-              candidates=candidates, threads=(2,), force=True)
+              candidates=candidates, threads=(2,), force=True,
+              candidate_block=8 if candidates is not None and block == 8 else 1)
 
 
 def test_adversarial_values_and_nan_keys(monkeypatch):

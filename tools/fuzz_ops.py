@@ -1,6 +1,6 @@
 """Fuzz every csa2onnx custom op (Fp4QuantDequant, TorchTopK, Fp8Linear, SparseAttention,
-WriteRows, PackQuantized, UnpackQuantized, TorchLinear, IndexerScore, IndexerTopK, ApplyRope,
-RopeCosSin, TorchRMSNorm) under AddressSanitizer and UBSan.
+WriteRows, PackQuantized, UnpackQuantized, TorchLinear, IndexerScore, IndexerTopK,
+CandidateMask, ApplyRope, RopeCosSin, TorchRMSNorm) under AddressSanitizer and UBSan.
 
     python tools/fuzz_ops.py --build --cases 30000 --seed 1
 
@@ -11,19 +11,20 @@ itself is not instrumented, so they must come first) and `CSA2ONNX_OPS_LIBRARY` 
 that library.
 Each case is a random model and input: shapes with 0-sized and huge dims, valid and invalid
 attributes, K of every value and shape, every dtype, NaN/inf/subnormal/random-bit data, 1 or 2
-threads; for Fp8Linear also W constant or fed, plain or pairs16, every code (NaN codes, blocks
-too wide for int16), scales of every kind, rows on the few-rows and the tile paths; for
-SparseAttention indices in and out of range (-1 included, int64 and int32), packed compressed
-caches of each format (random bytes included); for the row ops RowStart anywhere, float and
-uint8 caches, every format, d and dim; for TorchLinear float and bf16 W, plain and panels64,
-constant or fed, 1-3 groups; for IndexerScore float and packed keys, Width anywhere, Lengths
-and Candidates or none (IndexerTopK the same, with k and block_size of every kind, BlockScores
-asked for or not, streamed or not); for ApplyRope, RopeCosSin and TorchRMSNorm every layout
-they take; and each forced instruction-set path the CPU has (SparseAttention, TorchLinear,
-IndexerScore, IndexerTopK and ApplyRope checked against their own definition paths; the others
-against the NumPy definitions of custom_ops/reference.py, the C library's cosf/sinf, or a
-float64 evaluation for TorchRMSNorm). A case must either return outputs of the right shape
-(checked against an oracle where the input is valid) or raise an onnxruntime error.
+threads; for Fp8Linear also W constant or fed, plain or pairs16, every code (NaN codes,
+blocks too wide for int16), scales of every kind, rows on the few-rows and the tile paths;
+for SparseAttention indices in and out of range (-1 included, int64 and int32), packed
+compressed caches of each format (random bytes included); for the row ops RowStart anywhere,
+float and uint8 caches, every format, d and dim; for TorchLinear float and bf16 W, plain and
+panels64, constant or fed, 1-3 groups; for IndexerScore float and packed keys, Width
+anywhere, Lengths and Candidates (a value a key or a block of keys) or none (IndexerTopK the
+same, with k and block_size of every kind, BlockScores asked for or not, streamed or not);
+for ApplyRope, RopeCosSin and TorchRMSNorm every layout they take; and each forced
+instruction-set path the CPU has (SparseAttention, TorchLinear, IndexerScore, IndexerTopK
+and ApplyRope checked against their own definition paths; the others against the NumPy
+definitions of custom_ops/reference.py, the C library's cosf/sinf, or a float64 evaluation
+for TorchRMSNorm). A case must either return outputs of the right shape (checked against an
+oracle where the input is valid) or raise an onnxruntime error.
 Findings: a crash, a sanitizer report, a hang, a wrong shape or value, a valid input
 rejected or an invalid one accepted. A crashed worker is restarted after the case that
 killed it, so one run reports them all.
@@ -807,9 +808,16 @@ def indexer_case(rng: np.random.Generator, index: int, omit_inputs: bool) -> Cas
         ok = ok and shape == (s,)
         more["Lengths"] = (INT64, rng.integers(-2, max(width, 0) + 3, shape).astype(np.int64))
     candidates = rng.random() < 0.4
-    if candidates:  # [b, s, Width], sometimes another width; blocks of keys or single keys
-        t = max(width, 0) if rng.random() < 0.9 else choose(rng, [max(width, 0) + 1, 0, 3])
-        ok = ok and t == width
+    if candidates:  # [b, s, Width], sometimes another width; blocks of keys or single keys;
+        # or a value a block of candidate_block_size keys (some sizes invalid)
+        cb = 1
+        if rng.random() < 0.4:
+            cb = choose(rng, [2, 3, 8, 64, 1000, 2**40]) if rng.random() < 0.9 else \
+                choose(rng, [0, -8])
+            attributes["candidate_block_size"] = cb
+        cols = -(-max(width, 0) // cb) if cb >= 1 else max(width, 0)
+        t = cols if rng.random() < 0.9 else choose(rng, [cols + 1, 0, 3])
+        ok = ok and t == cols and cb >= 1
         keep = rng.random((b, s, t)) < float(rng.choice([0.0, 0.05, 0.5, 1.0]))
         if rng.random() < 0.5:  # whole blocks of 8, as select_candidate_blocks publishes
             keep = np.repeat(keep[..., ::8], 8, axis=-1)[..., :t]

@@ -168,17 +168,38 @@ inline bool any_byte(const uint8_t* p, int64_t n) {
   return false;
 }
 
-// The keys a query row scores, from some first key on: those before `reach` (its reachable
-// length, past that key) that `cand` keeps (the row's candidates from that key, or null for
-// all). The others score kMasked and are never computed or read.
+// A query row's Candidates: one byte per block of `block` keys from key 0 (select_candidate_
+// blocks' blocks; block 1: a byte a key), or null for all keys. `shift`: log2(block) where
+// block is a power of two (a shift per key then, not a division), else -1.
+struct CandidateRow {
+  const uint8_t* bytes;
+  int64_t block;
+  int shift;
+  int64_t of(int64_t key) const { return shift >= 0 ? key >> shift : key / block; }
+};
+
+inline int shift_of(int64_t block) {
+  for (int shift = 0; shift < 63; ++shift)
+    if ((int64_t{1} << shift) == block) return shift;
+  return -1;
+}
+
+// The keys a query row scores, from key `first` on (c = 0 is key first): those before
+// `reach` (its reachable length, past that key) that its candidates keep. The others score
+// kMasked and are never computed or read.
 struct RowKeys {
-  const uint8_t* cand;
+  CandidateRow cand;
+  int64_t first;
   int64_t reach;
-  bool keeps(int64_t c) const { return c < reach && (cand == nullptr || cand[c] != 0); }
+  bool keeps(int64_t c) const {
+    return c < reach && (cand.bytes == nullptr || cand.bytes[cand.of(first + c)] != 0);
+  }
   // Whether it keeps any of the keys [c, c + n).
   bool any(int64_t c, int64_t n) const {
     const int64_t m = reach - c < n ? reach - c : n;
-    return m > 0 && (cand == nullptr || any_byte(cand + c, m));
+    if (m <= 0 || cand.bytes == nullptr) return m > 0;
+    const int64_t b0 = cand.of(first + c);
+    return any_byte(cand.bytes + b0, cand.of(first + c + m - 1) - b0 + 1);
   }
 };
 
@@ -276,14 +297,16 @@ struct Tile {
   int64_t cols;                // key rows in the tile
   float* out;                  // score[block's first query][tile's first key]
   int64_t out_stride;          // between the block's query rows in `out`
-  const uint8_t* cand;         // candidates[block's first query][tile's first key], or null
+  CandidateRow cand;           // the Candidates of the block's first query, or bytes null
+  int64_t cand_stride;         // Candidates' bytes a query row
   const int64_t* lengths;      // Lengths[block's first query] (reachable keys), or null
   int64_t t0;                  // the tile's first key
 
   // The keys of the tile that query row r of the block scores.
   RowKeys row_keys(int64_t r) const {
-    return {cand != nullptr ? cand + r * pr->t : nullptr,
-            reach_from(lengths, r, t0, pr->t)};
+    CandidateRow row = cand;
+    if (row.bytes != nullptr) row.bytes += r * cand_stride;
+    return {row, t0, reach_from(lengths, r, t0, pr->t)};
   }
 };
 
@@ -460,7 +483,7 @@ __attribute__((always_inline)) inline void tile_row(const Tile& tile, int64_t r,
   const SumOrder order = pr.sum_order();
   float* out = tile.out + r * tile.out_stride;
   const RowKeys keys = tile.row_keys(r);
-  const bool every = tile.cand == nullptr && tile.lengths == nullptr;
+  const bool every = tile.cand.bytes == nullptr && tile.lengths == nullptr;
   for (int64_t c = 0; c < tile.cols; c += kKeys) {
     const int64_t n = tile.cols - c < kKeys ? tile.cols - c : kKeys;
     if (!every && !keys.any(c, n)) {  // none of the block's keys: not computed

@@ -7,9 +7,11 @@
 // the attribute keys_format, e.g. "fp4_e8m0_32"), Width (int64, one element: T, 0 <= T <= R,
 // the key rows scored), optional Lengths (int64 [s]: query q's keys from Lengths[q] on score
 // -inf and are not computed: a prefill's unreachable compressed positions), optional
-// Candidates (bool [b, s, T], given only with Lengths: where false the score is -inf, not
-// computed either: a later index source's level two, whose candidate blocks are a few
-// thousand of up to a million keys); output Score (float [b, s, T], bf16 values).
+// Candidates (bool [b, s, ceil(T / candidate_block_size)], given only with Lengths: key t is
+// scored only where value t / candidate_block_size is true, else -inf and not computed: a
+// later index source's level two, whose candidate blocks are a few thousand of up to a million
+// keys; the attribute defaults to 1, a value a key); output Score (float [b, s, T], bf16
+// values).
 // In parallel over (batch entry, block of 64 queries, tile of 64 key rows), heads in vector
 // lanes: each query row is transposed once per call, each task unpacks its key tile once
 // (row-major) for its queries (on the avx512bf16 path, packed fp4_e8m0_32 keys go straight
@@ -67,7 +69,10 @@ struct Job {
   const uint8_t* packed = nullptr;  // packed keys, or null
   packed::Format format = packed::Format::kFp4E8m0;
   int64_t row_bytes = 0;
-  const uint8_t* cand = nullptr;  // Candidates [b * s][T] (0 / 1 bytes), or null: all keys
+  // Candidates [b * s][ceil(T / cand.block)] (0 / 1 bytes; cand.bytes the first row's), or
+  // cand.bytes null: all keys
+  is::CandidateRow cand{nullptr, 1, 0};
+  int64_t cand_stride = 0;
   const int64_t* lengths = nullptr;  // Lengths [s], or null: every key reachable
   float* out = nullptr;
   int64_t s_blocks = 0, t_blocks = 0;
@@ -117,14 +122,15 @@ inline is::Tile task_view(const Job& j, const TaskTile& tt, const float* const* 
   const int64_t first_row = tt.bi * j.pr.s + tt.s0;
   return {&j.pr, j.qt + first_row * j.pr.d * j.hp, j.wt + first_row * j.hp, j.hp, blocks,
           tt.cols, tt.out, tt.out_stride,
-          j.cand != nullptr ? j.cand + first_row * j.pr.t + tt.t0 : nullptr,
-          j.lengths != nullptr ? j.lengths + tt.s0 : nullptr, tt.t0};
+          {j.cand.bytes != nullptr ? j.cand.bytes + first_row * j.cand_stride : nullptr,
+           j.cand.block, j.cand.shift},
+          j.cand_stride, j.lengths != nullptr ? j.lengths + tt.s0 : nullptr, tt.t0};
 }
 
 // Whether any of a task's query rows scores a key among [c, c + n): only then is the block
 // of keys unpacked (tile_row skips it per row).
 inline bool block_needed(const is::Tile& tile, int64_t rows, int64_t c, int64_t n) {
-  if (tile.cand == nullptr && tile.lengths == nullptr) return true;
+  if (tile.cand.bytes == nullptr && tile.lengths == nullptr) return true;
   for (int64_t r = 0; r < rows; ++r)
     if (tile.row_keys(r).any(c, n)) return true;
   return false;
@@ -402,7 +408,7 @@ CSA_TARGET_AMX_INT8 __attribute__((flatten)) void tiled_amx(const Job& j, const 
   int64_t loaded_row = -1;  // the row whose A tiles are loaded (wide tiles)
   uint32_t scored[is::kTileS] = {};  // per row, the groups with keys computed (bits)
   const is::SumOrder order = pr.sum_order();
-  const bool every = tile.cand == nullptr && tile.lengths == nullptr;
+  const bool every = tile.cand.bytes == nullptr && tile.lengths == nullptr;
   uint64_t on_int8 = 0, on_fma = 0, on_merged = 0;  // on_int8: every block on the tiles
   // The group whose dots were issued last, scored after the next group's are issued.
   struct Scored {
@@ -582,8 +588,10 @@ void row_task(const Job& j, size_t task, std::vector<float>& scratch) {
   const size_t need = static_cast<size_t>(pr.h + (keys == nullptr ? pr.t * pr.d : 0));
   if (scratch.size() < need) scratch.resize(need);
   float* terms = scratch.data();
-  const is::RowKeys scored{j.cand != nullptr ? j.cand + i * pr.t : nullptr,
-                          is::reach_from(j.lengths, i % pr.s, 0, pr.t)};
+  const is::RowKeys scored{
+      {j.cand.bytes != nullptr ? j.cand.bytes + i * j.cand_stride : nullptr, j.cand.block,
+       j.cand.shift},
+      0, is::reach_from(j.lengths, i % pr.s, 0, pr.t)};
   if (keys == nullptr) {
     float* unpacked = terms + pr.h;
     for (int64_t t = 0; t < pr.t; ++t)
@@ -649,6 +657,7 @@ struct ScoringKernel {
   bool amx_named_;
   bool amx;
   packed::Format format = packed::Format::kFp4E8m0;
+  int64_t cand_block = 1;  // candidate_block_size: keys a Candidates value stands for
 
   ScoringKernel(const OrtKernelInfo* info, const char* op_name, size_t outputs)
       : op(op_name),
@@ -671,6 +680,11 @@ struct ScoringKernel {
       fail(op, "keys_format \"" + *name + "\" names a packed format but Keys are float rows");
     if (name.has_value() && !packed::parse_format(*name, &format))
       fail(op, "unknown keys_format \"" + *name + "\" (expected " + packed::kFormatChoices + ")");
+    cand_block = optional_attribute<int64_t>(info, op, "candidate_block_size", "an int")
+                     .value_or(1);
+    if (cand_block < 1)
+      fail(op, "candidate_block_size must be >= 1 (keys a Candidates value stands for), got " +
+                   std::to_string(cand_block));
   }
 
   // Checks the inputs and fills sc.job (all but its output) and, for a call with scores to
@@ -714,11 +728,17 @@ struct ScoringKernel {
       fail(op, "Width " + std::to_string(t) + " must be in [0, R = " + std::to_string(ks[1]) +
                    "] (Keys " + shape_string(ks) + ")");
     const uint8_t* cand = nullptr;
+    // Candidates' values a query row: one per key, or per block of candidate_block_size keys
+    const int64_t cand_cols = t / cand_block + (t % cand_block != 0);
     if (candidates.has_value() && *candidates != nullptr) {
       const std::vector<int64_t> cs = (*candidates)->Shape();
-      if (cs.size() != 3 || cs[0] != b || cs[1] != s || cs[2] != t)
-        fail(op, "Candidates must be [b, s, Width] = [" + std::to_string(b) + ", " +
-                     std::to_string(s) + ", " + std::to_string(t) + "], got " + shape_string(cs));
+      if (cs.size() != 3 || cs[0] != b || cs[1] != s || cs[2] != cand_cols)
+        fail(op, std::string("Candidates must be [b, s, ") +
+                     (cand_block == 1 ? "Width"
+                                      : "ceil(Width / candidate_block_size " +
+                                            std::to_string(cand_block) + ")") +
+                     "] = [" + std::to_string(b) + ", " + std::to_string(s) + ", " +
+                     std::to_string(cand_cols) + "], got " + shape_string(cs));
       static_assert(sizeof(bool) == 1, "bool tensors are read as bytes");
       cand = reinterpret_cast<const uint8_t*>((*candidates)->Data());
     }
@@ -742,7 +762,8 @@ struct ScoringKernel {
     } else {
       job.keys = keys.Data();
     }
-    job.cand = cand;
+    job.cand = {cand, cand_block, is::shift_of(cand_block)};
+    job.cand_stride = cand_cols;
     job.lengths = reachable;
     job.s_blocks = (s + is::kTileS - 1) / is::kTileS;
     job.t_blocks = (t + is::kTileT - 1) / is::kTileT;
