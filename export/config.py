@@ -258,6 +258,11 @@ class AttentionConfig:
                  f"must be > 0 with a candidate source, got {self.candidate_topk_blocks}")
             need(self.candidate_block_size > 0, "candidate_block_size",
                  f"must be > 0 with a candidate source, got {self.candidate_block_size}")
+            for layer in (i for i in self.index_source_layers if i > c):
+                need(self.compress_ratios[layer] == self.compress_ratios[c], "compress_ratios",
+                     f"index source {layer} selects inside candidate source {c}'s candidates, "
+                     f"which are as wide as its scores: it needs its compress ratio "
+                     f"{self.compress_ratios[c]}, got {self.compress_ratios[layer]}")
 
 
 def _hf_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any]:

@@ -131,7 +131,9 @@ class AttentionLayer(nn.Module):
                                    index_head_dim=c.index_head_dim, index_topk=c.index_topk,
                                    ratio=plan.ratio, rope=rope, norm_eps=c.norm_eps,
                                    window_size=c.window_size, candidates=candidates,
-                                   uses_candidates=plan.uses_candidates)
+                                   uses_candidates=plan.uses_candidates,
+                                   candidate_block_size=(c.candidate_block_size
+                                                         if plan.uses_candidates else 1))
 
 
     def compress(self, op: OpBuilder, x: ir.Value, pos: ir.Value, state: LayerState,
@@ -206,8 +208,8 @@ class AttentionLayer(nn.Module):
                     debug("index_score", selection.score)
                 debug("index_topk_idxs", selection.topk_idxs)
                 topk, candidates = selection.topk_idxs, selection.candidates
-                if candidates is not None:
-                    debug("candidates", candidates)
+                if selection.candidate_positions is not None:
+                    debug("candidates", selection.candidate_positions)
             # The compressed cache is read packed, in place: indices past the window rows
             # are its rows (all < end_pos // r by the selection).
             compressed = slots.compress_kv

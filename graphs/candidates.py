@@ -15,6 +15,7 @@ from onnxscript import OpBuilder
 from csa2onnx.custom_ops.ops import (
     block_max,
     candidate_mask,
+    candidates_per_key,
     newest_block_forced,
     torch_topk,
 )
@@ -22,11 +23,13 @@ from csa2onnx.graphs.common import NEG_INF
 
 
 class CandidateBlocks(NamedTuple):
-    """candidates: bool [b, s, T] (shaped like the logits); the rest are the block-level
+    """kept: bool [b, s, nb], the blocks kept (nb = ceil(T / block_size)): the candidates
+    as later indexers read them, a value a block (`candidate_positions` makes the
+    reference's mask of positions, shaped like the logits, from it); the rest are the
     intermediates: block_scores [b, s, nb] (with the forced +inf), and the sorted top-k
     values and int64 block indices [b, s, min(topk_blocks, nb)]."""
 
-    candidates: ir.Value
+    kept: ir.Value
     block_scores: ir.Value
     topk_values: ir.Value
     topk_indices: ir.Value
@@ -39,18 +42,17 @@ def select_candidate_blocks(op: OpBuilder, logits: ir.Value, compress_lens: ir.V
     empty mask. (A portable graph swaps torch's tie order for ONNX TopK's.)"""
     _check_sizes(topk_blocks, block_size)
     # A block's score is its max (the last block as if padded with -inf), read in place.
-    width = op.Slice(op.Shape(logits), [2], [3])
-    return candidates_of_blocks(op, block_max(op, logits, block_size), width, compress_lens,
+    return candidates_of_blocks(op, block_max(op, logits, block_size), compress_lens,
                                 topk_blocks, block_size)
 
 
-def candidates_of_blocks(op: OpBuilder, block_scores: ir.Value, width: ir.Value,
-                         compress_lens: ir.Value, topk_blocks: int, block_size: int, *,
+def candidates_of_blocks(op: OpBuilder, block_scores: ir.Value, compress_lens: ir.Value,
+                         topk_blocks: int, block_size: int, *,
                          forced: bool = False) -> CandidateBlocks:
     """select_candidate_blocks from the logits' block maxes [b, s, ceil(T / block_size)]
-    (BlockMax's, or IndexerTopK's BlockScores: the logits themselves need not exist);
-    width int64 [1] is T. `forced`: the block scores already hold the +inf below
-    (IndexerTopK's force_newest_block)."""
+    (BlockMax's, or IndexerTopK's BlockScores: the logits themselves need not exist).
+    `forced`: the block scores already hold the +inf below (IndexerTopK's
+    force_newest_block)."""
     _check_sizes(topk_blocks, block_size)
     n_blocks = op.Slice(op.Shape(block_scores), [2], [3])
     # Force the block of the newest reachable position in.
@@ -62,10 +64,19 @@ def candidates_of_blocks(op: OpBuilder, block_scores: ir.Value, width: ir.Value,
 
     # A block is kept iff picked with a value > -inf: the reference's scatter of the picks'
     # marks into zeros [b, s, nb] (the k indices of a row are distinct, so the scatter is
-    # exact); a position inherits its block's mark (CandidateMask writes that mask at once).
+    # exact). A position inherits its block's mark, so the blocks' marks are the candidates,
+    # 1 / block_size of the positions' bytes (at 1M keys a 256-token chunk's mask of
+    # positions is 256 MiB).
     keep = op.Greater(values, op.Constant(value_float=NEG_INF))
-    candidates = candidate_mask(op, indices, keep, width, block_size)
-    return CandidateBlocks(candidates, block_scores, values, indices)
+    kept = candidate_mask(op, indices, keep, n_blocks, 1)
+    return CandidateBlocks(kept, block_scores, values, indices)
+
+
+def candidate_positions(op: OpBuilder, kept: ir.Value, width: ir.Value,
+                        block_size: int) -> ir.Value:
+    """The reference's candidates, bool [b, s, T] (width int64 [1] = T): position t takes
+    kept block t // block_size's mark."""
+    return candidates_per_key(op, kept, width, block_size)
 
 
 def _check_sizes(topk_blocks: int, block_size: int) -> None:

@@ -22,6 +22,7 @@ from onnxscript import OpBuilder, nn
 
 from csa2onnx.custom_ops.constants import INDEXER_SCORE_MAX_DIM
 from csa2onnx.custom_ops.ops import (
+    candidates_per_key,
     indexer_score,
     indexer_topk,
     mask_scores,
@@ -29,7 +30,11 @@ from csa2onnx.custom_ops.ops import (
     torch_topk,
     unpack_quantized,
 )
-from csa2onnx.graphs.candidates import candidates_of_blocks, select_candidate_blocks
+from csa2onnx.graphs.candidates import (
+    candidate_positions,
+    candidates_of_blocks,
+    select_candidate_blocks,
+)
 from csa2onnx.graphs.common import Mode, scalar_i64
 from csa2onnx.graphs.kv_cache import INDEX_KEY_FORMAT
 from csa2onnx.graphs.numerics import (
@@ -80,13 +85,16 @@ class IndexerOutput(NamedTuple):
     """topk_idxs int64 [b, s, min(index_topk, end_pos // r)]: ascending compressed
     positions + offset, -1 where unreachable; score f32 [b, s, end_pos // r] as handed to
     top-k (None where IndexerTopK ranked it and select() did not keep it); candidates bool
-    [b, s, end_pos // r] (candidate source only, else None); the rest are intermediates for
-    inspection: the queries before / after fp4 [b, s, H, D] and top-k's raw indices in its
-    returned order."""
+    [b, s, ceil(end_pos // r / candidate_block_size)] (candidate source only, else None): the
+    blocks it keeps, as later indexers read them; the rest are intermediates for
+    inspection: the reference's candidates, a value a position [b, s, end_pos // r] (the
+    candidate source with keep_score, else None), the queries before / after fp4
+    [b, s, H, D] and top-k's raw indices in its returned order."""
 
     topk_idxs: ir.Value
     score: ir.Value | None
     candidates: ir.Value | None
+    candidate_positions: ir.Value | None
     q_rope_prequant: ir.Value
     q_rope: ir.Value
     raw_indices: ir.Value
@@ -116,7 +124,9 @@ class Indexer(nn.Module):
 
     wk/k_norm are given only for an index-key owner (an index source that is also a kv
     source). `candidates` makes this the candidate source; `uses_candidates` makes it a
-    later index source that selects inside the published candidates. In a portable graph
+    later index source that selects inside the published candidates, which hold a value per
+    block of `candidate_block_size` positions (the source's block size for the blocks it
+    publishes; 1: a mask of positions, as the goldens record it). In a portable graph
     top-k is ONNX TopK (lowest-index ties): a control, NOT the reference.
     Build a fresh module per exported model: parameters bind to one graph.
     """
@@ -125,7 +135,8 @@ class Indexer(nn.Module):
                  wk: TorchWeight | None = None, k_norm: np.ndarray | None = None, *,
                  index_n_heads: int, index_head_dim: int, index_topk: int, ratio: int,
                  rope: RopeParams, norm_eps: float, window_size: int,
-                 candidates: CandidateConfig | None = None, uses_candidates: bool = False) -> None:
+                 candidates: CandidateConfig | None = None, uses_candidates: bool = False,
+                 candidate_block_size: int = 1) -> None:
         super().__init__()
         heads, dim = index_n_heads, index_head_dim
         if heads <= 0 or dim <= 0:
@@ -151,9 +162,12 @@ class Indexer(nn.Module):
                              f"{np.shape(wk)}")
         if candidates is not None and uses_candidates:
             raise ValueError("the candidate source cannot also select inside candidates")
+        if candidate_block_size < 1:
+            raise ValueError(f"candidate_block_size must be >= 1, got {candidate_block_size}")
         self.n_heads, self.head_dim, self.index_topk = heads, dim, index_topk
         self.ratio, self.window_size, self.rope_head_dim = ratio, window_size, rope.rope_head_dim
         self.candidate_config, self.uses_candidates = candidates, uses_candidates
+        self.candidate_block = candidate_block_size
         # D^-0.5 (softmax_scale) * H^-0.5, applied to the bf16 head weights.
         self.weights_scale = float(np.float32(dim ** -0.5 * heads ** -0.5))
 
@@ -179,11 +193,12 @@ class Indexer(nn.Module):
         float [b, R, D] or packed (uint8 [b, R, row_bytes], INDEX_KEY_FORMAT, read in place)
         (R >= end_pos // r), or a KeyCacheChoice among such caches; start_pos int64 scalar
         or [1] (decode; in prefill only when continuing a sequence, else 0); candidates
-        bool [b, s, end_pos // r] when uses_candidates; window_rows int64 [1]: how many
+        bool [b, s, ceil(end_pos // r / candidate_block_size)] when uses_candidates (the
+        candidate source's IndexerOutput.candidates); window_rows int64 [1]: how many
         window rows precede the compressed ones in this call's KV list (the selection's
         offset; default s in prefill, the window size in decode). keep_score: return the
-        [b, s, T] scores too (for inspection: IndexerScore beside the selection's
-        IndexerTopK, which never holds them whole)."""
+        [b, s, T] scores and candidates too (for inspection: IndexerScore beside the
+        selection's IndexerTopK, which never holds them whole)."""
         if mode not in ("prefill", "decode"):
             raise ValueError(f"mode must be 'prefill' or 'decode', got {mode!r}")
         if mode == "decode" and start_pos is None:
@@ -214,13 +229,15 @@ class Indexer(nn.Module):
         packed = index_k.dtype == ir.DataType.UINT8
         if self.head_dim <= INDEXER_SCORE_MAX_DIM:
             return indexer_score(op, q, w, index_k, width, INDEX_KEY_FORMAT if packed else None,
-                                 self.head_dim, candidates, lengths)
+                                 self.head_dim, candidates, lengths, self.candidate_block)
         k = op.Slice(index_k, [0], width, [1])  # [b, T, D]
         if packed:
             k = unpack_quantized(op, k, INDEX_KEY_FORMAT, self.head_dim)
         dots = round_bf16(op, op.MatMul(q, op.Unsqueeze(op.Transpose(k, perm=[0, 2, 1]), [1])))
         weighted = round_bf16(op, op.Mul(op.Relu(dots), op.Unsqueeze(w, [-1])))  # [b,s,H,T]
         score = round_bf16(op, reduce_axis(op, "Sum", weighted, 2))
+        if candidates is not None:
+            candidates = candidates_per_key(op, candidates, width, self.candidate_block)
         return mask_scores(op, score, width, candidates, lengths)
 
     def _top_k(self, op: OpBuilder, q: ir.Value, w: ir.Value,
@@ -243,7 +260,8 @@ class Indexer(nn.Module):
         packed = index_k.dtype == ir.DataType.UINT8
         return indexer_topk(op, q, w, index_k, width, self.index_topk,
                             INDEX_KEY_FORMAT if packed else None, self.head_dim, candidates,
-                            lengths, block_size, force_newest_block=block_size > 0)
+                            lengths, block_size, force_newest_block=block_size > 0,
+                            candidate_block_size=self.candidate_block)
 
     def forward(self, op: OpBuilder, x: ir.Value, qr: ir.Value,
                 index_k: ir.Value | KeyCacheChoice,
@@ -280,22 +298,24 @@ class Indexer(nn.Module):
         # The candidate source's blocks come from the reachability-masked score (the goldens'
         # block scores say so).
         cc = self.candidate_config
-        published = score = None
+        published = score = positions = None
         if self.head_dim > INDEXER_SCORE_MAX_DIM:  # standard ops: every score, then top-k
             score = self._score(op, q, w, index_k, width, candidates, reach)  # [b, s, T]
             if cc is not None:
                 published = select_candidate_blocks(op, score, lens, cc.topk_blocks,
-                                                    cc.block_size).candidates
+                                                    cc.block_size).kept
             _, raw = torch_topk(op, score, k_sel, largest=True, sorted=False)
         else:
             raw, block_scores = self._top_k(op, q, w, index_k, width, candidates, reach,
                                             cc.block_size if cc is not None else 0)
             if cc is not None:
-                published = candidates_of_blocks(op, block_scores, width, lens, cc.topk_blocks,
-                                                 cc.block_size, forced=True).candidates
+                published = candidates_of_blocks(op, block_scores, lens, cc.topk_blocks,
+                                                 cc.block_size, forced=True).kept
             if keep_score:  # for inspection only: the selection above does not read it
                 score = self._score(op, q, w, index_k, width, candidates, reach)
         ascending, _ = op.TopK(raw, k_sel, axis=-1, largest=0, sorted=1, _outputs=2)
         reachable = op.Less(ascending, op.Unsqueeze(lens, [-1]))
         topk_idxs = op.Where(reachable, op.Add(ascending, offset), op.Constant(value_int=-1))
-        return IndexerOutput(topk_idxs, score, published, q_prequant, q, raw)
+        if published is not None and keep_score:
+            positions = candidate_positions(op, published, width, cc.block_size)
+        return IndexerOutput(topk_idxs, score, published, positions, q_prequant, q, raw)

@@ -88,6 +88,10 @@ def base() -> AttentionConfig:
     ({"index_source_layers": (3,)}, "compressed layer 1 has no index source"),
     ({"candidate_source_layer": 2}, "candidate_source_layer: layer 2 is not an index source"),
     ({"candidate_source_layer": 1}, "candidate_topk_blocks: must be > 0"),
+    # upstream masks layer 3's scores (ratio 1) with layer 1's candidates (ratio 2): shapes
+    # that do not broadcast; a mask of blocks could even match and be silently wrong
+    ({"candidate_source_layer": 1, "candidate_topk_blocks": 2, "candidate_block_size": 4},
+     "compress_ratios: index source 3 selects inside candidate source 1's candidates"),
     ({"compress_ratios": (0, 2, 2, 1, -1, 0)}, "ratio -1 < 0"),
     ({"compress_ratios": (0, 2, 2, 1)}, "compress_ratios: has 4 entries for n_layers=6"),
     ({"o_groups": 3}, "o_groups: 3 does not divide"),

@@ -142,6 +142,7 @@ def test_single_layer_export_takes_slots_as_inputs(tmp_path: Path) -> None:
     export_stack(plan, from_golden(g.arrays, [3]), tmp_path)
     session = make_session(str(tmp_path / "prefill.onnx"))
     kv = g.step("prefill", 3, "attn_kv")[:, 77:]  # the compressed rows sparse_attn read
+    block = g.model_args["candidate_block_size"]
     x = g.step("prefill", 3, "x")
     feeds = {
         "x.L3": x,
@@ -149,11 +150,16 @@ def test_single_layer_export_takes_slots_as_inputs(tmp_path: Path) -> None:
         "past.L3.window_kv": np.zeros((x.shape[0], g.model_args["window_size"],
                                        g.model_args["head_dim"] * 33 // 32), np.uint8),
         "slot_in.compress_kv": pack_quantized(kv, "fp4_e4m3_16"),  # caches travel packed
-        "slot_in.candidates": g.step("prefill", 1, "candidates"),
+        # the candidates travel a value a block (the golden records them a value a position)
+        "slot_in.candidates": g.step("prefill", 1, "candidates")[..., ::block],
         "slot_in.index_k": pack_quantized(g.step("prefill", 1, "index_k_rows"), "fp4_e8m0_32"),
     }
     out = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds),
                    strict=True))
+    positions = dict(feeds, **{"slot_in.candidates": g.step("prefill", 1, "candidates")})
+    with pytest.raises(Exception, match=r"Candidates must be \[b, s, ceil\(Width / "
+                                        rf"candidate_block_size {block}\)\]"):
+        session.run(None, positions)
     assert compare(out["out.L3"], g.step("prefill", 3, "out")).ok
     want = g.step("prefill", 3, "index_topk_idxs")
     np.testing.assert_array_equal(out["slot_out.topk_idxs"], want)

@@ -11,12 +11,12 @@ import onnx
 import pytest
 from helpers import CASES, GOLDENS, golden, run_model
 
-from csa2onnx.graphs.candidates import select_candidate_blocks
+from csa2onnx.graphs.candidates import candidate_positions, select_candidate_blocks
 from csa2onnx.graphs.numerics import FLOAT, INT64
 from csa2onnx.graphs.standalone import build_model
 
 COMPONENT = "candidates"
-OUTPUTS = ["candidates", "block_scores", "topk_values", "topk_indices"]
+OUTPUTS = ["candidates", "kept", "block_scores", "topk_values", "topk_indices"]
 ARRAYS = {"candidates": "candidates", "block_scores": "cand_block_scores",
           "topk_values": "cand_block_topk_values", "topk_indices": "cand_block_topk_indices"}
 
@@ -32,10 +32,15 @@ def _sources() -> list[tuple[str, int]]:
 
 @cache
 def _model(topk_blocks: int, block_size: int) -> onnx.ModelProto:
+    """The kept blocks (what later indexers read) and the reference's mask of positions
+    made from them (what the goldens hold), beside the intermediates."""
+    def select(op, x, lens):
+        blocks = select_candidate_blocks(op, x, lens, topk_blocks, block_size)
+        width = op.Slice(op.Shape(x), [2], [3])
+        return [candidate_positions(op, blocks.kept, width, block_size), *blocks]
     return build_model(
         "select_candidate_blocks",
-        [("logits", FLOAT, ["b", "s", "T"]), ("compress_lens", INT64, ["s"])], OUTPUTS,
-        lambda op, x, lens: list(select_candidate_blocks(op, x, lens, topk_blocks, block_size)))
+        [("logits", FLOAT, ["b", "s", "T"]), ("compress_lens", INT64, ["s"])], OUTPUTS, select)
 
 
 def _compress_lens(start_pos: int, seqlen: int, ratio: int) -> np.ndarray:
@@ -67,6 +72,7 @@ def test_select_candidate_blocks_edges() -> None:
     empty = run_model(model, {"logits": np.zeros((2, 3, 0), np.float32),
                               "compress_lens": np.zeros(3, np.int64)})
     assert empty["candidates"].shape == (2, 3, 0)
+    assert empty["kept"].shape == (2, 3, 0)
     assert empty["topk_indices"].shape == (2, 3, 0)
 
     logits = np.full((1, 2, 6), -np.inf, np.float32)
@@ -76,6 +82,7 @@ def test_select_candidate_blocks_edges() -> None:
     assert not out["candidates"][0, 0].any()
     # Block 1 holds the newest reachable position 4 and is forced in; block 0 by its max.
     assert out["candidates"][0, 1].tolist() == [True] * 6
+    assert out["kept"].tolist() == [[[False, False], [True, True]]]  # a value a block
     assert np.isposinf(out["block_scores"][0, 1, 1])
 
 
@@ -84,4 +91,4 @@ def test_select_candidate_blocks_rejects_bad_sizes() -> None:
         with pytest.raises(ValueError, match="candidate"):
             build_model("bad", [("x", FLOAT, [1, 1, 4]), ("l", INT64, [1])], ["c"],
                         lambda op, x, lens, t=topk_blocks, bs=block_size:
-                        select_candidate_blocks(op, x, lens, t, bs).candidates)
+                        select_candidate_blocks(op, x, lens, t, bs).kept)

@@ -22,8 +22,8 @@ from csa2onnx.graphs.rope import layer_rope_params
 from csa2onnx.graphs.standalone import build_model
 
 COMPONENT = "indexer"
-SELECT_OUTPUTS = ["topk_idxs", "score", "candidates", "q_rope_prequant", "q_rope",
-                  "raw_indices"]
+SELECT_OUTPUTS = ["topk_idxs", "score", "candidates", "candidate_positions", "q_rope_prequant",
+                  "q_rope", "raw_indices"]
 
 
 def _meta(case: str) -> dict:
@@ -41,13 +41,18 @@ def _index_sources(owners_only: bool = False) -> list[tuple[str, int]]:
 
 INDEX_SOURCES = _index_sources()
 OWNERS = _index_sources(owners_only=True)
+# every index source reading candidates a value a position (as the goldens record them); the
+# candidate users again reading them a value a block (as a stack hands them on)
+SELECTIONS = [(case, layer, False) for case, layer in INDEX_SOURCES] + [
+    (case, role["layer"], True) for case in CASES for role in _meta(case)["layer_roles"]
+    if role.get("uses_candidates")]
 
 
 def _ids(pairs: list[tuple[str, int]]) -> list[str]:
     return [f"{case}-L{layer}" for case, layer in pairs]
 
 
-def _indexer(g: GoldenCase, layer: int) -> Indexer:
+def _indexer(g: GoldenCase, layer: int, candidate_block: int = 1) -> Indexer:
     args, w = g.model_args, g.weights(layer)
     role = g.meta["layer_roles"][layer]
     candidates = None
@@ -61,11 +66,14 @@ def _indexer(g: GoldenCase, layer: int) -> Indexer:
         index_topk=args["index_topk"], ratio=args["compress_ratios"][layer],
         rope=layer_rope_params(args, 1), norm_eps=args["norm_eps"],
         window_size=args["window_size"], candidates=candidates,
-        uses_candidates=role["uses_candidates"])
+        uses_candidates=role["uses_candidates"], candidate_block_size=candidate_block)
 
 
 @cache
-def _select_model(case: str, layer: int, mode: str, portable: bool = False) -> onnx.ModelProto:
+def _select_model(case: str, layer: int, mode: str, portable: bool = False,
+                  candidate_block: int = 1) -> onnx.ModelProto:
+    """A candidate user reads candidates a value a position (candidate_block 1, as the goldens
+    record them) or a value a block (the source's block size: what a stack hands it)."""
     g = golden(case)
     args = g.model_args
     role = g.meta["layer_roles"][layer]
@@ -76,14 +84,15 @@ def _select_model(case: str, layer: int, mode: str, portable: bool = False) -> o
         inputs.append(("start_pos", INT64, []))
     if role["uses_candidates"]:
         inputs.append(("candidates", ir.DataType.BOOL, ["b", s, "T"]))
-    outputs = [n for n in SELECT_OUTPUTS if n != "candidates" or role["is_candidate_source"]]
+    outputs = [n for n in SELECT_OUTPUTS
+               if n not in ("candidates", "candidate_positions") or role["is_candidate_source"]]
 
     def body(op, x, qr, index_k, *rest):
         rest = list(rest)
         start_pos = rest.pop(0) if mode == "decode" else None
         candidates = rest.pop(0) if role["uses_candidates"] else None
-        out = _indexer(g, layer).select(op, x, qr, index_k, start_pos=start_pos,
-                                        candidates=candidates, mode=mode)
+        out = _indexer(g, layer, candidate_block).select(op, x, qr, index_k, start_pos=start_pos,
+                                                         candidates=candidates, mode=mode)
         return [getattr(out, n) for n in outputs]
 
     return build_model(f"indexer_{mode}", inputs, outputs, body, portable=portable)
@@ -133,14 +142,16 @@ def _slot_reads(case: str) -> dict[tuple[str, int], np.ndarray]:
     return reads
 
 
-def _feeds(g: GoldenCase, entry: dict, layer: int, index_k: np.ndarray) -> dict[str, np.ndarray]:
+def _feeds(g: GoldenCase, entry: dict, layer: int, index_k: np.ndarray,
+           candidate_block: int = 1) -> dict[str, np.ndarray]:
     step = entry["step"]
     feeds = {"x": g.step(step, layer, "x"), "qr": g.step(step, layer, "qr"), "index_k": index_k}
     if entry["start_pos"] > 0:
         feeds["start_pos"] = np.array(entry["start_pos"], np.int64)
     if g.meta["layer_roles"][layer]["uses_candidates"]:
         source = g.model_args["candidate_source_layer"]
-        feeds["candidates"] = g.step(step, source, "candidates")
+        # a position takes its block's value: each block's first position holds it
+        feeds["candidates"] = g.step(step, source, "candidates")[..., ::candidate_block]
     return feeds
 
 
@@ -148,16 +159,18 @@ def _mode(entry: dict) -> str:
     return "prefill" if entry["start_pos"] == 0 else "decode"
 
 
-@pytest.mark.parametrize(("case", "layer"), INDEX_SOURCES, ids=_ids(INDEX_SOURCES))
-def test_indexer_select(case: str, layer: int, golden_report) -> None:
+@pytest.mark.parametrize(("case", "layer", "by_block"), SELECTIONS,
+                         ids=[f"{c}-L{la}" + ("-blocks" if b else "") for c, la, b in SELECTIONS])
+def test_indexer_select(case: str, layer: int, by_block: bool, golden_report) -> None:
     g = golden(case)
     reads = _slot_reads(case)
     source = g.meta["layer_roles"][layer]["is_candidate_source"]
+    block = g.model_args["candidate_block_size"] if by_block else 1
     for entry in g.meta["schedule"]:
         step = entry["step"]
-        out = run_model(_select_model(case, layer, _mode(entry)),
-                        _feeds(g, entry, layer, reads[(step, layer)]))
-        name = f"{step}.L{layer}"
+        out = run_model(_select_model(case, layer, _mode(entry), candidate_block=block),
+                        _feeds(g, entry, layer, reads[(step, layer)], block))
+        name = f"{step}.L{layer}" + (".by_block" if by_block else "")
         golden_report.check(case, COMPONENT, f"{name}.index_q_rope_prequant",
                             out["q_rope_prequant"], g.step(step, layer, "index_q_rope_prequant"))
         golden_report.check(case, COMPONENT, f"{name}.index_q_rope_quant", out["q_rope"],
@@ -171,8 +184,11 @@ def test_indexer_select(case: str, layer: int, golden_report) -> None:
                             np.sort(out["raw_indices"], axis=-1),
                             np.sort(g.step(step, layer, "index_topk_indices_raw"), axis=-1))
         if source:
-            golden_report.check(case, COMPONENT, f"{name}.candidates", out["candidates"],
-                                g.step(step, layer, "candidates"))
+            cbs = g.model_args["candidate_block_size"]
+            golden_report.check(case, COMPONENT, f"{name}.candidates",
+                                out["candidate_positions"], g.step(step, layer, "candidates"))
+            golden_report.check(case, COMPONENT, f"{name}.candidates(blocks)", out["candidates"],
+                                g.step(step, layer, "candidates")[..., ::cbs])
 
 
 @pytest.mark.parametrize(("case", "layer"), OWNERS, ids=_ids(OWNERS))
@@ -233,6 +249,7 @@ def test_indexer_nothing_compressed_yet() -> None:
         assert out["score"].shape == (1, s, 0), case
         if "candidates" in out:
             assert out["candidates"].shape == (1, s, 0), case
+            assert out["candidate_positions"].shape == (1, s, 0), case
 
 
 def test_indexer_rejects_bad_config() -> None:
