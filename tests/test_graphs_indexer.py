@@ -213,20 +213,24 @@ def test_indexer_keys(case: str, layer: int, golden_report) -> None:
     assert published >= 2  # prefill and at least one decode step
 
 
-def test_portable_topk_tie_rule_differs() -> None:
+@pytest.mark.parametrize("by_block", [False, True], ids=["positions", "blocks"])
+def test_portable_topk_tie_rule_differs(by_block: bool) -> None:
     """Negative control: ONNX TopK's lowest-index ties (a portable model run without the
     library: TorchTopK's function body) must change the candidate user's selection somewhere
-    in case2, and match the lowest_index overlay."""
+    in case2, and match the lowest_index overlay; the candidates read a value a position or
+    a value a block (the portable graph expands the blocks with a Gather)."""
     case, layer = "case2_candidates", 3
     g = golden(case)
     low = load_case(GOLDENS / "case2_candidates_lowidx.json")
     assert low.meta["topk_tiebreak"] == "lowest_index"
     reads = _slot_reads(case)  # keys do not depend on tie order
+    block = g.model_args["candidate_block_size"] if by_block else 1
     differs = 0
     for entry in g.meta["schedule"]:
         step = entry["step"]
-        out = run_model(_select_model(case, layer, _mode(entry), portable=True),
-                        _feeds(low, entry, layer, reads[(step, layer)]), library=False)
+        out = run_model(_select_model(case, layer, _mode(entry), portable=True,
+                                      candidate_block=block),
+                        _feeds(low, entry, layer, reads[(step, layer)], block), library=False)
         expected = low.step(step, layer, "index_topk_idxs")
         assert np.array_equal(out["topk_idxs"], expected), f"{step}: lowidx overlay mismatch"
         differs += int((out["topk_idxs"] != g.step(step, layer, "index_topk_idxs")).any())
