@@ -76,7 +76,8 @@ class AttentionRuntime:
     def __init__(self, folder: str | Path, provider: str = "cpu",
                  intra_op_num_threads: int = 0, spinning: bool = True,
                  grow_caches: bool = True, in_place: bool = True,
-                 share_weights: bool = True, prefill_arena: bool = False) -> None:
+                 share_weights: bool = True, prefill_arena: bool = False,
+                 profile_prefix: str | Path | None = None) -> None:
         """`spinning=False` keeps idle intra-op threads from spinning between calls (for
         benchmarks beside another framework). For comparisons: `grow_caches=False`
         allocates every cache at max_seq_len // r rows up front instead of growing it with
@@ -84,7 +85,8 @@ class AttentionRuntime:
         copies the whole cache, as before in-place state); `share_weights=False` lets each
         session load its own copy of the weights; `prefill_arena=True` gives the prefill
         session onnxruntime's CPU arena (slightly faster prefills, whose activations then
-        stay resident)."""
+        stay resident). `profile_prefix`: each session writes onnxruntime's profile (every
+        node's time, each run) to a JSON file named from it, when the session ends."""
         self.folder = Path(folder)
         self.manifest: Manifest = read_manifest(self.folder)
         self.grow_caches = grow_caches
@@ -93,6 +95,7 @@ class AttentionRuntime:
         self.in_place = in_place and not self.manifest.portable
         self.share_weights = share_weights
         self.prefill_arena = prefill_arena
+        self.profile_prefix = profile_prefix
         self.layout = self.manifest.state_layout
         self.caches = {t.name: t for t in self.layout.caches}
         providers = ["CPUExecutionProvider"]
@@ -241,6 +244,9 @@ class AttentionRuntime:
             options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         if mode == "prefill" and not self.prefill_arena:
             options.enable_cpu_mem_arena = False  # activations freed after each call
+        if self.profile_prefix is not None:
+            options.enable_profiling = True
+            options.profile_file_prefix = f"{self.profile_prefix}_{mode}"
         path = self.folder / f"{mode}.onnx"
         if self.weights is not None and self.device == "cpu" and self.share_weights:
             # onnxruntime uses these buffers as they are (no copy) and never loads them

@@ -218,6 +218,23 @@ def test_decode_stream_tool_times_each_row_count(capsys) -> None:
     assert all("GB/s" in line and "of the probe" in line for line in lines[1:])
 
 
+def test_long_chunk_tool_times_chunks_past_zeroed_context(capsys) -> None:
+    """tools/bench_long_chunk.py at the goldens' dims: a line per chunk at its position (the
+    context reached by zeros), its time and peak, and the prefill session's profile by op and
+    layer; a context the chunks would run past max_seq_len is refused."""
+    tool = load_module(ROOT / "tools" / "bench_long_chunk.py", "bench_long_chunk")
+    args = ["--config", str(GOLDENS / "case2_candidates.json"), "--layers", "0-4",
+            "--weights", "random-bf16", "--chunk", "8", "--chunks", "2", "--max-seq-len", "256"]
+    tool.main([*args, "--context", "100", "--profile"])
+    out = capsys.readouterr().out
+    assert "chunk of 8 at 100:" in out and "chunk of 8 at 108:" in out
+    assert "MiB above the resident" in out
+    assert "IndexerTopK" in out and "layer3" in out  # the candidate user's, by layer
+    with pytest.raises(SystemExit):
+        tool.main([*args, "--context", "250"])
+    assert "past --max-seq-len 256" in capsys.readouterr().err
+
+
 def test_decode_stream_tool_default_reads_as_many_bytes_for_fp8(monkeypatch, capsys) -> None:
     """Without --layers the tool streams 800 MiB of weights for either precision (twice as
     many fp8 linears: ten would fit a 480 MiB L3); the model build is stubbed out, so only the
