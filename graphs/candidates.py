@@ -15,7 +15,6 @@ from onnxscript import OpBuilder
 from csa2onnx.custom_ops.ops import (
     block_max,
     candidate_mask,
-    candidates_per_key,
     newest_block_forced,
     torch_topk,
 )
@@ -24,7 +23,7 @@ from csa2onnx.graphs.common import NEG_INF
 
 class CandidateBlocks(NamedTuple):
     """kept: bool [b, s, nb], the blocks kept (nb = ceil(T / block_size)): the candidates
-    as later indexers read them, a value a block (`candidate_positions` makes the
+    as later indexers read them, a value a block (ops.candidates_per_key makes the
     reference's mask of positions, shaped like the logits, from it); the rest are the
     intermediates: block_scores [b, s, nb] (with the forced +inf), and the sorted top-k
     values and int64 block indices [b, s, min(topk_blocks, nb)]."""
@@ -71,12 +70,6 @@ def candidates_of_blocks(op: OpBuilder, block_scores: ir.Value, compress_lens: i
     kept = candidate_mask(op, indices, keep, n_blocks, 1)
     return CandidateBlocks(kept, block_scores, values, indices)
 
-
-def candidate_positions(op: OpBuilder, kept: ir.Value, width: ir.Value,
-                        block_size: int) -> ir.Value:
-    """The reference's candidates, bool [b, s, T] (width int64 [1] = T): position t takes
-    kept block t // block_size's mark."""
-    return candidates_per_key(op, kept, width, block_size)
 
 
 def _check_sizes(topk_blocks: int, block_size: int) -> None:

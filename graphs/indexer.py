@@ -30,11 +30,7 @@ from csa2onnx.custom_ops.ops import (
     torch_topk,
     unpack_quantized,
 )
-from csa2onnx.graphs.candidates import (
-    candidate_positions,
-    candidates_of_blocks,
-    select_candidate_blocks,
-)
+from csa2onnx.graphs.candidates import candidates_of_blocks, select_candidate_blocks
 from csa2onnx.graphs.common import Mode, scalar_i64
 from csa2onnx.graphs.kv_cache import INDEX_KEY_FORMAT
 from csa2onnx.graphs.numerics import (
@@ -317,5 +313,5 @@ class Indexer(nn.Module):
         reachable = op.Less(ascending, op.Unsqueeze(lens, [-1]))
         topk_idxs = op.Where(reachable, op.Add(ascending, offset), op.Constant(value_int=-1))
         if published is not None and keep_score:
-            positions = candidate_positions(op, published, width, cc.block_size)
+            positions = candidates_per_key(op, published, width, cc.block_size)
         return IndexerOutput(topk_idxs, score, published, positions, q_prequant, q, raw)

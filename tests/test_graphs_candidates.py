@@ -11,7 +11,8 @@ import onnx
 import pytest
 from helpers import CASES, GOLDENS, golden, run_model
 
-from csa2onnx.graphs.candidates import candidate_positions, select_candidate_blocks
+from csa2onnx.custom_ops.ops import candidates_per_key
+from csa2onnx.graphs.candidates import select_candidate_blocks
 from csa2onnx.graphs.numerics import FLOAT, INT64
 from csa2onnx.graphs.standalone import build_model
 
@@ -37,7 +38,7 @@ def _model(topk_blocks: int, block_size: int) -> onnx.ModelProto:
     def select(op, x, lens):
         blocks = select_candidate_blocks(op, x, lens, topk_blocks, block_size)
         width = op.Slice(op.Shape(x), [2], [3])
-        return [candidate_positions(op, blocks.kept, width, block_size), *blocks]
+        return [candidates_per_key(op, blocks.kept, width, block_size), *blocks]
     return build_model(
         "select_candidate_blocks",
         [("logits", FLOAT, ["b", "s", "T"]), ("compress_lens", INT64, ["s"])], OUTPUTS, select)
