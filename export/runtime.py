@@ -386,6 +386,14 @@ def model_metadata(path: str | Path) -> dict[str, str]:
     return {p.key: p.value for p in model.metadata_props}
 
 
+def _slot_meaning(name: str, manifest: Manifest) -> str:
+    return {"compress_kv": "the kv source's packed compressed-KV cache",
+            "index_k": "the key cache the index_k slot points to, packed",
+            "topk_idxs": "the last index source's selection",
+            "candidates": "the candidate source's kept blocks, a value a block of "
+                          f"{manifest.config['candidate_block_size']} compressed positions"}[name]
+
+
 def describe(folder: str | Path) -> str:
     """A short human summary of an artifact folder (used by `csa2onnx inspect`)."""
     folder = Path(folder)
@@ -411,6 +419,16 @@ def describe(folder: str | Path) -> str:
             lines.append(f"    L{layer}: {sizes['at_max_seq_len'] / 2**20:.2f} MiB; "
                          f"{sizes['per_1024_tokens'] / 2**10:.0f} KiB / 1024 tokens; "
                          f"{sizes['fixed'] / 2**10:.0f} KiB fixed")
+    if manifest.external_slots:
+        lines.append("  slots read from layers outside the range (inputs slot_in.*, from an "
+                     "earlier range's slot_out.*):")
+        inputs = {i.name: i.type.tensor_type for i in
+                  onnx.load(str(folder / "prefill.onnx"), load_external_data=False).graph.input}
+        for name in manifest.external_slots:
+            t = inputs[slot_input(name)]
+            dims = [d.dim_param or d.dim_value for d in t.shape.dim]
+            lines.append(f"    {name}: {onnx.helper.tensor_dtype_to_np_dtype(t.elem_type)}{dims}"
+                         f" ({_slot_meaning(name, manifest)})")
     if manifest.weights_file:
         lines.append(f"  weights: {manifest.weights_file}, shared by both models "
                      f"({(folder / manifest.weights_file).stat().st_size / 2**20:.1f} MiB)")

@@ -21,7 +21,7 @@ from csa2onnx.export.cli import main as cli
 from csa2onnx.export.config import AttentionConfig
 from csa2onnx.export.goldens import compare
 from csa2onnx.export.plan import plan_stack
-from csa2onnx.export.runtime import AttentionRuntime, RuntimeStateError
+from csa2onnx.export.runtime import AttentionRuntime, RuntimeStateError, describe
 from csa2onnx.export.stack import export_stack
 from csa2onnx.export.verify import verify_case
 from csa2onnx.export.weights import check_layer, from_golden
@@ -143,6 +143,10 @@ def test_single_layer_export_takes_slots_as_inputs(tmp_path: Path) -> None:
     session = make_session(str(tmp_path / "prefill.onnx"))
     kv = g.step("prefill", 3, "attn_kv")[:, 77:]  # the compressed rows sparse_attn read
     block = g.model_args["candidate_block_size"]
+    summary = describe(tmp_path)  # `inspect` names the slots a user must hand in
+    assert "candidates: bool['batch', 'seq', 'candidate_width'] (the candidate source's kept " \
+           f"blocks, a value a block of {block} compressed positions)" in summary
+    assert "compress_kv: uint8" in summary and "index_k: uint8" in summary
     x = g.step("prefill", 3, "x")
     feeds = {
         "x.L3": x,
