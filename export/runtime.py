@@ -419,11 +419,12 @@ def describe(folder: str | Path) -> str:
             lines.append(f"    L{layer}: {sizes['at_max_seq_len'] / 2**20:.2f} MiB; "
                          f"{sizes['per_1024_tokens'] / 2**10:.0f} KiB / 1024 tokens; "
                          f"{sizes['fixed'] / 2**10:.0f} KiB fixed")
+    models = {mode: onnx.load(str(folder / f"{mode}.onnx"), load_external_data=False)
+              for mode in ("prefill", "decode")}
     if manifest.external_slots:
         lines.append("  slots read from layers outside the range (inputs slot_in.*, from an "
                      "earlier range's slot_out.*):")
-        inputs = {i.name: i.type.tensor_type for i in
-                  onnx.load(str(folder / "prefill.onnx"), load_external_data=False).graph.input}
+        inputs = {i.name: i.type.tensor_type for i in models["prefill"].graph.input}
         for name in manifest.external_slots:
             t = inputs[slot_input(name)]
             dims = [d.dim_param or d.dim_value for d in t.shape.dim]
@@ -432,9 +433,8 @@ def describe(folder: str | Path) -> str:
     if manifest.weights_file:
         lines.append(f"  weights: {manifest.weights_file}, shared by both models "
                      f"({(folder / manifest.weights_file).stat().st_size / 2**20:.1f} MiB)")
-    for mode in ("prefill", "decode"):
+    for mode, model in models.items():
         path = folder / f"{mode}.onnx"
-        model = onnx.load(str(path), load_external_data=False)
         ops: dict[str, int] = {}
         for node in model.graph.node:
             key = f"{node.domain + '.' if node.domain else ''}{node.op_type}"
